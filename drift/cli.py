@@ -1,0 +1,102 @@
+"""Command line: ``drift run`` (the main job), ``drift bench``.
+
+Exit codes: 0 every check passed; 1 a check failed; 2 usage, config, load or device error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional, Sequence
+
+from .config import DEFAULT_PRESET, PATTERNS, PRESETS, PROFILES, ROUNDINGS, ConfigError, preset
+from .devices import DeviceUnavailable, resolve_device
+from .loader import LoadError
+from .updates import DEFAULT_UPDATE
+
+EXIT_PASS, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default=DEFAULT_PRESET, help=f"one of: {', '.join(PRESETS)} (default {DEFAULT_PRESET})")
+    p.add_argument("--steps", type=int, help="decode steps (default: the preset's)")
+    p.add_argument("--seed", type=int, help="stream seed (default: the preset's)")
+    p.add_argument("--device", default=None, help="cpu (default), cuda or npu")
+    p.add_argument("--profile", choices=sorted(PROFILES), help="state-store profile (default: the preset's: npu)")
+    p.add_argument("--rounding", choices=ROUNDINGS, help="store rounding of the state (default rne)")
+    p.add_argument("--pattern", choices=PATTERNS, help="acceptance pattern (default: the preset's)")
+
+
+def config_from_args(args: argparse.Namespace):
+    cfg = preset(args.preset)
+    if args.profile:
+        cfg = cfg.with_profile(args.profile)
+    changes = {k: v for k, v in (("steps", args.steps), ("seed", args.seed), ("device", args.device),
+                                 ("store_rounding", args.rounding), ("pattern", args.pattern)) if v is not None}
+    return cfg.replace(**changes) if changes else cfg
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .report import progress_printer, summary_text, write_report
+    from .runner import run_checked
+
+    cfg = config_from_args(args)
+    resolve_device(cfg.device)
+    progress = None if args.quiet else progress_printer(f"drift run {cfg.name}")
+    rep = run_checked(cfg, args.update, mode=args.mode, progress=progress)
+    print(summary_text(rep))
+    if args.report:
+        for path in write_report(rep, args.report):
+            print(f"wrote {path}")
+    return EXIT_PASS if rep.passed else EXIT_FAIL
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import bench, format_bench
+
+    cfg = config_from_args(args)
+    resolve_device(cfg.device)
+    res = bench(cfg, layers=args.layers, steps=args.bench_steps, naive_steps=args.naive_steps)
+    print(json.dumps(res, indent=2) if args.json else format_bench(res))
+    return EXIT_PASS
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="drift", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="simulate MTP decode through an update and check it (the main job)")
+    _add_config_args(run)
+    run.add_argument("--update", default=DEFAULT_UPDATE,
+                     help="built-in (guarded, sync_free, device_select), module:qualname or file.py:qualname "
+                          f"(default {DEFAULT_UPDATE})")
+    run.add_argument("--mode", choices=("mtp", "sequential"), default="mtp",
+                     help="mtp (default) or sequential non-MTP decode of the same stream")
+    run.add_argument("--report", metavar="DIR", help="write report.json and report.md here")
+    run.add_argument("--quiet", action="store_true", help="no progress output")
+    run.set_defaults(func=cmd_run)
+
+    b = sub.add_parser("bench", help="simulated steps/s and bandwidth vs a naive loop and memcpy")
+    _add_config_args(b)
+    b.set_defaults(preset="qwen3.5-397b-tp16")
+    b.add_argument("--layers", type=int, default=None, help="simulate only this many layers (default: all)")
+    b.add_argument("--bench-steps", type=int, default=20, help="timed steps of the vectorised simulator")
+    b.add_argument("--naive-steps", type=int, default=2, help="timed steps of the naive loop")
+    b.add_argument("--json", action="store_true", help="print JSON")
+    b.set_defaults(func=cmd_bench)
+    return ap
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, LoadError, DeviceUnavailable) as exc:
+        print(f"drift: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""Validated simulation config and the named presets.
+
+A :class:`Config` describes one tensor-parallel rank of a hybrid Gated DeltaNet
+model in MTP decode: the shapes, the request batch, the input stream and the
+state-store profile (dtypes, layout, store rounding). Every field is checked in
+``__post_init__``; a bad value raises :class:`ConfigError` naming the field and
+what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+ROUNDINGS = ("rne", "stochastic", "truncate")
+LAYOUTS = ("npu", "contiguous")
+PATTERNS = ("model", "all-1", "all-D", "mixed")
+DEVICES = ("cpu", "cuda", "npu")
+
+# State-store profiles: the dtypes of the committed SSM state, the scratch
+# intermediate_ssm and the conv window, and the memory layout of the states.
+PROFILES: dict[str, dict[str, str]] = {
+    # Ascend deployment (`--mamba-ssm-dtype bfloat16`): bf16 everywhere, the
+    # committed state a transposed [V, K] view of [K, V] storage.
+    "npu": {"ssm_dtype": "bfloat16", "conv_dtype": "bfloat16", "layout": "npu"},
+    # CUDA default (`SGLANG_MAMBA_SSM_DTYPE=float32`): fp32 state, bf16 conv.
+    "fp32": {"ssm_dtype": "float32", "conv_dtype": "bfloat16", "layout": "contiguous"},
+}
+
+
+class ConfigError(ValueError):
+    """A config field has a value outside what it allows."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """One simulated rank: shapes, batch, stream and state-store profile.
+
+    Shapes follow SGLang's MambaPool: committed states ``[L, slots, HV, V, K]``,
+    scratch ``[L, rows + 1, D, HV, V, K]``, conv windows ``[L, slots, W, C]`` with
+    ``W = (conv_kernel - 1) + (D - 1)`` and ``C = 2 * HK * K + HV * V``.
+    """
+
+    name: str = "custom"
+    num_layers: int = 2  # GDN layers simulated
+    num_requests: int = 4  # active batch rows
+    num_padded: int = 1  # padded graph rows: step -1, slot 0 (the dummy)
+    num_k_heads: int = 1
+    num_v_heads: int = 4
+    head_k_dim: int = 64
+    head_v_dim: int = 64
+    conv_kernel: int = 4
+    num_draft_tokens: int = 4  # D: root + D-1 drafts verified per step
+    track_interval: int = 16  # mamba_track_interval; 0 disables tracking
+    steps: int = 4096  # decode steps simulated
+    seed: int = 0
+    # Marginal acceptance rate of draft positions 1..D-1 (non-increasing).
+    acceptance: tuple[float, ...] = (0.85, 0.46, 0.19)
+    pattern: str = "mixed"  # acceptance pattern, see drift.stream
+    # Median per-token decay exp(g) of each value head (same for every layer).
+    decays: tuple[float, ...] = (0.5, 0.9, 0.98, 0.995)
+    key_rank: int = 0  # 0: keys span all K dims; r > 0: keys in r coordinates
+    beta_bias: float = 0.0  # offset of the gate input b: beta = sigmoid(b + beta_bias)
+    prefill_len: int = 24  # tokens of prompt before the first decode step
+    spare_slots: int = 2  # pool slots no request owns (must stay untouched)
+    ssm_dtype: str = "bfloat16"  # committed state and intermediate_ssm
+    conv_dtype: str = "bfloat16"
+    layout: str = "npu"
+    store_rounding: str = "rne"  # how fp32 states are stored into ssm_dtype
+    device: str = "cpu"
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # ----------------------------------------------------------------- derived
+    @property
+    def num_rows(self) -> int:
+        """Batch rows passed to the update: active plus padded."""
+        return self.num_requests + self.num_padded
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_window(self) -> int:
+        """Rows of the NPU extended conv window: (Kc - 1) + (D - 1)."""
+        return (self.conv_kernel - 1) + (self.num_draft_tokens - 1)
+
+    @property
+    def num_slots(self) -> int:
+        """Pool slots: dummy slot 0, one per request, one track slot per request, spares."""
+        return 1 + 2 * self.num_requests + self.spare_slots
+
+    @property
+    def torch_ssm_dtype(self) -> torch.dtype:
+        return DTYPES[self.ssm_dtype]
+
+    @property
+    def torch_conv_dtype(self) -> torch.dtype:
+        return DTYPES[self.conv_dtype]
+
+    @property
+    def unit_roundoff(self) -> float:
+        """u of the state dtype: 2^-8 for bf16, 2^-11 for fp16, 2^-24 for fp32."""
+        return {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 2.0**-24}[self.ssm_dtype]
+
+    def replace(self, **changes: Any) -> "Config":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def with_profile(self, profile: str) -> "Config":
+        if profile not in PROFILES:
+            raise ConfigError(f"profile={profile!r} is not known; allowed: {sorted(PROFILES)}")
+        return self.replace(**PROFILES[profile])
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["acceptance"] = list(self.acceptance)
+        d["decays"] = list(self.decays)
+        return d
+
+    def stream_hash(self) -> str:
+        """Hash of every field that shapes the true trajectory (not the store profile,
+        the device, the horizon or the acceptance): one golden serves all of those."""
+        keys = (
+            "num_layers", "num_requests", "num_k_heads", "num_v_heads", "head_k_dim",
+            "head_v_dim", "conv_kernel", "seed", "decays", "key_rank", "beta_bias", "prefill_len",
+        )
+        payload = json.dumps({k: self.to_dict()[k] for k in keys}, sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def _positive_int(cfg: Config, name: str, minimum: int = 1) -> None:
+    value = getattr(cfg, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{name}={value!r} is invalid; allowed: an integer >= {minimum}")
+
+
+def _choice(cfg: Config, name: str, allowed: tuple[str, ...]) -> None:
+    value = getattr(cfg, name)
+    if value not in allowed:
+        raise ConfigError(f"{name}={value!r} is not known; allowed: {', '.join(allowed)}")
+
+
+def _validate(cfg: Config) -> None:
+    for name in ("num_layers", "num_requests", "num_k_heads", "num_v_heads", "head_k_dim",
+                 "head_v_dim", "num_draft_tokens", "steps"):
+        _positive_int(cfg, name)
+    _positive_int(cfg, "conv_kernel", 2)
+    for name in ("num_padded", "track_interval", "key_rank", "spare_slots", "seed"):
+        _positive_int(cfg, name, 0)
+    _positive_int(cfg, "prefill_len", cfg.conv_kernel - 1)
+    if cfg.num_v_heads % cfg.num_k_heads:
+        raise ConfigError(
+            f"num_v_heads={cfg.num_v_heads} is not a multiple of num_k_heads={cfg.num_k_heads}; "
+            "allowed: num_v_heads = m * num_k_heads (grouped value heads)")
+    if cfg.key_rank > cfg.head_k_dim:
+        raise ConfigError(f"key_rank={cfg.key_rank} exceeds head_k_dim={cfg.head_k_dim}; "
+                          f"allowed: 0 (full rank) .. {cfg.head_k_dim}")
+    for name, allowed in (("ssm_dtype", tuple(DTYPES)), ("conv_dtype", tuple(DTYPES)),
+                          ("store_rounding", ROUNDINGS), ("layout", LAYOUTS),
+                          ("pattern", PATTERNS), ("device", DEVICES)):
+        _choice(cfg, name, allowed)
+    if cfg.store_rounding != "rne" and cfg.ssm_dtype != "bfloat16":
+        raise ConfigError(
+            f"store_rounding={cfg.store_rounding!r} needs ssm_dtype='bfloat16' "
+            f"(got {cfg.ssm_dtype!r}); allowed with other dtypes: 'rne'")
+    acc = tuple(cfg.acceptance)
+    if len(acc) != cfg.num_draft_tokens - 1:
+        raise ConfigError(
+            f"acceptance has {len(acc)} entries; allowed: one rate per draft position, "
+            f"i.e. num_draft_tokens - 1 = {cfg.num_draft_tokens - 1} values in [0, 1]")
+    if any(not (0.0 <= p <= 1.0) for p in acc) or any(b > a for a, b in zip(acc, acc[1:])):
+        raise ConfigError(f"acceptance={list(acc)} is invalid; allowed: non-increasing rates in [0, 1] "
+                          "(position j can only be accepted if j - 1 was)")
+    if len(cfg.decays) != cfg.num_v_heads:
+        raise ConfigError(f"decays has {len(cfg.decays)} entries; allowed: one per value head "
+                          f"(num_v_heads = {cfg.num_v_heads}), each in (0, 1)")
+    if any(not (0.0 < d < 1.0) or math.isnan(d) for d in cfg.decays):
+        raise ConfigError(f"decays={list(cfg.decays)} is invalid; allowed: per-token decays in (0, 1)")
+    if cfg.num_draft_tokens > cfg.conv_window + 1:  # guaranteed by the formula, kept as a guard
+        raise ConfigError("num_draft_tokens exceeds conv window + 1")
+
+
+PRESETS: dict[str, Config] = {
+    "ci-small": Config(
+        name="ci-small",
+        description="PR-gating: 2 GDN layers, 4 requests + 1 padded row, 4 value heads from "
+                    "fast (0.5/token) to very slow (0.995/token) decay, K = V = 64, D = 4.",
+    ),
+    "qwen3.5-397b-tp16": Config(
+        name="qwen3.5-397b-tp16",
+        num_layers=45, num_requests=4, num_padded=1, num_k_heads=1, num_v_heads=4,
+        head_k_dim=128, head_v_dim=128, conv_kernel=4, num_draft_tokens=4,
+        track_interval=256, steps=4096, decays=(0.6, 0.9, 0.99, 0.997), prefill_len=64,
+        description="Qwen3.5-397B-A17B per TP16 rank: 45 GDN layers, 1 key head, 4 value heads, "
+                    "K = V = 128, 768 conv channels, D = 4.",
+    ),
+    "stagnation": Config(
+        name="stagnation",
+        num_layers=1, num_requests=2, num_padded=1, num_k_heads=1, num_v_heads=2,
+        head_k_dim=64, head_v_dim=64, track_interval=16, steps=4096, decays=(0.999, 0.9995),
+        key_rank=4, pattern="model",
+        description="Adversarial: per-token decay ~0.999 and keys in a rank-4 coordinate "
+                    "subspace, where bf16 round-to-nearest stagnates.",
+    ),
+}
+
+DEFAULT_PRESET = "ci-small"
+
+
+def preset(name: str, **overrides: Any) -> Config:
+    """The named preset with optional field overrides; unknown names list the choices."""
+    if name not in PRESETS:
+        raise ConfigError(f"preset={name!r} is not known; allowed: {', '.join(PRESETS)}")
+    return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]

@@ -1,0 +1,303 @@
+"""Portable reference kernels (torch only), vectorised over layers, rows and heads.
+
+Each has a float64 naive counterpart in :mod:`drift.naive` that tests compare it to.
+
+Conventions (one tensor-parallel rank):
+  L layers, S pool slots, N batch rows, D verify tokens, HK / HV key / value heads,
+  K / V head dims, C = 2*HK*K + HV*V conv channels, Kc conv kernel,
+  W = (Kc-1) + (D-1) conv window rows (the NPU extended window).
+States are handled in ``[.., K, V]`` orientation (``h`` in REFERENCE section 3);
+the pool hands out ``[K, V]`` views whatever its storage layout.
+
+The update kernels ``move_intermediate_cache`` and ``conv_state_rollback`` have
+exactly the signatures and semantics of ``sgl_kernel_npu.mamba.mamba_state_update_triton``
+and are what the sgl_kernel_npu shim serves when that package is absent.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+STATE_CHUNK_BYTES = 4 << 20  # fp32 working set per kernel chunk (fits L2/L3 with room)
+_MASK_HI16 = -65536  # int32 0xFFFF0000: keeps sign, exponent and the 7 bf16 mantissa bits
+
+
+# ------------------------------------------------------------------ gating, norms
+def gdn_gating(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+               dtype: torch.dtype = torch.float32):
+    """``g = -exp(A_log) * softplus(a + dt_bias)`` (threshold 20) and ``beta = sigmoid(b)``.
+
+    a, b: ``[L, N, D, HV]``; A_log, dt_bias: ``[L, HV]``. Returns (g, beta) of a's shape in dtype.
+    """
+    sp = F.softplus(a.to(dtype) + dt_bias.to(dtype)[:, None, None, :], beta=1.0, threshold=20.0)
+    g = -torch.exp(A_log.to(dtype))[:, None, None, :] * sp
+    return g, torch.sigmoid(b.to(dtype))
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x * rsqrt(sum(x^2) + eps)`` over the last dim, in x's dtype."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def split_qkv(qkv: torch.Tensor, num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int):
+    """Split conv output ``[L, N, D, C]`` into q, k ``[L, N, D, HV, K]`` (l2-normalised,
+    q scaled by ``K**-0.5``, key heads repeated over their value-head group) and
+    v ``[L, N, D, HV, V]``."""
+    L, N, D, _ = qkv.shape
+    HK, K, HV, V = num_k_heads, head_k_dim, num_v_heads, head_v_dim
+    q = qkv[..., : HK * K].reshape(L, N, D, HK, K)
+    k = qkv[..., HK * K: 2 * HK * K].reshape(L, N, D, HK, K)
+    v = qkv[..., 2 * HK * K:].reshape(L, N, D, HV, V)
+    q = l2norm(q) * (K ** -0.5)
+    k = l2norm(k)
+    if HV != HK:
+        group = HV // HK
+        q = q.unsqueeze(4).expand(L, N, D, HK, group, K).reshape(L, N, D, HV, K)
+        k = k.unsqueeze(4).expand(L, N, D, HK, group, K).reshape(L, N, D, HV, K)
+    return q, k, v
+
+
+# ----------------------------------------------------------------------- conv
+def conv_verify(conv_states: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
+                weight: torch.Tensor) -> torch.Tensor:
+    """Causal depthwise conv1d + SiLU over the verify window, NPU extended-window layout.
+
+    conv_states ``[L, S, W, C]`` (any dtype): the last ``Kc-1`` rows of a slot are the
+    committed window. x ``[L, N, D, C]``: the D verify tokens. weight ``[L, C, Kc]``.
+    Returns float32 ``[L, N, D, C]``. Leaves each slot's buffer rolled:
+    ``[old[D:], x_0 .. x_{D-1}]`` (what conv_state_rollback later undoes).
+    """
+    L, S, W, C = conv_states.shape
+    D, Kc = x.shape[2], weight.shape[-1]
+    slots = slots.to(torch.int64)
+    buf = conv_states.index_select(1, slots)  # [L, N, W, C]
+    out = conv_silu(buf[:, :, W - (Kc - 1):], x, weight, torch.float32)
+    rolled = torch.cat([buf[:, :, D:], x.to(conv_states.dtype)], dim=2)
+    conv_states.index_copy_(1, slots, rolled)
+    return out
+
+
+def conv_silu(window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """SiLU(causal depthwise conv) of the D tokens ``x [L, N, D, C]`` given the ``Kc-1`` tokens
+    before them, ``window [L, N, Kc-1, C]``; weight ``[L, C, Kc]``. Returns ``[L, N, D, C]`` in dtype."""
+    Kc = weight.shape[-1]
+    seq = torch.cat([window.to(dtype), x.to(dtype)], dim=2)
+    win = seq.unfold(2, Kc, 1)  # [L, N, D, C, Kc]
+    return F.silu(torch.einsum("lndck,lck->lndc", win, weight.to(dtype)))
+
+
+def conv_state_rollback(conv_states: torch.Tensor, state_indices: torch.Tensor,
+                        step_indices: torch.Tensor, draft_token_num: int) -> torch.Tensor:
+    """Roll each accepted request's conv window back to its last accepted token, in place.
+
+    For every i with ``0 <= step_indices[i] < draft_token_num``: ``shift = (D-1) - step``;
+    if shift > 0, ``buf[:, shift:] = buf[:, :W-shift]`` for slot ``state_indices[i]`` in
+    every layer (the first ``shift`` rows keep stale values). Rows with step < 0 are left
+    untouched. Works through any strides of ``conv_states`` ``[L, S, W, C]``; no host sync.
+    """
+    if conv_states.ndim != 4:
+        raise ValueError(f"conv_states must be [L, slots, W, C], got shape {tuple(conv_states.shape)}")
+    if state_indices.shape != step_indices.shape or state_indices.ndim != 1:
+        raise ValueError("state_indices and step_indices must be 1-D of equal length, got "
+                         f"{tuple(state_indices.shape)} and {tuple(step_indices.shape)}")
+    W = conv_states.shape[2]
+    dev = conv_states.device
+    step = step_indices.to(device=dev, dtype=torch.int64)
+    ok = (step >= 0) & (step < draft_token_num)
+    shift = torch.where(ok, (draft_token_num - 1) - step, torch.zeros_like(step))  # [N]
+    w = torch.arange(W, device=dev, dtype=torch.int64)
+    src = torch.where(w[None, :] >= shift[:, None], w[None, :] - shift[:, None], w[None, :])  # [N, W]
+    slot = state_indices.to(device=dev, dtype=torch.int64)
+    # Gather then scatter; rows with shift 0 write back their own bits.
+    conv_states[:, slot] = conv_states[:, slot[:, None], src]
+    return conv_states
+
+
+# ---------------------------------------------------------------- state stores
+def _hash32(idx: torch.Tensor, key: int) -> torch.Tensor:
+    """Counter-based 32-bit hash (int64 arithmetic, no overflow): same bits on every device."""
+    x = (idx + ((key & 0xFFFFFFFF) * 0x632BE5AB)) & 0xFFFFFFFF
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+    return (x >> 16) ^ x
+
+
+def store_state(dst: torch.Tensor, h: torch.Tensor, rounding: str = "rne", key: int = 0) -> None:
+    """Store float32 ``h`` into ``dst`` (its dtype, any strides) with the given rounding.
+
+    ``rne``: round to nearest even (a plain cast). ``truncate``: toward zero (bf16 only).
+    ``stochastic``: up with probability equal to the dropped fraction (bf16 only), the
+    random bits a hash of (element index, key), so the result is device independent.
+    """
+    if rounding == "rne" or dst.dtype == torch.float32 and h.dtype == torch.float32:
+        dst.copy_(h)
+        return
+    if dst.dtype != torch.bfloat16:
+        raise ValueError(f"store rounding {rounding!r} is defined for bfloat16 states, not {dst.dtype}")
+    bits = h.to(torch.float32).contiguous().view(torch.int32)
+    if rounding == "truncate":
+        dst.copy_(bits.bitwise_and(_MASK_HI16).view(torch.float32))
+    elif rounding == "stochastic":
+        idx = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64).view(bits.shape)
+        noise = (_hash32(idx, key) & 0xFFFF).to(torch.int32)
+        # Adding to the magnitude bits then truncating rounds |h| up with probability
+        # (dropped bits) / 2^16, for either sign (sign-magnitude encoding).
+        dst.copy_((bits + noise).bitwise_and(_MASK_HI16).view(torch.float32))
+    else:
+        raise ValueError(f"store rounding {rounding!r} is not known; allowed: rne, stochastic, truncate")
+
+
+def round_to(h: torch.Tensor, dtype: torch.dtype, rounding: str = "rne", key: int = 0) -> torch.Tensor:
+    """``h`` rounded to ``dtype`` and back to h's dtype (a store followed by a reload)."""
+    if dtype == h.dtype:
+        return h
+    tmp = torch.empty(h.shape, dtype=dtype, device=h.device)
+    store_state(tmp, h, rounding, key)
+    return tmp.to(h.dtype)
+
+
+# ------------------------------------------------------------------------ GDN
+def _layer_chunk(shape_per_layer: tuple[int, ...], itemsize: int = 4) -> int:
+    n = itemsize
+    for s in shape_per_layer:
+        n *= s
+    return max(1, STATE_CHUNK_BYTES // max(n, 1))
+
+
+def _gdn_token(h: torch.Tensor, q, k, v, decay, beta, o_out) -> None:
+    """One gated delta-rule token on flattened heads, in place.
+
+    h ``[B, K, V]`` (float32 or float64); q, k ``[B, K]``; v ``[B, V]``; decay, beta ``[B]``.
+    ``h <- h*decay; v' = (v - k^T h)*beta; h <- h + k v'^T; o = q^T h`` (o written to o_out ``[B, V]``).
+    """
+    h.mul_(decay[:, None, None])
+    kh = torch.bmm(k.unsqueeze(1), h)  # [B, 1, V]
+    u = (v.unsqueeze(1) - kh).mul_(beta[:, None, None])
+    h.baddbmm_(k.unsqueeze(2), u)
+    torch.bmm(q.unsqueeze(1), h, out=o_out.unsqueeze(1))
+
+
+def gdn_verify(state_kv: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, inter_kv: torch.Tensor,
+               rounding: str = "rne", key: int = 0, compute_dtype: torch.dtype = torch.float32
+               ) -> torch.Tensor:
+    """GDN verify with NPU semantics: every intermediate state stored, committed state untouched.
+
+    state_kv ``[L, S, HV, K, V]`` (any dtype/strides): committed states, read at ``slots [N]``.
+    q, k ``[L, N, D, HV, K]``; v ``[L, N, D, HV, V]``; g, beta ``[L, N, D, HV]`` float32.
+    inter_kv ``[L, N, D, HV, K, V]`` (any dtype/strides): receives the state after each
+    token, stored with ``rounding`` (``key`` seeds stochastic rounding).
+    The state is loaded into ``compute_dtype`` and kept there across the D tokens.
+    Returns outputs ``[L, N, D, HV, V]`` in compute_dtype.
+    """
+    L, N, D, HV, K = q.shape
+    V = v.shape[-1]
+    cd = compute_dtype
+    slots = slots.to(torch.int64)
+    out = torch.empty(L, N, D, HV, V, dtype=cd, device=q.device)
+    decay = torch.exp(g.to(cd))
+    qc, kc, vc, bc = q.to(cd), k.to(cd), v.to(cd), beta.to(cd)
+    step = _layer_chunk((N, HV, K, V), torch.finfo(cd).bits // 8)
+    for l0 in range(0, L, step):
+        l1 = min(L, l0 + step)
+        B = (l1 - l0) * N * HV
+        h = state_kv[l0:l1].index_select(1, slots).to(cd).reshape(B, K, V)
+        for t in range(D):
+            o_t = torch.empty(B, V, dtype=cd, device=q.device)
+            _gdn_token(h, qc[l0:l1, :, t].reshape(B, K), kc[l0:l1, :, t].reshape(B, K),
+                       vc[l0:l1, :, t].reshape(B, V), decay[l0:l1, :, t].reshape(B),
+                       bc[l0:l1, :, t].reshape(B), o_t)
+            out[l0:l1, :, t] = o_t.view(l1 - l0, N, HV, V)
+            store_state(inter_kv[l0:l1, :, t], h.view(l1 - l0, N, HV, K, V), rounding,
+                        key * 1_000_003 + t * 4099 + l0)
+    return out
+
+
+def gdn_decode(state_kv: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, num_tokens: torch.Tensor,
+               rounding: str = "rne", key: int = 0, compute_dtype: torch.dtype = torch.float32,
+               capture_steps=None, capture_out: torch.Tensor | None = None) -> torch.Tensor:
+    """Sequential (non-MTP) decode: one token at a time, the state stored after every token.
+
+    Same shapes as :func:`gdn_verify`; row n processes its first ``num_tokens[n]`` tokens
+    (a token beyond that gets decay 1 and beta 0, an exact identity). The state is
+    rounded to ``state_kv``'s dtype after each token (nothing to round when that is the
+    compute dtype) and written back to ``slots``. With ``capture_steps`` (host int array
+    ``[N]``, -1 = none) the state after token ``capture_steps[n]`` is copied into
+    ``capture_out [L, N, HV, K, V]``. Returns outputs ``[L, N, D, HV, V]`` in compute_dtype
+    (entries past num_tokens are meaningless).
+    """
+    L, N, D, HV, K = q.shape
+    V = v.shape[-1]
+    cd = compute_dtype
+    slots = slots.to(torch.int64)
+    sdt = state_kv.dtype
+    active = torch.arange(D, device=q.device)[None, :] < num_tokens.to(q.device)[:, None]  # [N, D]
+    act = active[None, :, :, None]
+    decay = torch.where(act, torch.exp(g.to(cd)), torch.ones((), dtype=cd, device=q.device))
+    bt = torch.where(act, beta.to(cd), torch.zeros((), dtype=cd, device=q.device))
+    qc, kc, vc = q.to(cd), k.to(cd), v.to(cd)
+    out = torch.empty(L, N, D, HV, V, dtype=cd, device=q.device)
+    step = _layer_chunk((N, HV, K, V), torch.finfo(cd).bits // 8)
+    cap_masks = {}
+    if capture_steps is not None:
+        for t in range(D):
+            hit = [n for n in range(N) if int(capture_steps[n]) == t]
+            if hit:
+                m = torch.zeros(N, dtype=torch.bool)
+                m[hit] = True
+                cap_masks[t] = m.to(q.device)[:, None, None, None]
+    for l0 in range(0, L, step):
+        l1 = min(L, l0 + step)
+        B = (l1 - l0) * N * HV
+        h = state_kv[l0:l1].index_select(1, slots).to(cd).reshape(B, K, V)
+        for t in range(D):
+            o_t = torch.empty(B, V, dtype=cd, device=q.device)
+            _gdn_token(h, qc[l0:l1, :, t].reshape(B, K), kc[l0:l1, :, t].reshape(B, K),
+                       vc[l0:l1, :, t].reshape(B, V), decay[l0:l1, :, t].reshape(B),
+                       bt[l0:l1, :, t].reshape(B), o_t)
+            out[l0:l1, :, t] = o_t.view(l1 - l0, N, HV, V)
+            if sdt != cd:
+                h.copy_(round_to(h, sdt, rounding, key * 1_000_003 + t * 4099 + l0))
+            if t in cap_masks:
+                hv = h.view(l1 - l0, N, HV, K, V)
+                capture_out[l0:l1] = torch.where(cap_masks[t], hv.to(capture_out.dtype), capture_out[l0:l1])
+        state_kv[l0:l1].index_copy_(1, slots, h.view(l1 - l0, N, HV, K, V).to(sdt))
+    return out
+
+
+# -------------------------------------------------------------- update kernels
+def move_intermediate_cache(ssm_states: torch.Tensor, intermediate_state_cache: torch.Tensor,
+                            dst_indices: torch.Tensor, src_indices: torch.Tensor,
+                            last_steps: torch.Tensor) -> torch.Tensor:
+    """``ssm[l, dst[i]] = inter[l, src[i], last_steps[i]]`` for every layer and every i with
+    ``0 <= last_steps[i] < D``; other rows untouched. In place; honours the strides of
+    both views (a transposed ``[HV, V, K]`` view copies logically); no host sync.
+
+    ssm_states ``[L, S, HV, ., .]``; intermediate_state_cache ``[L, rows, D, HV, ., .]``.
+    Rows with a negative step write back their destination's own bits, so a skipped
+    row must not share its destination with a committed one (padded rows use the
+    dummy slot 0, which no request owns).
+    """
+    if ssm_states.ndim != 5 or intermediate_state_cache.ndim != 6:
+        raise ValueError("move_intermediate_cache expects ssm_states [L, S, HV, ., .] and "
+                         "intermediate_state_cache [L, rows, D, HV, ., .]; got shapes "
+                         f"{tuple(ssm_states.shape)} and {tuple(intermediate_state_cache.shape)}")
+    if ssm_states.dtype != intermediate_state_cache.dtype:
+        raise ValueError("move_intermediate_cache copies raw values and does not cast: dtypes "
+                         f"{ssm_states.dtype} and {intermediate_state_cache.dtype} differ")
+    if ssm_states.shape[2:] != intermediate_state_cache.shape[3:]:
+        raise ValueError(f"state shapes differ: {tuple(ssm_states.shape[2:])} vs "
+                         f"{tuple(intermediate_state_cache.shape[3:])}")
+    dev = ssm_states.device
+    D = intermediate_state_cache.shape[2]
+    step = last_steps.to(device=dev, dtype=torch.int64)
+    ok = (step >= 0) & (step < D)
+    dst = dst_indices.to(device=dev, dtype=torch.int64)
+    src = src_indices.to(device=dev, dtype=torch.int64)
+    vals = intermediate_state_cache[:, src, torch.where(ok, step, torch.zeros_like(step))]
+    keep = ssm_states[:, dst]
+    ssm_states[:, dst] = torch.where(ok[None, :, None, None, None], vals, keep)
+    return ssm_states

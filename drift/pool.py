@@ -1,0 +1,154 @@
+"""State pool and the backend harness the update under test receives as ``self``.
+
+Pool layout follows SGLang's MambaPool (REFERENCE section 4):
+  temporal          ``[L, slots, HV, V, K]`` committed SSM states
+  intermediate_ssm  ``[L, rows + 1, D, HV, V, K]`` verify scratch (row ``rows`` is spare)
+  conv[0]           ``[L, slots, W, C]`` conv windows, NPU extended window
+With the ``npu`` layout, temporal and intermediate_ssm are transposed views of
+``[.., K, V]`` storage, as on Ascend with MTP; with ``contiguous`` they are dense.
+Slot 0 is the dummy that padded rows point at; request and track slots are a
+seeded permutation of the rest, with spare slots nobody owns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .config import Config
+
+STALE = float("nan")  # fills the dummy slot and never-valid rows: any read of them shows
+
+
+@dataclass
+class SpeculativeParams:
+    """What ``req_to_token_pool.get_speculative_mamba2_params_all_layers()`` returns."""
+
+    conv: list
+    temporal: torch.Tensor
+    intermediate_ssm: torch.Tensor
+    intermediate_conv_window: list = field(default_factory=list)  # CUDA only; empty here
+
+
+class StatePool:
+    """Committed states, conv windows and verify scratch of one rank, with slot bookkeeping."""
+
+    def __init__(self, cfg: Config, device: torch.device):
+        self.cfg = cfg
+        self.device = device
+        L, S, N, D = cfg.num_layers, cfg.num_slots, cfg.num_rows, cfg.num_draft_tokens
+        HV, K, V = cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
+        sdt = cfg.torch_ssm_dtype
+        if cfg.layout == "npu":
+            storage = torch.zeros(L, S, HV, K, V, dtype=sdt, device=device)
+            inter = torch.zeros(L, N + 1, D, HV, K, V, dtype=sdt, device=device)
+            self.temporal = storage.transpose(-1, -2)
+            self.intermediate_ssm = inter.transpose(-1, -2)
+        else:
+            self.temporal = torch.zeros(L, S, HV, V, K, dtype=sdt, device=device)
+            self.intermediate_ssm = torch.zeros(L, N + 1, D, HV, V, K, dtype=sdt, device=device)
+        self.conv = torch.zeros(L, S, cfg.conv_window, cfg.conv_channels, dtype=cfg.torch_conv_dtype,
+                                device=device)
+        rng = np.random.default_rng([cfg.seed, 0x5107])
+        perm = 1 + rng.permutation(S - 1)
+        R = cfg.num_requests
+        self.request_slots = perm[:R].astype(np.int64)
+        self.track_slots = perm[R:2 * R].astype(np.int64)
+        self.spare_slots = perm[2 * R:].astype(np.int64)
+        # Batch rows: active requests, then padded rows on the dummy slot 0.
+        rows = np.concatenate([self.request_slots, np.zeros(cfg.num_padded, np.int64)])
+        trk = np.concatenate([self.track_slots, np.zeros(cfg.num_padded, np.int64)])
+        self.row_slots = torch.from_numpy(rows).to(device)  # [N] int64
+        self.row_track_slots = torch.from_numpy(trk).to(device)  # [N] int64
+        self.active_slots = torch.from_numpy(self.request_slots).to(device)  # [R]
+        self._fill_sentinels()
+
+    def _fill_sentinels(self) -> None:
+        """Dummy slot and spare scratch row hold NaN; spare slots hold a fixed finite pattern."""
+        self.temporal[:, 0] = STALE
+        self.conv[:, 0] = STALE
+        self.intermediate_ssm[:, -1] = STALE
+        for s in self.spare_slots.tolist():
+            self.temporal[:, s] = 3.0 + s
+            self.conv[:, s] = -3.0 - s
+
+    # -------------------------------------------------------------- kernel views
+    @property
+    def ssm_kv(self) -> torch.Tensor:
+        """Committed states as ``[L, S, HV, K, V]`` (the kernel's orientation)."""
+        return self.temporal.transpose(-1, -2)
+
+    @property
+    def inter_kv(self) -> torch.Tensor:
+        """Verify scratch as ``[L, rows + 1, D, HV, K, V]``."""
+        return self.intermediate_ssm.transpose(-1, -2)
+
+    def params(self) -> SpeculativeParams:
+        return SpeculativeParams(conv=[self.conv], temporal=self.temporal,
+                                 intermediate_ssm=self.intermediate_ssm)
+
+    def slot_role(self, slot: int) -> str:
+        """'dummy', 'request row r', 'track slot of row r' or 'spare' (for messages)."""
+        if slot == 0:
+            return "dummy slot 0"
+        for r, (req, trk) in enumerate(zip(self.request_slots, self.track_slots)):
+            if slot == req:
+                return f"request slot of row {r}"
+            if slot == trk:
+                return f"track slot of row {r}"
+        return "spare slot"
+
+    def bits(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Integer views of (temporal, conv) for bit-exact comparisons (NaN-safe)."""
+        def as_int(t: torch.Tensor) -> torch.Tensor:
+            return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+        return as_int(self.temporal), as_int(self.conv)
+
+
+class _ForwardMetadata:
+    __slots__ = ("mamba_cache_indices",)
+
+    def __init__(self, mamba_cache_indices: torch.Tensor):
+        self.mamba_cache_indices = mamba_cache_indices
+
+
+class _ReqToTokenPool:
+    __slots__ = ("_pool",)
+
+    def __init__(self, pool: StatePool):
+        self._pool = pool
+
+    def get_speculative_mamba2_params_all_layers(self) -> SpeculativeParams:
+        return self._pool.params()
+
+
+class _LinearAttnBackend:
+    __slots__ = ("forward_metadata", "req_to_token_pool")
+
+    def __init__(self, forward_metadata: _ForwardMetadata, req_to_token_pool: _ReqToTokenPool):
+        self.forward_metadata = forward_metadata
+        self.req_to_token_pool = req_to_token_pool
+
+
+class Harness:
+    """Stands in for ``AscendHybridLinearAttnBackend``: exactly what the SGLang method reads.
+
+    ``self.linear_attn_backend.forward_metadata.mamba_cache_indices``: int32 ``[N]`` slot of
+    each batch row; ``self.linear_attn_backend.req_to_token_pool
+    .get_speculative_mamba2_params_all_layers()``: ``.conv`` (list), ``.temporal``,
+    ``.intermediate_ssm``. Any other attribute raises an AttributeError that says so.
+    """
+
+    def __init__(self, pool: StatePool):
+        self._drift_pool = pool
+        self.linear_attn_backend = _LinearAttnBackend(
+            _ForwardMetadata(pool.row_slots.to(torch.int32)), _ReqToTokenPool(pool))
+
+    def __getattr__(self, name: str):
+        raise AttributeError(
+            f"the update under test read self.{name}, which drift's harness does not provide; it "
+            "provides self.linear_attn_backend.forward_metadata.mamba_cache_indices and "
+            "self.linear_attn_backend.req_to_token_pool.get_speculative_mamba2_params_all_layers() "
+            "(REFERENCE section 2). Extend drift.pool.Harness if the real backend has more.")

@@ -1,0 +1,101 @@
+"""The float64 twin: the true trajectory of the stream, advanced alongside a run.
+
+It shares no state-handling code with the run under test: it keeps each request's
+state and conv window (the last Kc-1 true inputs) itself, computes conv, gating
+and the recurrence in float64, and advances each request by exactly its accepted
+tokens. Drafts after a rejection are never seen: its trajectory depends on the
+true tokens alone.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import kernels
+from .config import Config
+from .stream import StreamParams, TrueTokens
+
+F64 = torch.float64
+PREFILL_CHUNK = 8  # prompt tokens per prefill recurrence call
+
+
+def _qkv_gating(cfg: Config, params: StreamParams, window: torch.Tensor, x: torch.Tensor,
+                a: torch.Tensor, b: torch.Tensor):
+    qkv = kernels.conv_silu(window, x, params.conv_weight, F64)
+    q, k, v = kernels.split_qkv(qkv, cfg.num_k_heads, cfg.head_k_dim, cfg.num_v_heads, cfg.head_v_dim)
+    g, beta = kernels.gdn_gating(a, b, params.A_log, params.dt_bias, F64)
+    return q, k, v, g, beta
+
+
+def prefill(cfg: Config, tokens: TrueTokens, params: StreamParams, lengths: list[int],
+            device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact state and conv window of every request after its prompt (float64).
+
+    Returns states ``[L, R, HV, K, V]`` and windows ``[L, R, Kc-1, C]`` (the last Kc-1 inputs).
+    """
+    L, R, Kc = cfg.num_layers, cfg.num_requests, cfg.conv_kernel
+    state = torch.zeros(L, R, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim, dtype=F64, device=device)
+    window = torch.zeros(L, R, Kc - 1, cfg.conv_channels, dtype=F64, device=device)
+    rows = torch.arange(R, device=device)
+    prm = params.to(device)
+    longest = max(lengths)
+    for p0 in range(0, longest, PREFILL_CHUNK):
+        n = min(PREFILL_CHUNK, longest - p0)
+        xs, as_, bs = [], [], []
+        for r in range(R):
+            x, a, b = tokens.get(r, p0, p0 + n)
+            xs.append(x), as_.append(a), bs.append(b)
+        x = torch.from_numpy(np.stack(xs, 1)).to(device=device, dtype=F64).permute(2, 1, 0, 3)  # [L,R,n,C]
+        a = torch.from_numpy(np.stack(as_, 1)).to(device=device, dtype=F64).permute(2, 1, 0, 3)
+        b = torch.from_numpy(np.stack(bs, 1)).to(device=device, dtype=F64).permute(2, 1, 0, 3)
+        take = torch.tensor([max(0, min(n, ln - p0)) for ln in lengths], device=device)
+        q, k, v, g, beta = _qkv_gating(cfg, prm, window, x, a, b)
+        kernels.gdn_decode(state, rows, q, k, v, g, beta, take, compute_dtype=F64)
+        window = _advance_window(window, x, take)
+    return state, window
+
+
+def _advance_window(window: torch.Tensor, x: torch.Tensor, take: torch.Tensor) -> torch.Tensor:
+    """The last Kc-1 inputs after appending the first ``take[r]`` tokens of ``x`` to row r."""
+    Km1 = window.shape[2]
+    seq = torch.cat([window, x.to(window.dtype)], dim=2)  # [L, R, Kc-1+n, C]
+    idx = take.to(torch.int64)[:, None] + torch.arange(Km1, device=window.device)[None, :]  # [R, Kc-1]
+    return seq[:, torch.arange(seq.shape[1], device=window.device)[:, None], idx]
+
+
+class Float64Twin:
+    """Exact committed states, tracked states, conv windows and outputs of the active rows.
+
+    After :meth:`advance`: ``state [L, R, HV, K, V]`` and ``window [L, R, Kc-1, C]`` at each
+    row's new position; ``track_state`` / ``track_window`` at its track boundary (rows
+    tracked this step); ``out [L, R, D, HV, V]`` (first accept_len tokens meaningful).
+    """
+
+    def __init__(self, cfg: Config, params: StreamParams, device: torch.device,
+                 state: torch.Tensor, window: torch.Tensor):
+        self.cfg = cfg
+        self.device = device
+        self.params = params.to(device)
+        self.state = state.to(device=device, dtype=F64).clone()
+        self.window = window.to(device=device, dtype=F64).clone()
+        self.track_state = torch.zeros_like(self.state)
+        self.track_window = torch.zeros_like(self.window)
+        self.out = None
+        self._rows = torch.arange(cfg.num_requests, device=device)
+
+    def advance(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accept: np.ndarray,
+                track: np.ndarray) -> None:
+        """One decode step. x ``[L, R, D, C]``, a, b ``[L, R, D, HV]`` (active rows); accept,
+        track host int arrays ``[R]`` (track = -1 when the row is not tracked)."""
+        dev = self.device
+        x, a, b = (t.to(device=dev, dtype=F64) for t in (x, a, b))
+        q, k, v, g, beta = _qkv_gating(self.cfg, self.params, self.window, x, a, b)
+        take = torch.from_numpy(np.asarray(accept, np.int64)).to(dev)
+        self.out = kernels.gdn_decode(self.state, self._rows, q, k, v, g, beta, take, compute_dtype=F64,
+                                      capture_steps=track, capture_out=self.track_state)
+        if (np.asarray(track) >= 0).any():
+            tw = _advance_window(self.window, x, torch.from_numpy(np.maximum(track, 0) + 1).to(dev))
+            self.track_window = torch.where(torch.from_numpy(track >= 0).to(dev)[None, :, None, None],
+                                            tw, self.track_window)
+        self.window = _advance_window(self.window, x, take)

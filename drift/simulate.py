@@ -1,0 +1,240 @@
+"""The simulation loop: stream -> conv verify -> GDN verify -> update under test -> observers.
+
+One :class:`Simulation` holds a pool, a harness and an input stream on one device and
+runs decode steps through them. Each step:
+
+1. the verify window ``[root, d1 .. d(D-1)]`` of every row comes from the stream;
+2. the conv verify kernel produces q, k, v and rolls each slot's conv buffer;
+3. the GDN verify kernel writes the state after every token into ``intermediate_ssm``;
+4. the update under test commits (``mtp`` mode) -- or, in ``sequential`` mode, the
+   accepted tokens are decoded one by one with the state stored after each;
+5. the slot guard checks that every slot neither committed nor tracked this step is
+   bit-identical to before the update (the dummy slot included);
+6. observers see the step (:class:`StepView`); they accumulate on the device and are
+   flushed once per chunk of steps, so memory does not grow with the horizon.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from . import kernels
+from .config import Config
+from .devices import resolve_device
+from .loader import Update, kernels_in_use, load_update
+from .pool import STALE, Harness, StatePool
+from .reference import prefill
+from .stream import InputStream
+
+MODES = ("mtp", "sequential")
+VerifyKernel = Callable[..., torch.Tensor]  # the signature of drift.kernels.gdn_verify
+
+
+class StopRun(Exception):
+    """Raised by an observer to end the run early (a fatal finding such as NaN)."""
+
+
+@dataclass
+class StepView:
+    """What observers see of one decode step (device tensors unless noted).
+
+    x ``[L, N, D, C]``, a / b ``[L, N, D, HV]``: the verify windows of all N rows.
+    last_steps / track_steps ``[N]`` int64 as passed to the update. out ``[L, N, D, HV, V]``
+    float32 outputs. Host (numpy) ``[R]``: pre (seq_len before), accept, track (-1 = none).
+    """
+
+    step: int
+    index: int  # position within the current chunk
+    x: torch.Tensor
+    a: torch.Tensor
+    b: torch.Tensor
+    last_steps: torch.Tensor
+    track_steps: torch.Tensor
+    out: torch.Tensor
+    pre: np.ndarray
+    accept: np.ndarray
+    track: np.ndarray
+
+
+class Observer(Protocol):
+    def on_start(self, sim: "Simulation") -> None: ...
+    def on_step(self, view: StepView) -> None: ...
+    def flush(self) -> None: ...
+    def on_end(self) -> None: ...
+
+
+class SlotGuard:
+    """Bit-exact check that the update leaves every slot it should not touch as it was.
+
+    Per step it records, per slot, whether the temporal state or the conv window changed
+    while the slot was neither committed nor tracked. Device-side; read at flush.
+    """
+
+    def __init__(self, pool: StatePool, capacity: int):
+        self.pool = pool
+        t_bits, c_bits = pool.bits()
+        self._before_t = torch.empty_like(t_bits)
+        self._before_c = torch.empty_like(c_bits)
+        self.violations = torch.zeros(capacity, pool.cfg.num_slots, dtype=torch.bool, device=pool.device)
+        self.first: Optional[dict] = None  # first violation seen: step, slot, what, role
+
+    def before(self) -> None:
+        t_bits, c_bits = self.pool.bits()
+        self._before_t.copy_(t_bits)
+        self._before_c.copy_(c_bits)
+
+    def after(self, index: int, touched: torch.Tensor) -> None:
+        t_bits, c_bits = self.pool.bits()
+        S = t_bits.shape[1]
+        changed = ((t_bits != self._before_t).transpose(0, 1).reshape(S, -1).any(1)
+                   | (c_bits != self._before_c).transpose(0, 1).reshape(S, -1).any(1))
+        self.violations[index] = changed & ~touched
+
+    def flush(self, step0: int, count: int) -> None:
+        if self.first is not None:
+            return
+        v = self.violations[:count].cpu().numpy()
+        if v.any():
+            s, slot = map(int, np.argwhere(v)[0])
+            self.first = {"step": step0 + s, "slot": slot, "role": self.pool.slot_role(slot)}
+        self.violations[:count] = False
+
+
+@dataclass
+class RunInfo:
+    """What a finished run reports about itself."""
+
+    steps: int
+    wall_s: float
+    mode: str
+    update: str
+    kernels: str
+    device: str
+    stopped_early: Optional[str] = None
+    untouched_violation: Optional[dict] = None
+    meta: dict = field(default_factory=dict)
+
+
+class Simulation:
+    """MTP (or sequential) decode of ``cfg`` through the update under test.
+
+    update: a spec string, an :class:`~drift.loader.Update` or a callable (mtp mode).
+    verify_kernel: replaces :func:`drift.kernels.gdn_verify` (same signature).
+    """
+
+    def __init__(self, cfg: Config, update: str | Update | Callable | None = "sync_free",
+                 mode: str = "mtp", observers: Sequence[Observer] = (),
+                 verify_kernel: Optional[VerifyKernel] = None, check_untouched: bool = True,
+                 device: Optional[torch.device] = None):
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r} is not known; allowed: {', '.join(MODES)}")
+        self.cfg = cfg
+        self.mode = mode
+        self.device = device if device is not None else resolve_device(cfg.device)
+        self.update = None
+        if mode == "mtp":
+            self.update = update if isinstance(update, Update) else load_update(update or "sync_free")
+        self.verify_kernel = verify_kernel or kernels.gdn_verify
+        self.stream = InputStream(cfg, self.device)
+        self.params = self.stream.params.to(self.device)
+        self.pool = StatePool(cfg, self.device)
+        self.harness = Harness(self.pool)
+        self.observers = list(observers)
+        self.guard = SlotGuard(self.pool, self.stream.chunk_steps) if (check_untouched and mode == "mtp") else None
+        self.lengths = [self.stream.prefill_len(r) for r in range(cfg.num_requests)]
+        self.prefill_state, self.prefill_window = prefill(cfg, self.stream.tokens, self.stream.params,
+                                                          self.lengths, torch.device("cpu"))
+        self._load_prefill()
+        self.step = 0
+
+    def _load_prefill(self) -> None:
+        """Prompt state stored once in the state dtype (as prefill does), the conv window at
+        the end of the buffer, the first D-1 rows stale (NaN: a read of them shows)."""
+        cfg, pool = self.cfg, self.pool
+        slots = pool.active_slots
+        pool.ssm_kv[:, slots] = self.prefill_state.to(self.device).to(pool.temporal.dtype)
+        W, Km1 = cfg.conv_window, cfg.conv_kernel - 1
+        buf = torch.full((cfg.num_layers, cfg.num_requests, W, cfg.conv_channels), STALE,
+                         dtype=pool.conv.dtype, device=self.device)
+        buf[:, :, W - Km1:] = self.prefill_window.to(self.device, pool.conv.dtype)
+        pool.conv[:, slots] = buf
+        pool.temporal[:, pool.row_track_slots[: cfg.num_requests]] = STALE
+        pool.conv[:, pool.row_track_slots[: cfg.num_requests]] = STALE
+
+    # ------------------------------------------------------------------ loop
+    def run(self, steps: Optional[int] = None,
+            progress: Optional[Callable[[int, int], None]] = None) -> RunInfo:
+        cfg = self.cfg
+        total = cfg.steps if steps is None else steps
+        for obs in self.observers:
+            obs.on_start(self)
+        t0 = time.perf_counter()
+        stopped = None
+        done = 0
+        try:
+            while done < total:
+                chunk = self.stream.chunk(min(self.stream.chunk_steps, total - done))
+                touched = self._touched(chunk) if self.guard is not None else None
+                for s in range(chunk.count):
+                    self._step(chunk, s, touched)
+                done += chunk.count
+                if self.guard is not None:
+                    self.guard.flush(chunk.step0, chunk.count)
+                for obs in self.observers:
+                    obs.flush()
+                if progress is not None:
+                    progress(done, total)
+        except StopRun as why:
+            stopped = str(why)
+            for obs in self.observers:
+                obs.flush()
+        for obs in self.observers:
+            obs.on_end()
+        return RunInfo(
+            steps=done, wall_s=time.perf_counter() - t0, mode=self.mode,
+            update=self.update.name if self.update else "(sequential decode)",
+            kernels=kernels_in_use(), device=str(self.device), stopped_early=stopped,
+            untouched_violation=self.guard.first if self.guard else None)
+
+    def _touched(self, chunk) -> torch.Tensor:
+        """``[count, S]`` bool: slots the update may write at each step of the chunk."""
+        cfg, pool = self.cfg, self.pool
+        t = np.zeros((chunk.count, cfg.num_slots), dtype=bool)
+        t[:, pool.request_slots] = True
+        rows, idx = np.nonzero(chunk.track_host >= 0)
+        t[rows, pool.track_slots[idx]] = True
+        return torch.from_numpy(t).to(self.device)
+
+    def _step(self, chunk, s: int, touched: Optional[torch.Tensor]) -> None:
+        cfg, pool, prm = self.cfg, self.pool, self.params
+        x, a, b = chunk.x[s], chunk.a[s], chunk.b[s]
+        last, trk = chunk.last_steps[s], chunk.track_steps[s]
+        qkv = kernels.conv_verify(pool.conv, pool.row_slots, x, prm.conv_weight)
+        q, k, v = kernels.split_qkv(qkv, cfg.num_k_heads, cfg.head_k_dim, cfg.num_v_heads, cfg.head_v_dim)
+        g, beta = kernels.gdn_gating(a, b, prm.A_log, prm.dt_bias)
+        N = cfg.num_rows
+        if self.mode == "mtp":
+            out = self.verify_kernel(pool.ssm_kv, pool.row_slots, q, k, v, g, beta, pool.inter_kv[:, :N],
+                                     rounding=cfg.store_rounding, key=self.step)
+            if self.guard is not None:
+                self.guard.before()
+            track_idx = pool.row_track_slots if cfg.track_interval > 0 else None
+            track_steps = trk if cfg.track_interval > 0 else None
+            self.update(self.harness, last, track_idx, track_steps)
+            if self.guard is not None:
+                self.guard.after(s, touched[s])
+        else:
+            num = torch.clamp(last + 1, min=0)
+            out = kernels.gdn_decode(pool.ssm_kv, pool.row_slots, q, k, v, g, beta, num,
+                                     rounding=cfg.store_rounding, key=self.step)
+            kernels.conv_state_rollback(pool.conv, pool.row_slots, last, cfg.num_draft_tokens)
+        view = StepView(step=self.step, index=s, x=x, a=a, b=b, last_steps=last, track_steps=trk,
+                        out=out, pre=chunk.pre[s], accept=chunk.accept[s], track=chunk.track_host[s])
+        for obs in self.observers:
+            obs.on_step(view)
+        self.step += 1
