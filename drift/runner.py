@@ -10,6 +10,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
+from .bounds import BoundCheck, GrowthCheck
 from .checks import Check, CheckResult, core_checks, untouched_result
 from .compare import Comparison
 from .config import Config
@@ -56,19 +57,24 @@ def versions() -> dict:
 def run_checked(cfg: Config, update="sync_free", mode: str = "mtp", steps: Optional[int] = None,
                 checks: Optional[Sequence[Check]] = None,
                 progress: Optional[Callable[[int, int], None]] = None,
-                verify_kernel=None) -> RunReport:
-    """Run ``cfg`` through ``update`` and apply ``checks`` (default: the core checks)."""
-    checks = list(core_checks() if checks is None else checks)
-    comparison = Comparison(checks)
+                verify_kernel=None, golden=None) -> RunReport:
+    """Run ``cfg`` through ``update`` and apply ``checks`` (default: the semantic checks, the
+    drift bound and the growth exponent). ``golden``: as for :class:`Comparison`."""
+    post = []
+    if checks is None:
+        bound = BoundCheck()
+        checks = core_checks() + [bound]
+        post = [GrowthCheck(bound)]
+    checks = list(checks)
+    comparison = Comparison(checks, golden=golden)
     sim = Simulation(cfg, update, mode=mode, observers=[comparison], verify_kernel=verify_kernel)
     info = sim.run(steps, progress=progress)
     if sim.update is not None:
         info.meta["update_spec"] = sim.update.spec
         info.meta["update_source"] = sim.update.source
-    results = [c.result() for c in checks]
+    results = [c.result() for c in checks] + [p.result() for p in post]
     if mode == "mtp":
         results.append(untouched_result(info.untouched_violation, info.steps))
     if info.stopped_early:
         results.append(CheckResult("run completed", False, None, None, "", f"stopped early: {info.stopped_early}"))
-    ref = f"float64 twin computed alongside on {comparison.ref_device}"
-    return RunReport(cfg, info, results, ref)
+    return RunReport(cfg, info, results, comparison.reference_description())
