@@ -70,10 +70,13 @@ class BoundCheck(Check):
 
     name = "drift bound"
 
-    def __init__(self, constant: float = BOUND_CONSTANT, growth_limit: float = GROWTH_LIMIT):
+    def __init__(self, constant: float = BOUND_CONSTANT, growth_limit: float = GROWTH_LIMIT,
+                 initial_env2: Optional[np.ndarray] = None):
         super().__init__(1.0)
         self.constant = constant
         self.growth_limit = growth_limit
+        self.initial_env2 = initial_env2  # [L, R, HV]; default: one rounding of the start state
+        self.last_env2: Optional[np.ndarray] = None  # [S, L, R, HV] of the last chunk
 
     def start(self, comparison) -> None:
         super().start(comparison)
@@ -81,7 +84,8 @@ class BoundCheck(Check):
         cfg = sim.cfg
         self.cfg = cfg
         self.kappa = KAPPA[cfg.store_rounding]
-        self.env2 = self.kappa * comparison.ulp2_initial  # [L, R, HV]: the prefill store
+        self.env2 = (self.kappa * comparison.ulp2_initial if self.initial_env2 is None
+                     else np.asarray(self.initial_env2, np.float64).copy())  # [L, R, HV]
         # ulp^2 on the fp32 grid = ulp^2 on the state's grid * 4^-(24 - p) (same exponents).
         from .compare import MANTISSA_BITS
         self.compute_scale = KAPPA_COMPUTE * 4.0 ** -(COMPUTE_MANTISSA - MANTISSA_BITS[cfg.torch_ssm_dtype])
@@ -100,6 +104,7 @@ class BoundCheck(Check):
             e2 = chunk.rho2[s] * e2 + inject[s]
             env[s] = e2
         self.env2 = e2
+        self.last_env2 = env
         bound = np.sqrt(self.constant ** 2 * env + COMPUTE_FLOOR ** 2 * chunk.ref2)
         ratio = np.sqrt(chunk.err2) / np.maximum(bound, 1e-300)
         self._update(ratio, chunk.step0)

@@ -52,6 +52,8 @@ class CheckResult:
 
     @property
     def verdict(self) -> str:
+        if self.extra.get("kind") == "info":
+            return "info"
         return "n/a" if not self.applicable else ("PASS" if self.passed else "FAIL")
 
     def to_dict(self) -> dict:

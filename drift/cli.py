@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 
 from .config import DEFAULT_PRESET, PATTERNS, PRESETS, PROFILES, ROUNDINGS, ConfigError, preset
 from .devices import DeviceUnavailable, resolve_device
+from .golden import GoldenError
 from .loader import LoadError
 from .updates import DEFAULT_UPDATE
 
@@ -44,7 +45,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     resolve_device(cfg.device)
     progress = None if args.quiet else progress_printer(f"drift run {cfg.name}")
-    rep = run_checked(cfg, args.update, mode=args.mode, progress=progress)
+    rep = run_checked(cfg, args.update, mode=args.mode, progress=progress, vs_sequential=args.vs_sequential)
     print(summary_text(rep))
     if args.report:
         for path in write_report(rep, args.report):
@@ -73,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                           f"(default {DEFAULT_UPDATE})")
     run.add_argument("--mode", choices=("mtp", "sequential"), default="mtp",
                      help="mtp (default) or sequential non-MTP decode of the same stream")
+    run.add_argument("--vs-sequential", action="store_true",
+                     help="also decode the stream sequentially in lockstep and report the MTP-vs-sequential divergence")
     run.add_argument("--report", metavar="DIR", help="write report.json and report.md here")
     run.add_argument("--quiet", action="store_true", help="no progress output")
     run.set_defaults(func=cmd_run)
@@ -85,15 +88,21 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--naive-steps", type=int, default=2, help="timed steps of the naive loop")
     b.add_argument("--json", action="store_true", help="print JSON")
     b.set_defaults(func=cmd_bench)
+    sub.add_parser("regen-golden", help="regenerate golden trajectories (same as scripts/regen_golden.py; "
+                                        "see drift regen-golden --help)")
     return ap
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["regen-golden"]:
+        from .golden import regen_main
+        return regen_main(argv[1:])
     ap = build_parser()
     args = ap.parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, LoadError, DeviceUnavailable) as exc:
+    except (ConfigError, LoadError, DeviceUnavailable, GoldenError) as exc:
         print(f"drift: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
 
