@@ -34,6 +34,7 @@ drift's portable kernels (``drift/kernels.py``) are code under test like any oth
 from __future__ import annotations
 
 import contextlib
+import functools
 import linecache
 import math
 import os
@@ -382,26 +383,30 @@ def _api_name(func) -> str:
     return f"torch.{qual}" if mod.startswith("torch") and "." not in qual else qual
 
 
-class _FunctionMode(TorchFunctionMode):
-    """Names the Python call behind each op; records host reads that dispatch nothing."""
+class _BoundMode:
+    """A torch mode that reports to its detector."""
 
     def __init__(self, det: "SyncDetector"):
         super().__init__()
         self.det = det
+
+
+class _FunctionMode(_BoundMode, TorchFunctionMode):
+    """Names the Python call behind each op; records host reads that dispatch nothing."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         det = self.det
         if func in _HOST_READ_FUNCS and args and _is_device(args[0]):
             name = _api_name(func)
+            det._reads.append(len(det.report.events))  # ops inside are this read's: not recorded again
             det._record(name, name, "host read of device data (a device-to-host copy)")
-            det._suppress += 1
             try:
                 if isinstance(args[0], VirtualTensor):
                     return func(args[0]._inner, *args[1:], **kwargs)
                 return func(*args, **kwargs)
             finally:
-                det._suppress -= 1
+                det._reads.pop()
         if func in _HOST_DATA_FACTORIES and _device_kind(kwargs.get("device")) == "virtual" \
                 and not (args and isinstance(args[0], torch.Tensor)):
             name = _api_name(func)
@@ -414,18 +419,14 @@ class _FunctionMode(TorchFunctionMode):
             det._api.pop()
 
 
-class _DispatchMode(TorchDispatchMode):
+class _DispatchMode(_BoundMode, TorchDispatchMode):
     """Counts every op, records the syncing ones, runs virtual ops on their CPU data."""
-
-    def __init__(self, det: "SyncDetector"):
-        super().__init__()
-        self.det = det
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         det = self.det
-        reasons = [] if det._suppress else sync_reasons(func, args, kwargs)
-        first = len(det.report.events)
+        reasons = [] if det._reads else sync_reasons(func, args, kwargs)
+        first = det._reads[-1] if det._reads else len(det.report.events)
         for reason in reasons:
             det._record(op_name(func), det._api[-1] if det._api else "", reason)
         try:
@@ -461,7 +462,7 @@ class SyncDetector:
         self.label = ""
         self.stack_limit = stack_limit
         self._api: list[str] = []
-        self._suppress = 0
+        self._reads: list[int] = []  # open host reads (.tolist() ...): index of their event
         self._flagged = False  # a debug-mode error was already recorded at its op
         self._boundary: Optional[types.FrameType] = None
         self._modes: Optional[contextlib.ExitStack] = None
@@ -475,6 +476,7 @@ class SyncDetector:
         self._armed = _armed(self._debug)
         self._armed.__enter__()
         self.report.calls += 1
+        self._flagged = False
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -492,6 +494,7 @@ class SyncDetector:
         if own:
             self._enter_modes()
         self.report.calls += 1
+        self._flagged = False
         try:
             with _armed(self._debug):
                 return fn(*args, **kwargs)
@@ -541,7 +544,8 @@ class SyncDetector:
         self.report.events.append(self._event(op, api, reason, self._stack(), (DETECTOR_DISPATCH,)))
 
     def _flag_debug(self, op: str, backend: str, first: int) -> None:
-        """A debug mode raised inside ``op``: confirm the events already recorded for it, or add one."""
+        """A debug mode raised inside ``op``: confirm the events recorded for it from index
+        ``first`` on (the op's own, or the host read it belongs to), or add one."""
         name = DETECTOR_CUDA if backend == "CUDA" else DETECTOR_NPU
         ev = self.report.events
         if len(ev) > first:
@@ -602,14 +606,16 @@ def _debug_backends() -> list[tuple[str, types.ModuleType]]:
     out = []
     if torch.cuda.is_available():
         out.append((DETECTOR_CUDA, torch.cuda))
-    if "torch_npu" in sys.modules or _npu_present():
+    if _npu_present():
         npu = getattr(torch, "npu", None)
         if npu is not None and hasattr(npu, "set_sync_debug_mode") and hasattr(npu, "get_sync_debug_mode"):
             out.append((DETECTOR_NPU, npu))
     return out
 
 
+@functools.lru_cache(maxsize=1)
 def _npu_present() -> bool:
+    """torch_npu imports and sees an NPU (asked once per process)."""
     from .devices import npu_available
     return npu_available()
 
@@ -720,38 +726,53 @@ class UpdateScan:
         return {s: labels.get(f"step {s}", []) for s in self.steps}
 
 
-def scan_update(cfg: Config, update: str | Update | Callable = "sync_free", steps: int = 4) -> UpdateScan:
-    """Run ``update`` for :func:`representative_steps` on the virtual device and, when
-    ``cfg.device`` is an accelerator, on it with its sync debug mode armed; padded rows and
-    tracking as configured (``track_interval = 0`` passes ``None`` as the simulation does)."""
+def _device_pass(cfg: Config, device: Optional[str]) -> Optional[str]:
+    """The accelerator of the second pass: ``device`` as given ("none": no pass), or with
+    "auto" the config's device when it is one, else the first accelerator present."""
+    if device != "auto":
+        return None if device in (None, "none", "cpu") else device
+    if cfg.device != "cpu":
+        return cfg.device
+    if torch.cuda.is_available():
+        return "cuda"
+    return "npu" if _npu_present() else None
+
+
+def scan_update(cfg: Config, update: str | Update | Callable = "sync_free", steps: int = 4,
+                device: Optional[str] = "auto") -> UpdateScan:
+    """Run ``update`` for :func:`representative_steps` on the virtual device and, when there is
+    an accelerator (:func:`_device_pass`), again on it with its sync debug mode armed; padded
+    rows and tracking as configured (``track_interval = 0`` passes ``None`` as the simulation does)."""
     upd = update if isinstance(update, Update) else load_update(update)
     chosen, last, trk = representative_steps(cfg, steps)
-    track_on = cfg.track_interval > 0
     passes: dict[str, SyncReport] = {}
-    targets = [("virtual", None)]
-    if cfg.device != "cpu":
+    targets: list[tuple[str, Optional[torch.device]]] = [("virtual", None)]
+    accel = _device_pass(cfg, device)
+    if accel is not None:
         from .devices import resolve_device
-        targets.append((cfg.device, resolve_device(cfg.device)))
-    for name, device in targets:
-        if device is None:
+        targets.append((accel, resolve_device(accel)))
+    for name, dev in targets:
+        if dev is None:
             harness, wrap = virtual_harness(cfg), to_virtual
             det = SyncDetector(device_debug=False)  # CPU data: the debug modes would see nothing
         else:
-            harness, wrap = Harness(StatePool(cfg, device)), (lambda t, d=device: t.to(d))
+            harness, wrap = Harness(StatePool(cfg.replace(device=name), dev)), (lambda t, d=dev: t.to(d))
             det = SyncDetector(device_debug=True)
         for s, call in zip(chosen, update_calls(cfg, harness, last, trk, wrap)):
             det.label = f"step {s}"
             det.run(upd, *call)
         passes[name] = det.report
     tracking = [bool(x) for x in (trk >= 0).any(1).tolist()]
-    return UpdateScan(upd.name, chosen, tracking, cfg.num_padded, track_on, passes)
+    return UpdateScan(upd.name, chosen, tracking, cfg.num_padded, cfg.track_interval > 0, passes)
 
 
-def sync_check(cfg: Config, update: str | Update | Callable = "sync_free", steps: int = 4) -> CheckResult:
+def sync_check(cfg: Config, update: str | Update | Callable = "sync_free", steps: int = 4,
+               device: Optional[str] = "auto") -> CheckResult:
     """The "host syncs" check of ``drift run``: passed iff the update causes no host-device
-    sync in :func:`scan_update`'s steps. worst: syncs per step (the worst pass); limit 0;
-    where: the first sync's op and ``file:line``."""
-    scan = scan_update(cfg, update, steps)
+    sync in :func:`scan_update`'s steps (virtual device, plus the accelerator pass when there
+    is one). worst: syncs per step (the worst pass); limit 0; where: the first sync's op and
+    ``file:line``; extra: syncs per pass, detectors, the first events."""
+    scan = scan_update(cfg, update, steps, device)
     n = len(scan.steps)
     per_step = max((len(r.events) / n for r in scan.passes.values()), default=0.0) if n else math.nan
     detectors = sorted({d for r in scan.passes.values() for d in r.detectors})
@@ -760,7 +781,8 @@ def sync_check(cfg: Config, update: str | Update | Callable = "sync_free", steps
             f"{'' if scan.track_on else '; tracking off'}), {scan.padded_rows} padded row(s), "
             f"passes: {', '.join(scan.passes)}; detectors: {'; '.join(detectors)}")
     events = scan.events
-    extra = {"syncs": len(events), "steps": scan.steps, "detectors": detectors,
+    extra = {"syncs": len(events), "syncs_by_pass": {k: len(r.events) for k, r in scan.passes.items()},
+             "steps": scan.steps, "detectors": detectors,
              "events": [e.to_dict() for e in events[:10]]}
     if not events:
         return CheckResult("host syncs", True, 0.0, 0.0, "", f"no host-device sync in {what}", extra)
