@@ -59,9 +59,10 @@ from .stream import InputStream
 VIRTUAL_DEVICE = torch.device("meta")
 _HOST = torch.device("cpu")
 
-DETECTOR_DISPATCH = "dispatch mode (virtual device and any real accelerator tensors)"
-DETECTOR_CUDA = 'torch.cuda.set_sync_debug_mode("error")'
-DETECTOR_NPU = 'torch.npu.set_sync_debug_mode("error")'
+# Detector names, as reports list them. The dispatch mode watches virtual and real accelerator tensors.
+DETECTOR_DISPATCH = "dispatch mode"
+DETECTOR_CUDA = 'torch.cuda sync debug mode "error"'
+DETECTOR_NPU = 'torch.npu sync debug mode "error"'
 # The messages the two debug modes raise with (c10 "called a synchronizing CUDA operation",
 # torch_npu "called a synchronizing NPU operation").
 _DEBUG_MODE_ERROR = re.compile(r"called a synchronizing (CUDA|NPU) operation")
@@ -777,18 +778,16 @@ def sync_check(cfg: Config, update: str | Update | Callable = "sync_free", steps
     per_step = max((len(r.events) / n for r in scan.passes.values()), default=0.0) if n else math.nan
     detectors = sorted({d for r in scan.passes.values() for d in r.detectors})
     n_track = sum(scan.tracking)
-    what = (f"{n} steps ({n_track} tracking, {n - n_track} not"
-            f"{'' if scan.track_on else '; tracking off'}), {scan.padded_rows} padded row(s), "
-            f"passes: {', '.join(scan.passes)}; detectors: {'; '.join(detectors)}")
+    what = (f"{n} steps ({n_track} tracking, {n - n_track} not{'' if scan.track_on else ', tracking off'}; "
+            f"{scan.padded_rows} padded row(s); passes: {', '.join(scan.passes)}; detectors: {', '.join(detectors)})")
     events = scan.events
     extra = {"syncs": len(events), "syncs_by_pass": {k: len(r.events) for k, r in scan.passes.items()},
              "steps": scan.steps, "detectors": detectors,
              "events": [e.to_dict() for e in events[:10]]}
     if not events:
         return CheckResult("host syncs", True, 0.0, 0.0, "", f"no host-device sync in {what}", extra)
-    first = events[0]
-    ops = sorted({e.describe() for e in events})
-    detail = (f"{len(events)} host-device syncs in {what}. Each stalls the decode step until the device "
-              f"catches up; make the logic device-side (torch.where, fixed-shape ops). Sites: "
-              + "; ".join(ops[:6]) + (f"; ... {len(ops) - 6} more" if len(ops) > 6 else ""))
-    return CheckResult("host syncs", False, per_step, 0.0, first.describe(), detail, extra)
+    sites = list(dict.fromkeys(f"{e.op} at {e.where}" for e in events))
+    detail = (f"{len(events)} syncs in {what}: " + "; ".join(sites[:4])
+              + (f"; {len(sites) - 4} more sites" if len(sites) > 4 else "")
+              + ". Keep the hot path device-side (torch.where, fixed-shape ops).")
+    return CheckResult("host syncs", False, per_step, 0.0, events[0].describe(), detail, extra)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import os
 import types
 
@@ -398,6 +399,7 @@ def test_sync_check_fails_guarded_naming_the_item_line():
     assert by_pass["virtual"] >= 2 * STEPS and res.worst == max(by_pass.values()) / STEPS
     assert DETECTOR_DISPATCH in res.detail and DETECTOR_DISPATCH in res.extra["detectors"]
     assert (DETECTOR_CUDA in res.extra["detectors"]) == torch.cuda.is_available()
+    json.dumps(res.to_dict())  # the runner writes it into report.json
 
 
 @pytest.mark.parametrize("cfg,passed", [(CI, False), (CI_NO_TRACK, True)], ids=["tracking-on", "tracking-off"])
