@@ -122,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     bu.add_argument("--update", action="append", help="implementation (repeatable; default: the built-ins)")
     bu.add_argument("--batches", type=_batch_list, default=list(BATCH_SIZES),
                     help="comma-separated active-request counts (default 1,2,4,...,256)")
-    bu.add_argument("--steps", type=_positive, default=DEFAULT_STEPS, help=f"decode steps averaged (default {DEFAULT_STEPS})")
+    bu.add_argument("--steps", type=_positive, default=DEFAULT_STEPS,
+                    help=f"decode steps averaged (default {DEFAULT_STEPS})")
     bu.add_argument("--json", action="store_true", help="print JSON (a list of objects)")
     bu.set_defaults(func=cmd_bench_update)
     return ap

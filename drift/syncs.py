@@ -23,7 +23,7 @@ into a device tensor (``torch.tensor(data, device=...)``).
 On a machine with CUDA, ``torch.cuda.set_sync_debug_mode("error")`` is armed around each
 call (and restored after: the mode is process-global); with ``torch_npu`` its twin
 ``torch.npu.set_sync_debug_mode("error")``. They only see work on real device tensors
-(:func:`scan_update` runs a second pass on the config's device for that), and they stop
+(:func:`scan_update` adds a pass on the accelerator when one is present), and they stop
 the call at its first sync. Every report lists the detectors that ran.
 
 Each :class:`SyncEvent` names the op and the ``file:line`` in the code under test: the
@@ -44,7 +44,6 @@ import types
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode

@@ -27,8 +27,8 @@ from drift.config import preset
 from drift.loader import kernels_in_use, load_update, sgl_kernels
 from drift.stream import InputStream
 from drift.syncs import (DETECTOR_CUDA, DETECTOR_DISPATCH, DETECTOR_NPU, SyncDetector, VirtualDeviceError,
-                         VirtualTensor, _armed, _is_internal, detect_syncs, display_path, host_data, representative_steps,
-                         scan_update, step_indices, sync_check, to_virtual, virtual_pool)
+                         VirtualTensor, _armed, _is_internal, detect_syncs, display_path, host_data,
+                         representative_steps, scan_update, step_indices, sync_check, to_virtual, virtual_pool)
 
 HERE = os.path.abspath(__file__)
 FIXTURE = os.path.join(os.path.dirname(HERE), "syncs_plugin_fixture.py")
@@ -45,7 +45,8 @@ def _inputs():
             torch.tensor(2, dtype=torch.int64), torch.tensor([3, 1, 0, 2], dtype=torch.int64))
 
 
-# ------------------------------------------------------------------ controls (one line each)
+# ------------------------------------------------------------------ controls
+# One line each on purpose (flake8: E704/E302 accepted here): the reported line must be the def line.
 def c_item(t, m, i, idx): return t.sum().item()
 def c_bool(t, m, i, idx): return bool(t.sum() > 0)
 def c_if(t, m, i, idx): return 1 if t.sum() else 0
@@ -81,7 +82,6 @@ def n_nonzero_static(t, m, i, idx): return torch.nonzero_static(m, size=4)
 def n_repeat_interleave_sized(t, m, i, idx): return torch.repeat_interleave(t, idx, output_size=6)
 def n_cpu_scalar_operand(t, m, i, idx): return t + torch.tensor(1.0)
 def n_factory_on_device(t, m, i, idx): return torch.arange(4, device=t.device, dtype=torch.float32) + t
-# fmt: on
 
 # What torch's FakeTensorMode on a non-CPU device does with a control (an independent oracle):
 DD = "data-dependent"  # refuses it: DataDependentOutputException / DynamicOutputShapeException
