@@ -784,9 +784,11 @@ def sync_check(cfg: Config, update: str | Update | Callable = "sync_free", steps
              "steps": scan.steps, "detectors": detectors,
              "events": [e.to_dict() for e in events[:10]]}
     if not events:
-        return CheckResult("host syncs", True, 0.0, 0.0, "", f"no host-device sync in {what}", extra)
+        return CheckResult("host syncs", passed=True, worst=0.0, limit=0.0, where="",
+                           detail=f"no host-device sync in {what}", extra=extra)
     sites = list(dict.fromkeys(f"{e.op} at {e.where}" for e in events))
     detail = (f"{len(events)} syncs in {what}: " + "; ".join(sites[:4])
               + (f"; {len(sites) - 4} more sites" if len(sites) > 4 else "")
               + ". Keep the hot path device-side (torch.where, fixed-shape ops).")
-    return CheckResult("host syncs", False, per_step, 0.0, events[0].describe(), detail, extra)
+    return CheckResult("host syncs", passed=False, worst=per_step, limit=0.0, where=events[0].describe(),
+                       detail=detail, extra=extra)
