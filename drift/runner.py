@@ -60,13 +60,14 @@ def run_checked(cfg: Config, update="sync_free", mode: str = "mtp", steps: Optio
                 progress: Optional[Callable[[int, int], None]] = None,
                 verify_kernel=None, golden=None, vs_sequential: bool = False,
                 start: Optional[ResumePoint] = None, env2_start: Optional[np.ndarray] = None,
-                observers: Sequence = ()) -> RunReport:
+                observers: Sequence = (), sync_scan: bool = True) -> RunReport:
     """Run ``cfg`` through ``update`` and apply ``checks`` (default: the semantic checks, the
     drift bound and the growth exponent).
 
     golden: as for :class:`Comparison`. vs_sequential: also run the stream through
     sequential decode in lockstep and report the divergence. start / env2_start: resume
     every row from a :class:`ResumePoint` with the bound envelope it carries there.
+    sync_scan: also run the update on the virtual accelerator and fail on any host sync.
     """
     post = []
     if checks is None:
@@ -85,6 +86,10 @@ def run_checked(cfg: Config, update="sync_free", mode: str = "mtp", steps: Optio
     results = [c.result() for c in checks] + [p.result() for p in post] + [s.result() for s in shadows]
     if mode == "mtp":
         results.append(untouched_result(info.untouched_violation, info.steps))
+        if sync_scan:
+            from .syncs import sync_check
+
+            results.append(sync_check(cfg, sim.update))
     if info.stopped_early:
         results.append(CheckResult("run completed", False, None, None, "", f"stopped early: {info.stopped_early}"))
     return RunReport(cfg, info, results, comparison.reference_description())
