@@ -191,6 +191,10 @@ def _validate(cfg: Config) -> None:
                           f"(num_v_heads = {cfg.num_v_heads}), each in (0, 1)")
     if any(not (0.0 < d < 1.0) or math.isnan(d) for d in cfg.decays):
         raise ConfigError(f"decays={list(cfg.decays)} is invalid; allowed: per-token decays in (0, 1)")
+    bias = cfg.beta_bias
+    if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+        raise ConfigError(f"beta_bias={bias!r} is invalid; allowed: a finite number "
+                          "(offset of the gate input b)")
     if cfg.num_draft_tokens > cfg.conv_window + 1:  # guaranteed by the formula, kept as a guard
         raise ConfigError("num_draft_tokens exceeds conv window + 1")
 
