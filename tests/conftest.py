@@ -8,11 +8,9 @@ whole suite stays fast on two cores. Test modules import the plain helpers with
 from __future__ import annotations
 
 import hashlib
-import math
 from pathlib import Path
 from typing import Callable, Optional
 
-import pytest
 import torch
 
 from drift import preset
@@ -107,6 +105,15 @@ def run_sim(cfg, update="sync_free", on_step: Optional[Callable] = None, **kwarg
     return sim
 
 
+def pool_digests(cfg, update="sync_free", **kwargs) -> list[str]:
+    """Per step: digest of the whole pool (committed states, conv windows, scratch) and
+    the step's outputs."""
+    out: list[str] = []
+    run_sim(cfg, update, on_step=lambda sim, view: out.append(
+        digest(sim.pool.temporal, sim.pool.conv, sim.pool.intermediate_ssm, view.out)), **kwargs)
+    return out
+
+
 def committed_by_position(cfg, **kwargs) -> dict:
     """Run ``cfg`` and return ``{(row, position): committed state}`` (float64,
     ``[L, HV, K, V]``) for every position some step committed."""
@@ -133,14 +140,3 @@ def bad_spec(name: str) -> str:
     """File spec of a known-bad update in tests/bad_updates.py."""
     return f"{BAD_UPDATES}:{name}"
 
-
-@pytest.fixture
-def small():
-    """Factory fixture: ``small(steps=..., **overrides)`` -> Config."""
-    return small_cfg
-
-
-def finite_max(x) -> float:
-    v = float(x)
-    assert math.isfinite(v), v
-    return v

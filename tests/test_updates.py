@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import checks_of, digest, run_sim, small_cfg
+from conftest import checks_of, pool_digests, run_sim, small_cfg
 from drift.pool import StatePool
 from drift.updates import BUILTINS, guarded, sync_free
 
@@ -19,18 +19,10 @@ GUARD = dict(num_requests=2, pattern="model", acceptance=(0.5, 0.25, 0.1))
 STEPS = 120
 
 
-def _pool_digests(cfg, update):
-    """Per step: digest of the whole pool (committed states, conv windows, scratch)."""
-    out = []
-    run_sim(cfg, update, on_step=lambda sim, view: out.append(
-        digest(sim.pool.temporal, sim.pool.conv, sim.pool.intermediate_ssm, view.out)))
-    return out
-
-
 @pytest.mark.parametrize("num_padded, track_interval", [(1, 16), (1, 0), (0, 16)])
 def test_builtins_agree_bit_for_bit_where_semantics_agree(num_padded, track_interval):
     cfg = small_cfg(STEPS, num_padded=num_padded, track_interval=track_interval, **GUARD)
-    runs = {name: _pool_digests(cfg, name) for name in BUILTINS}
+    runs = {name: pool_digests(cfg, name) for name in BUILTINS}
     assert runs["sync_free"] == runs["device_select"]
     if num_padded:  # the guard never fires with a padded row at step -1
         assert runs["guarded"] == runs["sync_free"]
