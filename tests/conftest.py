@@ -11,6 +11,7 @@ import hashlib
 from pathlib import Path
 from typing import Callable, Optional
 
+import pytest
 import torch
 
 from drift import preset
@@ -134,6 +135,19 @@ def checks_of(cfg, update="sync_free", **kwargs) -> dict[str, CheckResult]:
     out = {c.name: c for c in rep.checks}
     out["report"] = rep
     return out
+
+
+@pytest.fixture
+def cpu_only(monkeypatch):
+    """Pin the accelerator probes to "absent": no CUDA, and torch_npu fails to import."""
+    from drift import devices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    def no_torch_npu(name, *args, **kwargs):
+        raise ImportError(f"No module named {name!r}")
+
+    monkeypatch.setattr(devices.importlib, "import_module", no_torch_npu)
 
 
 def bad_spec(name: str) -> str:

@@ -1,8 +1,8 @@
 """drift.devices: cpu by default; asking for an absent accelerator is a clear
 DeviceUnavailable (asserted, never skipped).
 
-The accelerator probes are pinned to "absent" with monkeypatch so the test states a
-CPU-only host everywhere (a CI runner with a GPU would otherwise flip the premise).
+The accelerator probes are pinned to "absent" (conftest's ``cpu_only``) so the tests
+state a CPU-only host everywhere (a runner with a GPU would otherwise flip the premise).
 """
 
 from __future__ import annotations
@@ -16,16 +16,6 @@ from conftest import small_cfg
 from drift import devices
 from drift.devices import DeviceUnavailable, resolve_device, supports_float64
 from drift.simulate import Simulation
-
-
-@pytest.fixture
-def cpu_only(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-
-    def no_torch_npu(name, *a, **k):
-        raise ImportError(f"No module named {name!r}")
-
-    monkeypatch.setattr(devices.importlib, "import_module", no_torch_npu)
 
 
 def test_cpu_resolves():
