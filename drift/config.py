@@ -39,6 +39,11 @@ PROFILES: dict[str, dict[str, str]] = {
 }
 
 
+# drift.stream keys its generators with the seed masked to 32 bits: a larger seed would
+# silently replay the stream of seed % 2^32 under a different stream_hash.
+SEED_MAX = 2**32 - 1
+
+
 class ConfigError(ValueError):
     """A config field has a value outside what it allows."""
 
@@ -163,6 +168,9 @@ def _validate(cfg: Config) -> None:
     for name in ("num_padded", "track_interval", "key_rank", "spare_slots", "seed"):
         _positive_int(cfg, name, 0)
     _positive_int(cfg, "prefill_len", cfg.conv_kernel - 1)
+    if cfg.seed > SEED_MAX:
+        raise ConfigError(f"seed={cfg.seed} is invalid; allowed: an integer in [0, {SEED_MAX}] "
+                          "(the stream keys its generators with 32-bit words)")
     if cfg.num_v_heads % cfg.num_k_heads:
         raise ConfigError(
             f"num_v_heads={cfg.num_v_heads} is not a multiple of num_k_heads={cfg.num_k_heads}; "
