@@ -21,6 +21,7 @@ INVALID = [
     ({"steps": "100"}, "integer"),
     ({"conv_kernel": 1}, ">= 2"),
     *[({f: -1}, ">= 0") for f in ("num_padded", "track_interval", "key_rank", "spare_slots", "seed")],
+    ({"seed": 2**32}, "[0, 4294967295]"),  # would alias seed 0 (32-bit generator keys)
     ({"prefill_len": 2}, ">= 3"),  # needs at least conv_kernel - 1 prompt tokens
     ({"num_k_heads": 4, "num_v_heads": 6, "decays": (0.5,) * 6}, "multiple"),
     ({"key_rank": 65}, "0 (full rank) .. 64"),

@@ -34,6 +34,16 @@ def test_true_tokens_are_a_pure_function_of_seed_row_and_position():
                [a[2 * TOKEN_BLOCK + 3: 2 * TOKEN_BLOCK + 9] for a in whole])
 
 
+def test_distinct_seeds_give_distinct_streams():
+    """No two allowed seeds share a stream (seeds are 32-bit; 2^32 is refused by the config)."""
+    seeds = (0, 1, 2**31, 2**32 - 1)
+    firsts = [TrueTokens(small_cfg(seed=s)).get(0, 0, 4)[0] for s in seeds]
+    scheds = [accept_lengths(small_cfg(seed=s, pattern="model"), 0, 64) for s in seeds]
+    for i in range(len(seeds)):
+        for j in range(i):
+            assert not np.array_equal(firsts[i], firsts[j]) and not np.array_equal(scheds[i], scheds[j])
+
+
 def test_a_block_regenerated_after_eviction_is_identical():
     cfg = small_cfg()
     tok = TrueTokens(cfg)
