@@ -33,8 +33,10 @@ def test_correct_update_passes_every_core_check(good):
     for name in CORE:
         assert good[name].passed, (name, good[name])
     assert good["report"].passed
-    # The committed-state worst case is bf16 rounding drift: well below the semantic
-    # threshold (the threshold is meant to separate the two; see the bad controls below).
+    # The committed-state worst case is bf16 rounding drift: drift.checks documents
+    # 0.003 .. 0.0124 for RNE on ci-small over 4,096 steps (0.007 here at 200 steps), so a
+    # quarter of the semantic threshold (0.0625) leaves a 5x margin over the long-run value
+    # while the bad controls below sit 10x above the threshold.
     assert good["committed state"].worst < SEMANTIC_TOL / 4
 
 
@@ -72,7 +74,8 @@ def test_known_bad_update_fails_its_check(variant, failing, passing, detail):
     for name in passing:  # the fault is confined to what the variant breaks
         assert res[name].passed, (name, res[name])
     if variant in ("commit_next_step", "track_next_step"):
-        # A semantic error is order one, far above the threshold, not a borderline miss.
+        # A semantic error is order one (one token's update or a rejected draft's: measured
+        # 1.7 .. 6 here), far above the threshold, not a borderline miss.
         assert res[failing].worst > 2 * SEMANTIC_TOL
 
 
@@ -88,7 +91,7 @@ def test_nan_commit_stops_the_run_and_fails():
     assert not res["run completed"].passed
 
 
-def test_wrong_outputs_fail_the_output_check_only():
+def test_wrong_outputs_fail_the_output_check_only(good):
     """A verify kernel whose outputs are 1.5x too large (states untouched) fails 'outputs'."""
     from drift.kernels import gdn_verify
 
@@ -97,7 +100,9 @@ def test_wrong_outputs_fail_the_output_check_only():
 
     res = checks_of(small_cfg(STEPS), "sync_free", verify_kernel=scaled)
     assert not res["outputs"].passed
-    assert res["outputs"].worst == pytest.approx(0.5, rel=0.05)  # |1.5 o - o| / |o|
+    # |1.5 (o + e) - o| / |o| = 0.5 up to 1.5 |e| / |o|, where e is the correct run's own
+    # rounding error (its 'outputs' worst, same stream and steps).
+    assert abs(res["outputs"].worst - 0.5) <= 1.5 * good["outputs"].worst
     assert res["committed state"].passed
 
 
