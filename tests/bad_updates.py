@@ -12,7 +12,8 @@ variant                    bug                             check that must fail
 ``track_next_step``        snapshots step + 1              tracked snapshots
 ``track_conv_late``        copies the conv window to the   tracked snapshots
                            track slot after the rollback
-``write_dummy_slot``       zeroes dummy slot 0             untouched slots
+``write_dummy_slot``       zeroes dummy slot 0's state     untouched slots
+``write_dummy_conv``       zeroes dummy slot 0's conv      untouched slots
 ``track_unconditional``    copies into the track slot of   untouched slots
                            every active row, tracked or not
 ``commit_nan``             commits NaN into row 0          finite states
@@ -87,6 +88,11 @@ def track_unconditional(self, last_correct_step_indices, mamba_track_indices, ma
 def write_dummy_slot(self, last_correct_step_indices, mamba_track_indices, mamba_steps_to_track):
     caches = _update(self, last_correct_step_indices, mamba_track_indices, mamba_steps_to_track)
     caches.temporal[:, 0] = 0.0
+
+
+def write_dummy_conv(self, last_correct_step_indices, mamba_track_indices, mamba_steps_to_track):
+    caches = _update(self, last_correct_step_indices, mamba_track_indices, mamba_steps_to_track)
+    caches.conv[0][:, 0] = 0.0
 
 
 def commit_nan(self, last_correct_step_indices, mamba_track_indices, mamba_steps_to_track):

@@ -62,6 +62,8 @@ def test_positive_control_written_like_a_plugin_passes():
     # Writing the dummy slot that padded rows point at.
     ("write_dummy_slot", "untouched slots", ("committed state", "conv windows", "tracked snapshots"),
      "wrote dummy slot 0 (slot 0) at step 0"),
+    ("write_dummy_conv", "untouched slots", ("committed state", "conv windows", "tracked snapshots"),
+     "wrote dummy slot 0 (slot 0) at step 0"),
     # Unconditional copy into untracked rows' track slots (no self-copy).
     ("track_unconditional", "untouched slots", ("committed state", "conv windows"),
      "wrote track slot of row"),
