@@ -12,6 +12,9 @@ variant                    bug                             check that must fail
 ``track_next_step``        snapshots step + 1              tracked snapshots
 ``track_conv_late``        copies the conv window to the   tracked snapshots
                            track slot after the rollback
+``track_rescaled``         snapshots the right step, then  tracked snapshots
+                           scales it by 1 + 2^-6 (a few    (bit-exact part only:
+                           bf16 ulps, rounding-sized)      the error is tiny)
 ``write_dummy_slot``       zeroes dummy slot 0's state     untouched slots
 ``write_dummy_conv``       zeroes dummy slot 0's conv      untouched slots
 ``track_unconditional``    copies into the track slot of   untouched slots
@@ -79,6 +82,13 @@ def track_next_step(self, last_correct_step_indices, mamba_track_indices, mamba_
 def track_conv_late(self, last_correct_step_indices, mamba_track_indices, mamba_steps_to_track):
     _update(self, last_correct_step_indices, mamba_track_indices, mamba_steps_to_track,
             track_conv_late=True)
+
+
+def track_rescaled(self, last_correct_step_indices, mamba_track_indices, mamba_steps_to_track):
+    caches = _update(self, last_correct_step_indices, mamba_track_indices, mamba_steps_to_track)
+    if mamba_track_indices is not None:
+        tracked = mamba_track_indices[mamba_steps_to_track >= 0].to(torch.int64)
+        caches.temporal[:, tracked] *= 1 + 2.0 ** -6
 
 
 def track_unconditional(self, last_correct_step_indices, mamba_track_indices, mamba_steps_to_track):
