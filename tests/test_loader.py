@@ -72,6 +72,11 @@ def plugin_file(tmp_path):
     return path
 
 
+def _unload_sgl(monkeypatch):
+    for name in SHIM_NAMES:
+        monkeypatch.delitem(sys.modules, name)
+
+
 def _run_and_check_calls(spec):
     upd = load_update(spec)
     res = checks_of(small_cfg(STEPS), upd)
@@ -110,9 +115,7 @@ def test_load_a_class_method_called_with_the_harness_as_self(plugin_file):
 
 
 def test_plugin_imports_the_shim_and_gets_drifts_kernels(plugin_file, monkeypatch):
-    # Start from a process where nothing installed the shim yet.
-    for name in SHIM_NAMES:
-        monkeypatch.delitem(sys.modules, name)
+    _unload_sgl(monkeypatch)  # start from a process where nothing installed the shim yet
     upd = load_update(f"{plugin_file}:update")
     assert getattr(sys.modules[SHIM_MODULE], "__drift_shim__", False)
     g = upd.fn.__globals__
@@ -122,16 +125,21 @@ def test_plugin_imports_the_shim_and_gets_drifts_kernels(plugin_file, monkeypatc
     _run_and_check_calls(f"{plugin_file}:update")
 
 
-def _fake_sgl_kernel_npu(root, body):
+def _install_fake_sgl_kernel_npu(root, body, monkeypatch):
+    """An importable sgl_kernel_npu under ``root`` whose kernel module is ``body``, with the
+    shim unloaded (both undone after the test)."""
     mamba = root / "sgl_kernel_npu" / "mamba"
     mamba.mkdir(parents=True)
     (root / "sgl_kernel_npu" / "__init__.py").write_text("")
     (mamba / "__init__.py").write_text("")
     (mamba / "mamba_state_update_triton.py").write_text(textwrap.dedent(body))
+    _unload_sgl(monkeypatch)
+    monkeypatch.syspath_prepend(str(root))
+    importlib.invalidate_caches()
 
 
 def test_the_real_package_is_used_when_present(tmp_path, monkeypatch):
-    _fake_sgl_kernel_npu(tmp_path, '''
+    _install_fake_sgl_kernel_npu(tmp_path, '''
         from drift import kernels
         CALLS = {"move": 0, "rollback": 0}
         def move_intermediate_cache(*args):
@@ -140,11 +148,7 @@ def test_the_real_package_is_used_when_present(tmp_path, monkeypatch):
         def conv_state_rollback(*args):
             CALLS["rollback"] += 1
             return kernels.conv_state_rollback(*args)
-    ''')
-    for name in SHIM_NAMES:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    importlib.invalidate_caches()
+    ''', monkeypatch)
     mod = sgl_kernels()
     assert not getattr(mod, "__drift_shim__", False) and kernels_in_use() == "sgl_kernel_npu"
     res = checks_of(small_cfg(STEPS), "sync_free")
@@ -153,11 +157,7 @@ def test_the_real_package_is_used_when_present(tmp_path, monkeypatch):
 
 
 def test_a_broken_real_package_is_an_error_not_a_silent_shim(tmp_path, monkeypatch):
-    _fake_sgl_kernel_npu(tmp_path, "raise ImportError('libascend missing')\n")
-    for name in SHIM_NAMES:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    importlib.invalidate_caches()
+    _install_fake_sgl_kernel_npu(tmp_path, "raise ImportError('libascend missing')\n", monkeypatch)
     with pytest.raises(LoadError, match="installed but.*libascend missing"):
         sgl_kernels()
 
