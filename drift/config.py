@@ -224,10 +224,10 @@ PRESETS: dict[str, Config] = {
     "stagnation": Config(
         name="stagnation",
         num_layers=1, num_requests=2, num_padded=1, num_k_heads=1, num_v_heads=2,
-        head_k_dim=64, head_v_dim=64, track_interval=16, steps=4096, decays=(0.999, 0.9995),
-        key_rank=4, pattern="model",
-        description="Adversarial: per-token decay ~0.999 and keys in a rank-4 coordinate "
-                    "subspace, where bf16 round-to-nearest stagnates.",
+        head_k_dim=64, head_v_dim=64, track_interval=16, steps=4096, decays=(0.999, 0.9998),
+        key_rank=4, beta_bias=-10.0, pattern="model",
+        description="Adversarial: per-token decay 0.999 and 0.9998, keys in a rank-4 coordinate "
+                    "subspace, tiny writes (beta ~ 5e-5): bf16 round-to-nearest stagnates.",
     ),
 }
 
