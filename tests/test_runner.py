@@ -32,9 +32,13 @@ def test_verdict_needs_every_check_and_a_complete_run():
 
 
 def test_report_dict_is_strict_json():
-    rep = _report([CheckResult("b", False, float("nan"), float("inf"))])
+    inf = float("inf")
+    extra = {"bound": {"worst_ratio_per_head": [[inf, 1.0]], "growth": (float("nan"),)}}
+    rep = _report([CheckResult("b", False, float("nan"), inf, extra=extra)])
     d = rep.to_dict()
-    text = json.dumps(d, allow_nan=False)  # NaN / inf worst values must not leak into JSON
-    assert json.loads(text)["checks"][0]["worst"] is None
+    text = json.dumps(d, allow_nan=False)  # NaN / inf must not leak into JSON, extras included
+    c = json.loads(text)["checks"][0]
+    assert c["worst"] is None and c["limit"] is None
+    assert c["bound"] == {"worst_ratio_per_head": [[None, 1.0]], "growth": [None]}
     assert d["schema"] == 1 and d["verdict"] == "fail" and d["run"]["steps_per_s"] is None
     assert set(d["versions"]) == {"drift", "torch", "numpy", "python"}
