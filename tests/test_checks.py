@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from conftest import bad_spec, checks_of, small_cfg
-from drift.checks import (SEMANTIC_TOL, Check, StateCheck, TrackCheck, rel_err, untouched_result)
-from drift.compare import MetricsChunk
+from drift.checks import SEMANTIC_TOL, Check, StateCheck, TrackCheck, untouched_result
+from drift.compare import PER_HEAD, PER_ROW, MetricsChunk
+from drift.metrics import rel_err
 
 CORE = ("finite states", "committed state", "outputs", "conv windows", "tracked snapshots",
         "untouched slots")
@@ -121,31 +122,33 @@ def test_rel_err_uses_the_norm_floor():
 
 
 def _chunk(count=2, R=1, **over):
-    z = np.zeros((count, 1, R, 1))
-    zr = np.zeros((count, R), np.int64)
-    base = dict(step0=0, count=count, err2=z, ref2=z + 1, run2=z + 1, finite=z == 0,
-                out_err2=z, out_ref2=z + 1, conv_bad=zr, trk_err2=z, trk_ref2=z + 1,
-                trk_bits_bad=zr, trk_conv_bad=zr, pre=zr, accept=zr + 1, track=zr - 1)
-    base.update(over)
-    return MetricsChunk(**base)
+    """A MetricsChunk of zero errors (unit references), one layer and head, nothing tracked."""
+    arrays = {k: np.zeros((count, 1, R, 1)) for k in PER_HEAD}
+    arrays.update({k: np.zeros((count, R), np.int64) for k in PER_ROW})
+    arrays.update(ref2=np.ones((count, 1, R, 1)), finite=np.ones((count, 1, R, 1), bool),
+                  pre=np.zeros((count, R), np.int64), accept=np.ones((count, R), np.int64),
+                  track=np.full((count, R), -1, np.int64))
+    arrays.update(over)
+    return MetricsChunk(0, count, arrays)
 
 
-class _Sim:
-    class cfg:
-        head_v_dim = 16
-        track_interval = 16
-    mode = "mtp"
+class _Comparison:  # what Check.start reads: comparison.sim.cfg / .mode
+    class sim:
+        class cfg:
+            head_v_dim = 16
+            track_interval = 16
+        mode = "mtp"
 
 
 def test_a_check_that_saw_nothing_fails():
     c = StateCheck()
-    c.start(_Sim)
+    c.start(_Comparison)
     assert not c.result().passed
 
 
 def test_state_check_locates_the_first_failure():
     c = StateCheck()
-    c.start(_Sim)
+    c.start(_Comparison)
     err2 = np.zeros((3, 1, 1, 1))
     err2[2] = 1.0  # relative error 1 at step 2
     c.consume(_chunk(3, err2=err2, ref2=np.ones((3, 1, 1, 1))))
@@ -156,7 +159,7 @@ def test_state_check_locates_the_first_failure():
 
 def test_track_check_with_tracking_on_but_no_boundary_fails():
     c = TrackCheck()
-    c.start(_Sim)
+    c.start(_Comparison)
     c.consume(_chunk())
     assert not c.result().passed
 
@@ -170,6 +173,6 @@ def test_untouched_result_verdicts():
 
 def test_base_check_treats_nan_as_worst():
     c = Check(limit=1.0)
-    c.start(_Sim)
+    c.start(_Comparison)
     c._update(np.array([[0.5], [math.nan]]), 0, dims=("row",))
     assert c.first_fail == "step 1, row 0"

@@ -348,7 +348,7 @@ def test_gdn_decode_without_rounding_and_capture_match_float64():
         st = state_kv.clone().to(cd)
         cap = torch.zeros(L, N, HV, K, V, dtype=cd)
         kernels.gdn_decode(st, torch.tensor(SLOTS), q, k, v, g, beta, torch.tensor(num),
-                           compute_dtype=cd, capture_steps=capture, capture_out=cap)
+                           compute_dtype=cd, captures=((capture, cap),))
         for n, s in enumerate(SLOTS[:-1]):
             ref = ref_final[:, n]
             tol = state_bound(num[n], ref.norm(dim=(-1, -2)), v[:, n].double().norm(dim=-1).amax(1), u)

@@ -25,7 +25,10 @@ def test_npu_layout_is_a_transposed_view_of_kv_storage():
     assert not p.temporal.is_contiguous() and p.temporal.transpose(-1, -2).is_contiguous()
     assert not p.intermediate_ssm.is_contiguous() and p.inter_kv.is_contiguous()
     assert p.ssm_kv.shape == (L, S, HV, K, V) and p.ssm_kv.data_ptr() == p.temporal.data_ptr()
-    assert p.conv.shape == (L, S, cfg.conv_window, cfg.conv_channels) and p.conv.is_contiguous()
+    # Conv windows: a transposed view of channel-major [L, S, C, W] storage, so code working
+    # on a .contiguous() copy loses its writes (sgl-kernel-npu #748).
+    assert p.conv.shape == (L, S, cfg.conv_window, cfg.conv_channels)
+    assert not p.conv.is_contiguous() and p.conv.transpose(-1, -2).is_contiguous()
     assert p.temporal.dtype == p.intermediate_ssm.dtype == torch.bfloat16
 
 
@@ -33,6 +36,7 @@ def test_contiguous_layout_and_fp32_profile():
     cfg, p = _pool(ssm_dtype="float32", layout="contiguous")
     assert p.temporal.is_contiguous() and p.intermediate_ssm.is_contiguous()
     assert not p.ssm_kv.is_contiguous()  # the kernels' [K, V] orientation is the view here
+    assert p.conv.is_contiguous()
     assert p.temporal.dtype == torch.float32 and p.conv.dtype == torch.bfloat16
 
 
