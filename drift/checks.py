@@ -58,9 +58,16 @@ class CheckResult:
 
     def to_dict(self) -> dict:
         def clean(v):
+            # Non-finite floats anywhere (a NaN run's worst values, its bound ratios in
+            # extra) become None: the report must stay strict JSON.
+            if isinstance(v, dict):
+                return {k: clean(x) for k, x in v.items()}
+            if isinstance(v, (list, tuple)):
+                return [clean(x) for x in v]
             return None if v is None or (isinstance(v, float) and not math.isfinite(v)) else v
         return {"name": self.name, "passed": self.passed, "worst": clean(self.worst),
-                "limit": clean(self.limit), "where": self.where, "detail": self.detail, **self.extra}
+                "limit": clean(self.limit), "where": self.where, "detail": self.detail,
+                **clean(self.extra)}
 
 
 def locate(idx: tuple, step0: int, dims: tuple[str, ...] = ("layer", "row", "head")) -> str:
