@@ -25,6 +25,7 @@ PER_HEAD = (
     "ref2",      # ||twin||_F^2
     "run2",      # ||run||_F^2
     "ulp2_run",  # ||ulp(run)||_F^2 in the state dtype: the size of one store rounding
+    "ulp4_run",  # sum ulp(run)^4: how much one rounding's energy fluctuates
     "ulp2_bf16", # ||ulp_bf16(twin)||_F^2: the unit of the bf16-ULP error metric
     "rho2",      # contraction of the error energy over this step's accepted tokens (bound model)
     "logdecay",  # sum of g over the accepted tokens: log of the pure decay of this step
@@ -40,13 +41,17 @@ PER_ROW = ("conv_bad", "trk_bits_bad", "trk_conv_bad", "gold_ckpt_bad", "gold_ck
 MANTISSA_BITS = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}
 
 
-def ulp2_sum(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``sum(ulp(x)^2)`` over the last two dims: ulp = spacing of ``dtype``'s grid at each
-    element of float64 ``x`` (``2^(e - p)`` with ``x = m 2^e``, ``m`` in [0.5, 1), p mantissa
-    bits), 0 where x is 0. Returns float64 of x's shape minus two dims."""
+def ulp_sq(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``ulp(x)^2`` elementwise: ulp = spacing of ``dtype``'s grid at each element of float64
+    ``x`` (``2^(e - p)`` with ``x = m 2^e``, ``m`` in [0.5, 1), p mantissa bits), 0 where x is 0."""
     _, e = torch.frexp(x)
     sq = torch.exp2((e - MANTISSA_BITS[dtype]).to(x.dtype) * 2.0)
-    return torch.where(x == 0, torch.zeros_like(x), sq).sum((-1, -2))
+    return torch.where(x == 0, torch.zeros_like(x), sq)
+
+
+def ulp2_sum(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``sum(ulp(x)^2)`` over the last two dims (float64, x's shape minus two dims)."""
+    return ulp_sq(x, dtype).sum((-1, -2))
 
 
 class MetricsChunk:
@@ -125,7 +130,9 @@ class Comparison:
         # One rounding of the prefill state on load: the bound model's starting point.
         pool = sim.pool
         run0 = pool.ssm_kv[:, pool.active_slots].to(dev, F64)
-        self.ulp2_initial = ulp2_sum(run0, pool.temporal.dtype).cpu().numpy()
+        u2 = ulp_sq(run0, pool.temporal.dtype)
+        self.ulp2_initial = u2.sum((-1, -2)).cpu().numpy()
+        self.ulp4_initial = u2.square().sum((-1, -2)).cpu().numpy()
         for c in self.consumers:
             c.start(self)
 
@@ -151,7 +158,9 @@ class Comparison:
         buf["err2"][i] = (run - twin.state).square().sum((-1, -2))
         buf["ref2"][i] = twin.state.square().sum((-1, -2))
         buf["run2"][i] = run.square().sum((-1, -2))
-        buf["ulp2_run"][i] = ulp2_sum(run, pool.temporal.dtype)
+        u2 = ulp_sq(run, pool.temporal.dtype)
+        buf["ulp2_run"][i] = u2.sum((-1, -2))
+        buf["ulp4_run"][i] = u2.square().sum((-1, -2))
         buf["ulp2_bf16"][i] = ulp2_sum(twin.state, torch.bfloat16)
         buf["finite"][i] = torch.isfinite(run).all(-1).all(-1)
         acc = torch.from_numpy(view.accept).to(dev)
