@@ -129,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"decode steps averaged (default {DEFAULT_STEPS})")
     bu.add_argument("--json", action="store_true", help="print JSON (a list of objects)")
     bu.set_defaults(func=cmd_bench_update)
+    sub.add_parser("nightly", help="long-horizon drift matrix with checkpoints and a report (see drift nightly --help)")
+    sub.add_parser("report", help="report tools: drift report merge SHARD_DIRS... -o OUT")
     sub.add_parser("regen-golden", help="regenerate golden trajectories (same as scripts/regen_golden.py; "
                                         "see drift regen-golden --help)")
     return ap
@@ -139,6 +141,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv[:1] == ["regen-golden"]:
         from .golden import regen_main
         return regen_main(argv[1:])
+    if argv[:1] == ["nightly"]:
+        from .nightly import main as nightly_main
+        return nightly_main(argv[1:])
+    if argv[:1] == ["report"]:
+        from .nightly import report_main
+        return report_main(argv[1:])
     ap = build_parser()
     args = ap.parse_args(argv)
     try:
