@@ -46,7 +46,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     resolve_device(cfg.device)
     progress = None if args.quiet else progress_printer(f"drift run {cfg.name}")
-    rep = run_checked(cfg, args.update, mode=args.mode, progress=progress, vs_sequential=args.vs_sequential)
+    from .verify_kernels import load_kernel
+
+    kernel = load_kernel(args.kernel)
+    rep = run_checked(cfg, args.update, mode=args.mode, progress=progress, vs_sequential=args.vs_sequential,
+                      verify_kernel=kernel)
     print(summary_text(rep))
     if args.report:
         for path in write_report(rep, args.report):
@@ -101,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--update", default=DEFAULT_UPDATE,
                      help="built-in (guarded, sync_free, device_select), module:qualname or file.py:qualname "
                           f"(default {DEFAULT_UPDATE})")
+    run.add_argument("--kernel", default=None, metavar="SPEC",
+                     help="verify kernel under test: portable (default), npu, npu-op:<spec>, mutant:<name>, "
+                          "module:qualname or file.py:qualname")
     run.add_argument("--mode", choices=("mtp", "sequential"), default="mtp",
                      help="mtp (default) or sequential non-MTP decode of the same stream")
     run.add_argument("--vs-sequential", action="store_true",
