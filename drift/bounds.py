@@ -57,9 +57,11 @@ COMPUTE_MANTISSA = 24  # fp32 compute
 # errors stay below ~1e-6 (docs/bounds.md).
 COMPUTE_FLOOR = 1e-5
 
-# max over 20 seeds x (layers, rows, heads) x 4,096 steps of error / sqrt(env2) for a correct
-# implementation, times a margin: see docs/bounds.md (scripts/calibrate_bounds.py).
-CALIBRATED_RATIO = 1.0
+# max over 20 seeds x 3 cases (MTP round-to-nearest, MTP stochastic, sequential) x (layers,
+# rows, heads) x 4,096 steps of error / sqrt(env2 + Z sqrt(var2)) for a correct implementation
+# on ci-small: docs/bounds.md, docs/calibration.json (scripts/calibrate_bounds.py). The median
+# seed's worst is 1.07-1.09; the margin covers longer horizons and unseen seeds.
+CALIBRATED_RATIO = 1.1589
 BOUND_MARGIN = 1.25
 BOUND_CONSTANT = CALIBRATED_RATIO * BOUND_MARGIN
 

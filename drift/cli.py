@@ -1,4 +1,5 @@
-"""Command line: ``drift run`` (the main job), ``drift bench``, ``drift bench-update``.
+"""Command line: ``drift run`` (the main job), ``bench``, ``bench-update``, ``nightly``, ``report merge``,
+``tradeoff``, ``mutants``, ``regen-golden``.
 
 Exit codes: 0 every check passed; 1 a check failed; 2 usage, config, load or device error.
 """
@@ -138,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     bu.set_defaults(func=cmd_bench_update)
     sub.add_parser("nightly", help="long-horizon drift matrix with checkpoints and a report (see drift nightly --help)")
     sub.add_parser("report", help="report tools: drift report merge SHARD_DIRS... -o OUT")
+    sub.add_parser("tradeoff", help="syncs, bytes, drift and verdicts per built-in (see drift tradeoff --help)")
+    sub.add_parser("mutants", help="mutation score of the PR-gating checks (see drift mutants --help)")
     sub.add_parser("regen-golden", help="regenerate golden trajectories (same as scripts/regen_golden.py; "
                                         "see drift regen-golden --help)")
     return ap
@@ -154,6 +157,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv[:1] == ["report"]:
         from .nightly import report_main
         return report_main(argv[1:])
+    if argv[:1] == ["tradeoff"]:
+        from .teeth import tradeoff_main
+        return tradeoff_main(argv[1:])
+    if argv[:1] == ["mutants"]:
+        from .teeth import mutants_main
+        return mutants_main(argv[1:])
     ap = build_parser()
     args = ap.parse_args(argv)
     try:

@@ -34,9 +34,10 @@ from .updates import BUILTINS
 
 BATCH_SIZES: tuple[int, ...] = tuple(2 ** i for i in range(9))  # 1 .. 256 active requests
 DEFAULT_STEPS = 16
-BYTES_MODEL = ("for every non-view dispatched op: bytes of its tensor inputs + bytes of its tensor "
-               "outputs that are not one of its inputs (numel x element size, from shapes); an upper "
-               "bound on traffic -- an index op counts its whole source tensor")
+BYTES_MODEL = ("from shapes, per non-view dispatched op: an indexed read (index, index_select, gather) "
+               "moves 2 x the bytes it gathers plus its indices; an indexed write (index_put, index_copy, "
+               "scatter) 2 x the bytes of its values plus its indices; any other op its input bytes plus "
+               "its new output bytes (numel x element size)")
 LATENCY_WARMUP = 2  # untimed calls before timing on a device (first-call allocation and launch setup)
 
 

@@ -112,6 +112,28 @@ def op_name(func) -> str:
     return f"{ns}.{name}"
 
 
+_GATHERS = ("aten.index.Tensor", "aten.index_select", "aten.gather", "aten.take")
+_SCATTERS = ("aten.index_put", "aten._index_put_impl", "aten.index_copy", "aten.scatter", "aten.index_add")
+
+
+def _nbytes(ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def op_bytes(func, ins: list, outs: list) -> int:
+    """Bytes an op moves, from shapes: an indexed read moves what it gathers (read + write of
+    the result) and its indices; an indexed write moves its values (read + write in place)
+    and its indices; any other op reads its inputs and writes its new outputs."""
+    name = op_name(func)
+    index = [t for t in ins[1:] if not t.is_floating_point() and not t.is_complex()]
+    if name.startswith(_GATHERS):
+        return 2 * _nbytes(outs) + _nbytes(index)
+    if name.startswith(_SCATTERS):
+        values = [t for t in ins[1:] if t.is_floating_point() or t.is_complex()]
+        return 2 * _nbytes(values) + _nbytes(index)
+    return _nbytes(ins) + _nbytes(outs)
+
+
 def sync_reasons(func, args: tuple, kwargs: dict) -> list[str]:
     """Why dispatching ``func(*args, **kwargs)`` synchronises host and device (empty: it does not).
 
@@ -589,7 +611,7 @@ class SyncDetector:
         ins = [x for x in flat_in if isinstance(x, torch.Tensor)]
         outs = [o for o in tree_flatten(out)[0]
                 if isinstance(o, torch.Tensor) and not any(o is x for x in ins)]
-        rep.bytes += sum(t.numel() * t.element_size() for t in ins + outs)
+        rep.bytes += op_bytes(func, ins, outs)
 
 
 def detect_syncs(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> SyncReport:

@@ -1,0 +1,138 @@
+"""Teeth: the mutation score of the PR-gating checks and the both-directions trade-off table.
+
+``drift mutants`` runs every regression of :mod:`drift.mutants` through the PR-gating checks
+and records which checks caught it; ``drift tradeoff`` runs every built-in and reports, per
+implementation, syncs and bytes per step, the worst drift-to-bound ratio and a verdict in
+each direction (the seesaw of the sglang #32130 review). Both report what they measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional, Sequence
+
+from .config import DEFAULT_PRESET, PRESETS, Config, ConfigError, preset
+from .mutants import MUTANTS
+from .runner import run_checked
+from .updates import BUILTINS
+
+TEETH_STEPS = 1024  # decode steps per run: every mutant is caught well within it (docs/bounds.md)
+SYNC_CHECK = "host syncs"
+
+
+def _verdicts(rep) -> tuple[list[str], Optional[float], Optional[float]]:
+    """(names of failed gated checks, worst bound ratio, syncs per step)."""
+    failed = [c.name for c in rep.checks if not c.passed and c.extra.get("kind") != "info" and c.applicable]
+    ratio = next((c.worst for c in rep.checks if c.name == "drift bound"), None)
+    syncs = next((c.worst for c in rep.checks if c.name == SYNC_CHECK), None)
+    return failed, ratio, syncs
+
+
+def run_spec(cfg: Config, update: str = "device_select", kernel: Optional[str] = None):
+    from .verify_kernels import load_kernel
+
+    return run_checked(cfg, update, verify_kernel=load_kernel(kernel))
+
+
+def evaluate_mutant(name: str, cfg: Config) -> dict:
+    """Run one mutant through every PR-gating check; which checks caught it."""
+    m = MUTANTS[name]
+    rep = run_spec(cfg, f"mutant:{name}") if m.kind == "update" else run_spec(cfg, kernel=f"mutant:{name}")
+    failed, ratio, syncs = _verdicts(rep)
+    return {"mutant": name, "direction": m.direction, "kind": m.kind, "description": m.description,
+            "thread": m.thread, "caught": bool(failed), "caught_by": failed,
+            "worst_bound_ratio": ratio, "syncs_per_step": syncs}
+
+
+def catalogue(cfg: Config, names: Optional[Sequence[str]] = None) -> list[dict]:
+    return [evaluate_mutant(n, cfg) for n in (names or list(MUTANTS))]
+
+
+def tradeoff(cfg: Config, impls: Sequence[str] = tuple(BUILTINS), unpadded_guard: bool = True) -> list[dict]:
+    """One row per built-in on ``cfg``; with ``unpadded_guard`` also ``guarded`` on the same batch
+    without padded rows (its guard never fires while a padded row carries step -1)."""
+    from .costmodel import measure
+
+    runs = [(impl, cfg, impl) for impl in impls]
+    if unpadded_guard and "guarded" in impls and cfg.num_padded > 0:
+        runs.append(("guarded", cfg.replace(num_padded=0), "guarded (no padded rows)"))
+    rows = []
+    for impl, c, label in runs:
+        rep = run_checked(c, impl)
+        failed, ratio, syncs = _verdicts(rep)
+        (cost,) = measure(c, [impl], [c.num_requests])
+        rows.append({"impl": label, "syncs_per_step": syncs, "bytes_per_step": cost.bytes_per_step,
+                     "worst_bound_ratio": ratio, "precision_ok": not [f for f in failed if f != SYNC_CHECK],
+                     "sync_free": SYNC_CHECK not in failed, "failed_checks": failed,
+                     "batch": f"{c.num_requests} requests + {c.num_padded} padded"})
+    return rows
+
+
+# --------------------------------------------------------------------- render
+def _num(v: Optional[float], digits: int = 3) -> str:
+    return "-" if v is None else f"{v:.{digits}g}"
+
+
+def mutants_markdown(rows: Sequence[dict], cfg: Config) -> str:
+    caught = sum(r["caught"] for r in rows)
+    lines = [f"**Mutation score: {caught}/{len(rows)} caught** ({cfg.name}, {cfg.steps} steps, every "
+             "PR-gating check)", "",
+             "| mutant | direction | what it does | modelled on | caught by |", "|---|---|---|---|---|"]
+    for r in rows:
+        by = ", ".join(r["caught_by"]) if r["caught"] else "**NOT CAUGHT**"
+        lines.append(f"| `{r['mutant']}` | {r['direction']} | {r['description']} | {r['thread'] or '-'} | {by} |")
+    return "\n".join(lines)
+
+
+def tradeoff_markdown(rows: Sequence[dict], cfg: Config) -> str:
+    lines = [f"Trade-off on {cfg.name} ({cfg.steps} steps):", "",
+             "| implementation | syncs/step | bytes/step | worst drift/bound | precision | sync free |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| `{r['impl']}` | {_num(r['syncs_per_step'])} | {r['bytes_per_step'] / 2**20:.3g} MiB | "
+                     f"{_num(r['worst_bound_ratio'])} | {'PASS' if r['precision_ok'] else 'FAIL'} | "
+                     f"{'PASS' if r['sync_free'] else 'FAIL'} |")
+    return "\n".join(lines)
+
+
+def _config(args) -> Config:
+    return preset(args.preset, steps=args.steps or TEETH_STEPS)
+
+
+def tradeoff_main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="drift tradeoff", description="Both-directions trade-off of the built-ins.")
+    ap.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS))
+    ap.add_argument("--steps", type=int, help=f"decode steps (default {TEETH_STEPS})")
+    fmt = ap.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="a JSON list of objects")
+    fmt.add_argument("--markdown", action="store_true", help="the Markdown table (the default output)")
+    args = ap.parse_args(argv)
+    try:
+        cfg = _config(args)
+    except ConfigError as exc:
+        print(f"drift tradeoff: error: {exc}", file=sys.stderr)
+        return 2
+    rows = tradeoff(cfg)
+    print(json.dumps(rows, indent=2) if args.json else tradeoff_markdown(rows, cfg))
+    return 0
+
+
+def mutants_main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="drift mutants", description="Mutation score of the PR-gating checks.")
+    ap.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS))
+    ap.add_argument("--steps", type=int, help=f"decode steps (default {TEETH_STEPS})")
+    ap.add_argument("--mutant", action="append", choices=sorted(MUTANTS), help="only these (repeatable)")
+    fmt = ap.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true")
+    fmt.add_argument("--markdown", action="store_true", help="the Markdown table (the default output)")
+    args = ap.parse_args(argv)
+    try:
+        cfg = _config(args)
+    except ConfigError as exc:
+        print(f"drift mutants: error: {exc}", file=sys.stderr)
+        return 2
+    rows = catalogue(cfg, args.mutant)
+    print(json.dumps(rows, indent=2) if args.json else mutants_markdown(rows, cfg))
+    return 0 if all(r["caught"] for r in rows) else 1
