@@ -297,7 +297,84 @@ def move_intermediate_cache(ssm_states: torch.Tensor, intermediate_state_cache: 
     ok = (step >= 0) & (step < D)
     dst = dst_indices.to(device=dev, dtype=torch.int64)
     src = src_indices.to(device=dev, dtype=torch.int64)
-    vals = intermediate_state_cache[:, src, torch.where(ok, step, torch.zeros_like(step))]
-    keep = ssm_states[:, dst]
-    ssm_states[:, dst] = torch.where(ok[None, :, None, None, None], vals, keep)
+    step0 = torch.where(ok, step, torch.zeros_like(step))
+    ssm, inter = _dense_last(ssm_states, intermediate_state_cache)
+    ssm2, inter2 = _as_rows(ssm, 2), _as_rows(inter, 3)
+    if ssm2 is None or inter2 is None:  # strides that do not flatten: generic gather/select/scatter
+        vals = inter[:, src, step0]
+        keep = ssm[:, dst]
+        ssm[:, dst] = torch.where(ok[None, :, None, None, None], vals, keep)
+        return ssm_states
+    _select_rows(ssm2, _flat_rows(dst, ssm.shape[0], ssm.shape[1]),
+                 inter2, _flat_rows(src * D + step0, inter.shape[0], inter.shape[1] * D), ok)
     return ssm_states
+
+
+def _dense_last(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(a, b)``, or both transposed in their last two dims when that makes the last dim the
+    densest in both (an elementwise copy between them means the same either way)."""
+    if a.stride(-1) > a.stride(-2) and b.stride(-1) > b.stride(-2):
+        return a.transpose(-1, -2), b.transpose(-1, -2)
+    return a, b
+
+
+def _as_rows(t: torch.Tensor, lead: int) -> torch.Tensor | None:
+    """``t`` viewed (never copied) as ``[prod(shape[:lead]), prod(shape[lead:])]``, or None when
+    its strides do not allow that."""
+    inner = 1
+    for s in t.shape[lead:]:
+        inner *= s
+    if t.numel() == 0:
+        return None
+    try:
+        return t.view(-1, inner)
+    except RuntimeError:
+        return None
+
+
+_WIDE = (torch.complex128, torch.int64, torch.int32, torch.int16)
+
+
+def _wide_rows(*rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``[R, E]`` CPU row views of one dtype reinterpreted as the widest element that fits (bits
+    unchanged): CPU index kernels copy element by element, so 16-byte elements move bf16
+    rows about 6x faster. Returned unchanged when no wider view exists or not on the CPU."""
+    if rows[0].device.type != "cpu":  # accelerator index kernels need no help (nor complex128)
+        return rows
+    for wide in _WIDE:
+        if wide.itemsize <= rows[0].element_size():
+            break
+        try:
+            return tuple(r.view(wide) for r in rows)
+        except RuntimeError:
+            continue
+    return rows
+
+
+def _flat_rows(idx: torch.Tensor, L: int, per_layer: int) -> torch.Tensor:
+    """Row numbers ``l * per_layer + idx[i]`` of a ``[L * per_layer, E]`` view: int64 ``[L, len(idx)]``."""
+    return torch.arange(L, device=idx.device, dtype=torch.int64)[:, None] * per_layer + idx[None, :]
+
+
+def _select_rows(dst2: torch.Tensor, dst_rows: torch.Tensor, src2: torch.Tensor,
+                 src_rows: torch.Tensor, ok: torch.Tensor) -> None:
+    """``dst2[dst_rows[l, i]] = src2[src_rows[l, i]]`` where ``ok[i]``, else rewrite its own bits.
+
+    dst2 / src2: ``[rows, E]`` views of the same dtype; dst_rows / src_rows int64 ``[L, N]``;
+    ok bool ``[N]``. Sync free: per chunk of layers, gather the N candidate and N current
+    rows side by side, pick one of each pair by index (a row copy, no arithmetic), scatter.
+    """
+    dst2, src2 = _wide_rows(dst2, src2)
+    L, N = dst_rows.shape
+    lc = _layer_chunk((2, N, dst2.shape[1]), dst2.element_size())
+    m = lc * N
+    buf = torch.empty(2 * m, dst2.shape[1], dtype=dst2.dtype, device=dst2.device)
+    j = torch.arange(m, device=dst2.device, dtype=torch.int64)
+    pick = torch.where(ok.repeat(lc), j, j + m)  # candidate row j, or current row m + j
+    for l0 in range(0, L, lc):
+        l1 = min(L, l0 + lc)
+        n = (l1 - l0) * N
+        d = dst_rows[l0:l1].reshape(-1)
+        torch.index_select(src2, 0, src_rows[l0:l1].reshape(-1), out=buf[:n])
+        torch.index_select(dst2, 0, d, out=buf[m:m + n])
+        dst2.index_copy_(0, d, buf.index_select(0, pick[:n]))
