@@ -111,7 +111,15 @@ def conv_state_rollback(conv_states: torch.Tensor, state_indices: torch.Tensor,
     src = torch.where(w[None, :] >= shift[:, None], w[None, :] - shift[:, None], w[None, :])  # [N, W]
     slot = state_indices.to(device=dev, dtype=torch.int64)
     # Gather then scatter; rows with shift 0 write back their own bits.
-    conv_states[:, slot] = conv_states[:, slot[:, None], src]
+    rows = _as_rows(conv_states, 3)
+    if rows is None:  # strides that do not flatten
+        conv_states[:, slot] = conv_states[:, slot[:, None], src]
+        return conv_states
+    L, S = conv_states.shape[:2]
+    base = _flat_rows(slot * W, L, S * W)[:, :, None]  # [L, N, 1]
+    (rows,) = _wide_rows(rows)
+    moved = rows.index_select(0, (base + src[None]).reshape(-1))
+    rows.index_copy_(0, (base + w[None, None, :]).reshape(-1), moved)
     return conv_states
 
 
