@@ -69,23 +69,44 @@ def conv_verify(conv_states: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
     ``[old[D:], x_0 .. x_{D-1}]`` (what conv_state_rollback later undoes).
     """
     L, S, W, C = conv_states.shape
-    D, Kc = x.shape[2], weight.shape[-1]
+    N, D, Kc = x.shape[1], x.shape[2], weight.shape[-1]
     slots = slots.to(torch.int64)
-    buf = conv_states.index_select(1, slots)  # [L, N, W, C]
+    rows = _as_rows(conv_states, 2)  # [L * S, W * C] when the strides allow: whole-slot row copies
+    flat = _flat_rows(slots, L, S).reshape(-1)
+    if rows is None:
+        buf = conv_states.index_select(1, slots)  # [L, N, W, C]
+    else:
+        buf = rows.index_select(0, flat).view(L, N, W, C)
     out = conv_silu(buf[:, :, W - (Kc - 1):], x, weight, torch.float32)
     rolled = torch.cat([buf[:, :, D:], x.to(conv_states.dtype)], dim=2)
-    conv_states.index_copy_(1, slots, rolled)
+    if rows is None:
+        conv_states.index_copy_(1, slots, rolled)
+    else:
+        dst, src = _wide_rows(rows, rolled.view(L * N, W * C))
+        dst.index_copy_(0, flat, src)
     return out
 
 
 def conv_silu(window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
               dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """SiLU(causal depthwise conv) of the D tokens ``x [L, N, D, C]`` given the ``Kc-1`` tokens
-    before them, ``window [L, N, Kc-1, C]``; weight ``[L, C, Kc]``. Returns ``[L, N, D, C]`` in dtype."""
-    Kc = weight.shape[-1]
-    seq = torch.cat([window.to(dtype), x.to(dtype)], dim=2)
-    win = seq.unfold(2, Kc, 1)  # [L, N, D, C, Kc]
-    return F.silu(torch.einsum("lndck,lck->lndc", win, weight.to(dtype)))
+    before them, ``window [L, N, Kc-1, C]``; weight ``[L, C, Kc]``. Returns ``[L, N, D, C]`` in dtype,
+    stored in memory order ``[L, C, N, D]`` (see the end)."""
+    D, Kc = x.shape[2], weight.shape[-1]
+    seq = torch.cat([window.to(dtype), x.to(dtype)], dim=2)  # [L, N, Kc-1+D, C]
+    taps = weight.to(dtype).permute(2, 0, 1).contiguous()[:, :, None, None, :]  # [Kc, L, 1, 1, C]
+    # Taps summed in order m = 0 .. Kc-1, each product rounded then added (no FMA).
+    acc = seq[:, :, 0:D] * taps[0]
+    tmp = torch.empty_like(acc)
+    for m in range(1, Kc):
+        acc.add_(torch.mul(seq[:, :, m:m + D], taps[m], out=tmp))
+    F.silu(acc, inplace=True)
+    # Returned in memory order [L, C, N, D] (the layout an einsum over the unfolded window
+    # produced): reductions over C downstream (split_qkv's l2norm) sum in memory order, so
+    # this keeps their rounding, and every value after them, bit-identical to that version.
+    L, N, _, C = acc.shape
+    out = torch.empty(L, C, N, D, dtype=dtype, device=acc.device).permute(0, 2, 3, 1)
+    return out.copy_(acc)
 
 
 def conv_state_rollback(conv_states: torch.Tensor, state_indices: torch.Tensor,
