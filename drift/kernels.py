@@ -225,23 +225,27 @@ def gdn_verify(state_kv: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: 
     V = v.shape[-1]
     cd = compute_dtype
     slots = slots.to(torch.int64)
-    out = torch.empty(L, N, D, HV, V, dtype=cd, device=q.device)
-    decay = torch.exp(g.to(cd))
-    qc, kc, vc, bc = q.to(cd), k.to(cd), v.to(cd), beta.to(cd)
+    # Token-major copies ([D, L, N, HV, ...]) so every per-token slice below is a plain view.
+    qt, kt, vt, dect, bt = (_token_major(t, cd) for t in (q, k, v, torch.exp(g.to(cd)), beta))
+    out = torch.empty(D, L, N, HV, V, dtype=cd, device=q.device)
     step = _layer_chunk((N, HV, K, V), torch.finfo(cd).bits // 8)
+    h_buf = torch.empty(min(step, L) * N * HV, K, V, dtype=cd, device=q.device)
     for l0 in range(0, L, step):
         l1 = min(L, l0 + step)
         B = (l1 - l0) * N * HV
-        h = state_kv[l0:l1].index_select(1, slots).to(cd).reshape(B, K, V)
+        h = h_buf[:B]
+        h.copy_(state_kv[l0:l1].index_select(1, slots).view(B, K, V))
         for t in range(D):
-            o_t = torch.empty(B, V, dtype=cd, device=q.device)
-            _gdn_token(h, qc[l0:l1, :, t].reshape(B, K), kc[l0:l1, :, t].reshape(B, K),
-                       vc[l0:l1, :, t].reshape(B, V), decay[l0:l1, :, t].reshape(B),
-                       bc[l0:l1, :, t].reshape(B), o_t)
-            out[l0:l1, :, t] = o_t.view(l1 - l0, N, HV, V)
+            _gdn_token(h, qt[t, l0:l1].view(B, K), kt[t, l0:l1].view(B, K), vt[t, l0:l1].view(B, V),
+                       dect[t, l0:l1].view(B), bt[t, l0:l1].view(B), out[t, l0:l1].view(B, V))
             store_state(inter_kv[l0:l1, :, t], h.view(l1 - l0, N, HV, K, V), rounding,
                         key * 1_000_003 + t * 4099 + l0)
-    return out
+    return out.permute(1, 2, 0, 3, 4).contiguous()
+
+
+def _token_major(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[L, N, D, ...]`` -> contiguous ``[D, L, N, ...]`` in dtype (values unchanged)."""
+    return t.to(dtype).movedim(2, 0).contiguous()
 
 
 def gdn_decode(state_kv: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
