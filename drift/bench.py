@@ -32,7 +32,7 @@ UPDATE = "sync_free"  # the update the vectorised simulator runs (and the naive 
 COPY_BYTES = 256 << 20  # copy-bandwidth buffer: 8x the 32 MiB L3 of the reference machine
 COPY_REPEATS = 5
 WARMUP_STEPS = 2
-PROBE_STEPS = 3  # timed steps per candidate thread count, to pick the count
+PROBE_STEPS = 3  # single steps timed per candidate thread count, to pick the count
 
 VECTORISED = ("drift.simulate.Simulation, no observers, check_untouched=False, update "
               f"{UPDATE!r} through drift's portable kernels; one timed block = Simulation.run(steps), "
@@ -142,12 +142,13 @@ def bench(cfg: Config, layers: Optional[int] = None, steps: int = 20, naive_step
           repeats: int = 3, copy_bytes: int = COPY_BYTES, threads: Optional[int] = None) -> dict:
     """Time the vectorised and the naive step on ``cfg`` (first ``layers`` GDN layers).
 
-    Per candidate CPU thread count (``threads``, or both 1 and torch's current count: on a
-    shared machine intra-op threads can stall each other by whole scheduler slices): the copy
-    bandwidth, a warm-up and a short timed probe. With the faster count: ``repeats`` blocks of
-    ``steps`` vectorised steps, then ``naive_steps`` naive blocks of one step each. Rates are
-    the best block (least disturbed by other load); the copy bandwidth is the best over all
-    thread counts, measured before and after the steps. Returns a JSON-ready dict with
+    After a warm-up, per candidate CPU thread count (``threads``, or both 1 and torch's
+    current count: on a shared machine intra-op threads can stall each other by whole
+    scheduler slices): the copy bandwidth and a short probe of single steps. With the
+    faster count: ``repeats`` blocks of ``steps`` vectorised steps, then ``naive_steps``
+    naive blocks of one step each. Rates are the best block (least disturbed by other load);
+    the copy bandwidth is the best copy with the same thread count (the same CPU resources),
+    measured before and after the steps. Returns a JSON-ready dict with
     ``bandwidth_ratio = steps_per_s * min_bytes_per_step / (copy_bandwidth_GBps * 1e9)``.
     """
     for name, value in (("steps", steps), ("naive_steps", naive_steps), ("repeats", repeats),
@@ -165,17 +166,19 @@ def bench(cfg: Config, layers: Optional[int] = None, steps: int = 20, naive_step
     candidates = [threads] if threads is not None else sorted({1, start_threads})
     copies, probes = {}, {}
     try:
+        sim.run(steps=WARMUP_STEPS)
         for c in candidates:
             torch.set_num_threads(c)
             copies[c] = copy_bandwidth(dev, copy_bytes)
-            sim.run(steps=WARMUP_STEPS)
-            probes[c] = _timed(dev, lambda: sim.run(steps=PROBE_STEPS)) / PROBE_STEPS
+            # A stalling thread count is given up once it has taken a few times the best probe.
+            budget = 3 * PROBE_STEPS * min(probes.values()) if probes else math.inf
+            probes[c] = _probe(sim, budget)
         chosen = min(candidates, key=lambda c: probes[c])
         torch.set_num_threads(chosen)
         blocks = [_timed(dev, lambda: sim.run(steps=steps)) / steps for _ in range(repeats)]
         naive_blocks = [_timed(dev, lambda: naive_step(sim, sim.stream.chunk(1), 0))
                         for _ in range(naive_steps)]
-        copy_bps = max(max(copies.values()), copy_bandwidth(dev, copy_bytes))
+        copy_bps = max(copies[chosen], copy_bandwidth(dev, copy_bytes))
     finally:
         torch.set_num_threads(start_threads)
     nbytes = min_bytes_per_step(cfg)
@@ -187,6 +190,7 @@ def bench(cfg: Config, layers: Optional[int] = None, steps: int = 20, naive_step
         "device": str(dev),
         "torch_threads": chosen,
         "probe_steps_per_s_by_threads": {str(c): 1.0 / t for c, t in probes.items()},
+        "copy_bandwidth_GBps_by_threads": {str(c): b / 1e9 for c, b in copies.items()},
         "load_avg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "ssm_dtype": cfg.ssm_dtype,
         "steps": steps,
@@ -209,6 +213,15 @@ def bench(cfg: Config, layers: Optional[int] = None, steps: int = 20, naive_step
     }
 
 
+def _probe(sim: Simulation, budget: float) -> float:
+    """Mean seconds of up to :data:`PROBE_STEPS` single steps; stops early once the steps
+    together took more than ``budget`` seconds."""
+    times = []
+    while len(times) < PROBE_STEPS and sum(times) <= budget:
+        times.append(_timed(sim.device, lambda: sim.run(steps=1)))
+    return sum(times) / len(times)
+
+
 def _timed(device: torch.device, fn) -> float:
     """Wall seconds of ``fn()``, device work included."""
     _sync(device)
@@ -224,7 +237,7 @@ def format_bench(res: dict) -> str:
     lines = [
         f"drift bench: {res['preset']}, {res['layers']} of {res['preset_layers']} GDN layers, "
         f"{res['ssm_dtype']} states, {res['device']}, {res['torch_threads']} threads "
-        f"(probe steps/s by threads: {_by_threads(res)}), load avg {res['load_avg_1min']:.2f}",
+        f"(probe steps/s by threads: {_by_threads(res, 'probe_steps_per_s_by_threads')}), load avg {res['load_avg_1min']:.2f}",
         f"  vectorised  {res['steps_per_s']:9.2f} steps/s   (best of {res['repeats']} blocks of "
         f"{res['steps']} steps)",
         f"  naive       {res['naive_steps_per_s']:9.2f} steps/s   (best of {res['naive_steps']} "
@@ -233,7 +246,8 @@ def format_bench(res: dict) -> str:
         f"  min bytes   {mib:9.1f} MiB/step",
         f"  effective   {res['effective_bandwidth_GBps']:9.2f} GB/s = {res['bandwidth_ratio']:.3f} of "
         f"copy bandwidth {res['copy_bandwidth_GBps']:.1f} GB/s (read + write, "
-        f"{res['copy_bytes'] >> 20} MiB tensor copy)",
+        f"{res['copy_bytes'] >> 20} MiB tensor copy, {res['torch_threads']} threads; by threads: "
+        f"{_by_threads(res, 'copy_bandwidth_GBps_by_threads')} GB/s)",
         f"  naive       {res['naive_bandwidth_ratio']:.5f} of copy bandwidth",
         "",
         f"vectorised: {res['vectorised']}",
@@ -243,5 +257,5 @@ def format_bench(res: dict) -> str:
     return "\n".join(lines)
 
 
-def _by_threads(res: dict) -> str:
-    return ", ".join(f"{c}: {v:.1f}" for c, v in res["probe_steps_per_s_by_threads"].items())
+def _by_threads(res: dict, field: str) -> str:
+    return ", ".join(f"{c}: {v:.1f}" for c, v in res[field].items())

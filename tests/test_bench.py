@@ -46,6 +46,7 @@ def check_report(res: dict) -> None:
     assert len(res["steps_per_s_blocks"]) == res["repeats"]
     assert res["steps_per_s"] == max(res["steps_per_s_blocks"])
     assert str(res["torch_threads"]) in res["probe_steps_per_s_by_threads"]
+    assert res["copy_bandwidth_GBps"] >= res["copy_bandwidth_GBps_by_threads"][str(res["torch_threads"])]
     assert json.loads(json.dumps(res)) == res  # JSON-ready as returned
 
 
