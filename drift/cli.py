@@ -1,4 +1,4 @@
-"""Command line: ``drift run`` (the main job), ``drift bench``.
+"""Command line: ``drift run`` (the main job), ``drift bench``, ``drift bench-update``.
 
 Exit codes: 0 every check passed; 1 a check failed; 2 usage, config, load or device error.
 """
@@ -12,8 +12,10 @@ from typing import Optional, Sequence
 
 from .config import DEFAULT_PRESET, PATTERNS, PRESETS, PROFILES, ROUNDINGS, ConfigError, preset
 from .devices import DeviceUnavailable, resolve_device
+from .golden import GoldenError
 from .loader import LoadError
-from .updates import DEFAULT_UPDATE
+from .costmodel import BATCH_SIZES, DEFAULT_STEPS
+from .updates import BUILTINS, DEFAULT_UPDATE
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
@@ -44,7 +46,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     resolve_device(cfg.device)
     progress = None if args.quiet else progress_printer(f"drift run {cfg.name}")
-    rep = run_checked(cfg, args.update, mode=args.mode, progress=progress)
+    rep = run_checked(cfg, args.update, mode=args.mode, progress=progress, vs_sequential=args.vs_sequential)
     print(summary_text(rep))
     if args.report:
         for path in write_report(rep, args.report):
@@ -63,6 +65,34 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return EXIT_PASS
 
 
+def cmd_bench_update(args: argparse.Namespace) -> int:
+    from .costmodel import format_table, measure, to_json
+
+    cfg = preset(args.preset)
+    if args.device:
+        cfg = cfg.replace(device=args.device)
+    resolve_device(cfg.device)
+    rows = measure(cfg, updates=args.update or tuple(BUILTINS), batch_sizes=args.batches, steps=args.steps)
+    print(to_json(rows) if args.json else format_table(rows))
+    return EXIT_PASS
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return int(text)
+
+
+def _batch_list(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of batch sizes >= 1 (e.g. 1,2,4)")
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="drift", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -74,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                           f"(default {DEFAULT_UPDATE})")
     run.add_argument("--mode", choices=("mtp", "sequential"), default="mtp",
                      help="mtp (default) or sequential non-MTP decode of the same stream")
+    run.add_argument("--vs-sequential", action="store_true",
+                     help="also decode the stream sequentially in lockstep and report the MTP-vs-sequential divergence")
     run.add_argument("--report", metavar="DIR", help="write report.json and report.md here")
     run.add_argument("--quiet", action="store_true", help="no progress output")
     run.set_defaults(func=cmd_run)
@@ -89,15 +121,33 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU threads (default: the faster of 1 and torch's default, probed)")
     b.add_argument("--json", action="store_true", help="print JSON")
     b.set_defaults(func=cmd_bench)
+
+    bu = sub.add_parser("bench-update", help="cost model of the update: ops, bytes (from shapes) and host "
+                                             "syncs per step, per implementation and batch size")
+    bu.add_argument("--preset", default=DEFAULT_PRESET, help=f"one of: {', '.join(PRESETS)} (default {DEFAULT_PRESET})")
+    bu.add_argument("--device", default=None, help="cpu (default); cuda or npu adds device latency")
+    bu.add_argument("--update", action="append", help="implementation (repeatable; default: the built-ins)")
+    bu.add_argument("--batches", type=_batch_list, default=list(BATCH_SIZES),
+                    help="comma-separated active-request counts (default 1,2,4,...,256)")
+    bu.add_argument("--steps", type=_positive, default=DEFAULT_STEPS,
+                    help=f"decode steps averaged (default {DEFAULT_STEPS})")
+    bu.add_argument("--json", action="store_true", help="print JSON (a list of objects)")
+    bu.set_defaults(func=cmd_bench_update)
+    sub.add_parser("regen-golden", help="regenerate golden trajectories (same as scripts/regen_golden.py; "
+                                        "see drift regen-golden --help)")
     return ap
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["regen-golden"]:
+        from .golden import regen_main
+        return regen_main(argv[1:])
     ap = build_parser()
     args = ap.parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, LoadError, DeviceUnavailable) as exc:
+    except (ConfigError, LoadError, DeviceUnavailable, GoldenError) as exc:
         print(f"drift: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
 

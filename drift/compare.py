@@ -1,52 +1,75 @@
-"""Comparison of a run against its float64 twin, step by step.
+"""Comparison of a run against its float64 twin (validated against golden data), step by step.
 
-:class:`Comparison` is the observer: it advances the twin with each step's true
-inputs and reduces the differences on the device into per-step arrays, which it
-hands, one chunk of steps at a time, as a :class:`MetricsChunk` to its consumers
-(the checks of :mod:`drift.checks`, the bound model, the curve recorder).
+:class:`Comparison` is the observer: it advances the twin with each step's true inputs,
+validates the twin against the golden trajectory where one exists, and reduces the
+differences on the device into per-step arrays that it hands, one chunk of steps at a
+time, as a :class:`MetricsChunk` to its consumers (checks, bound model, curves).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol, Sequence
+import math
+from typing import Optional, Protocol, Sequence
 
 import numpy as np
 import torch
 
 from .devices import supports_float64
+from .golden import Golden, load_golden
 from .reference import F64, Float64Twin
+from .simulate import StopRun
+
+# Per (layer, row, head), float64, every step:
+PER_HEAD = (
+    "err2",      # ||run - twin||_F^2 of the committed state
+    "ref2",      # ||twin||_F^2
+    "run2",      # ||run||_F^2
+    "ulp2_run",  # ||ulp(run)||_F^2 in the state dtype: the size of one store rounding
+    "ulp4_run",  # sum ulp(run)^4: how much one rounding's energy fluctuates
+    "ulp2_bf16", # ||ulp_bf16(twin)||_F^2: the unit of the bf16-ULP error metric
+    "rho2",      # contraction of the error energy over this step's accepted tokens (bound model)
+    "logdecay",  # sum of g over the accepted tokens: log of the pure decay of this step
+    "round_w",   # store roundings this step, each weighted by the contraction that follows it
+    "tok_w",     # the same for the fp32 compute of every accepted token
+    "out_err2", "out_ref2",  # outputs of the accepted tokens
+    "trk_err2", "trk_ref2",  # tracked state vs twin at the boundary (rows tracked this step)
+    "gold_dev",  # |proj(twin) - golden proj| / (|golden proj| + ||h|| / sqrt(K V)); NaN: not covered
+    "gold_out_dev",  # the same for the outputs of the accepted tokens (max over them)
+)
+# Per row, every step:
+PER_ROW = ("conv_bad", "trk_bits_bad", "trk_conv_bad", "gold_ckpt_bad", "gold_ckpt_dev")
+MANTISSA_BITS = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}
 
 
-@dataclass
+def ulp_sq(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``ulp(x)^2`` elementwise: ulp = spacing of ``dtype``'s grid at each element of float64
+    ``x`` (``2^(e - p)`` with ``x = m 2^e``, ``m`` in [0.5, 1), p mantissa bits), 0 where x is 0."""
+    _, e = torch.frexp(x)
+    sq = torch.exp2((e - MANTISSA_BITS[dtype]).to(x.dtype) * 2.0)
+    return torch.where(x == 0, torch.zeros_like(x), sq)
+
+
+def ulp2_sum(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``sum(ulp(x)^2)`` over the last two dims (float64, x's shape minus two dims)."""
+    return ulp_sq(x, dtype).sum((-1, -2))
+
+
 class MetricsChunk:
     """Per-step reductions for ``count`` steps from ``step0`` (host numpy arrays).
 
-    ``[S, L, R, HV]`` float64: err2 / ref2 (committed state, squared Frobenius norms of
-    run - twin and of twin), run2 (of run), out_err2 / out_ref2 (outputs of the accepted
-    tokens), trk_err2 / trk_ref2 (tracked state vs twin at the boundary);
-    finite ``[S, L, R, HV]`` bool (run state has no NaN/Inf).
-    ``[S, R]`` int: conv_bad (window elements differing from the twin), trk_bits_bad
-    (tracked state elements differing from what the run held at the boundary),
-    trk_conv_bad; pre, accept, track (host schedule; track = -1 when not tracked).
+    Per-head arrays (names in ``PER_HEAD``) are ``[S, L, R, HV]`` float64; ``finite`` is
+    ``[S, L, R, HV]`` bool; per-row arrays (``PER_ROW``) are ``[S, R]``; ``pre``, ``accept``,
+    ``track`` ``[S, R]`` int are the host schedule (track = -1 when not tracked).
     """
 
-    step0: int
-    count: int
-    err2: np.ndarray
-    ref2: np.ndarray
-    run2: np.ndarray
-    finite: np.ndarray
-    out_err2: np.ndarray
-    out_ref2: np.ndarray
-    conv_bad: np.ndarray
-    trk_err2: np.ndarray
-    trk_ref2: np.ndarray
-    trk_bits_bad: np.ndarray
-    trk_conv_bad: np.ndarray
-    pre: np.ndarray
-    accept: np.ndarray
-    track: np.ndarray
+    def __init__(self, step0: int, count: int, arrays: dict[str, np.ndarray]):
+        self.step0, self.count, self.arrays = step0, count, arrays
+
+    def __getattr__(self, name: str) -> np.ndarray:
+        try:
+            return self.__dict__["arrays"][name]
+        except KeyError:
+            raise AttributeError(name) from None
 
     @property
     def steps(self) -> np.ndarray:
@@ -54,77 +77,190 @@ class MetricsChunk:
 
 
 class Consumer(Protocol):
-    def start(self, sim) -> None: ...
+    def start(self, comparison: "Comparison") -> None: ...
     def consume(self, chunk: MetricsChunk) -> None: ...
     def finish(self) -> None: ...
 
 
-_PER_HEAD = ("err2", "ref2", "run2", "out_err2", "out_ref2", "trk_err2", "trk_ref2")
-_PER_ROW = ("conv_bad", "trk_bits_bad", "trk_conv_bad")
-
-
 class Comparison:
-    """Observer comparing committed states, tracked snapshots, conv windows and outputs
-    of the active rows with a :class:`~drift.reference.Float64Twin` at every step."""
+    """Observer comparing committed states, tracked snapshots, conv windows and outputs of the
+    active rows with a :class:`~drift.reference.Float64Twin` at every step.
 
-    def __init__(self, consumers: Sequence[Consumer] = ()):
+    golden: a :class:`~drift.golden.Golden`, ``None`` to look one up for the config, or
+    ``False`` for none. The twin runs on the run's device, or on the CPU when that device
+    lacks float64 (NPU).
+    """
+
+    def __init__(self, consumers: Sequence[Consumer] = (), golden: Golden | None | bool = None):
         self.consumers = list(consumers)
+        self._golden_arg = golden
+        self.golden: Optional[Golden] = None
+        self.golden_note = ""
         self.sim = None
 
+    # -------------------------------------------------------------- lifecycle
     def on_start(self, sim) -> None:
         self.sim = sim
         cfg = sim.cfg
+        if self._golden_arg is None:
+            self.golden, self.golden_note = load_golden(cfg)
+        elif self._golden_arg is False:
+            self.golden, self.golden_note = None, "golden not requested"
+        else:
+            self.golden, self.golden_note = self._golden_arg, self._golden_arg.describe()
         dev = sim.device if supports_float64(sim.device) else torch.device("cpu")
         self.ref_device = dev
         self.twin = Float64Twin(cfg, sim.stream.params, dev, sim.prefill_state, sim.prefill_window)
         S, L, R, HV = sim.stream.chunk_steps, cfg.num_layers, cfg.num_requests, cfg.num_v_heads
-        self._buf = {k: torch.zeros(S, L, R, HV, dtype=F64, device=dev) for k in _PER_HEAD}
+        self._buf = {k: torch.zeros(S, L, R, HV, dtype=F64, device=dev) for k in PER_HEAD}
         self._buf["finite"] = torch.ones(S, L, R, HV, dtype=torch.bool, device=dev)
-        self._buf.update({k: torch.zeros(S, R, dtype=torch.int64, device=dev) for k in _PER_ROW})
+        self._buf.update({k: torch.zeros(S, R, dtype=F64, device=dev) for k in PER_ROW})
         self._host: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []
-        self._step0 = None
+        self.r_eff = cfg.key_rank or cfg.head_k_dim
+        self.golden_positions = 0  # committed positions validated against golden
+        self.golden_checkpoints = 0
+        self.golden_limit = None
+        self.beyond_golden_steps = 0
+        if self.golden is not None:
+            ga = self.golden.arrays
+            self._g = {k: torch.from_numpy(ga[k]).to(dev, F64) for k in
+                       ("proj_state", "state_norm", "proj_out", "proj_u", "proj_w", "proj_wo")}
+            self._ckpt = {int(p): i for i, p in enumerate(ga["ckpt_pos"])}
+            self.golden_limit = self.golden.max_position
+        # One rounding of the prefill state on load: the bound model's starting point.
+        pool = sim.pool
+        run0 = pool.ssm_kv[:, pool.active_slots].to(dev, F64)
+        u2 = ulp_sq(run0, pool.temporal.dtype)
+        self.ulp2_initial = u2.sum((-1, -2)).cpu().numpy()
+        self.ulp4_initial = u2.square().sum((-1, -2)).cpu().numpy()
         for c in self.consumers:
-            c.start(sim)
+            c.start(self)
+
+    # ------------------------------------------------------------------- step
+    def _marks(self, view) -> Optional[np.ndarray]:
+        """Draft step at which each row passes a golden checkpoint position this step (-1: none)."""
+        if self.golden is None:
+            return None
+        mark = np.full(len(view.pre), -1, np.int64)
+        for r, (pre, acc) in enumerate(zip(view.pre, view.accept)):
+            for c in range(int(pre) + 1, int(pre + acc) + 1):
+                if c in self._ckpt:
+                    mark[r] = c - int(pre) - 1
+        return mark if (mark >= 0).any() else None
 
     def on_step(self, view) -> None:
         sim, cfg, twin, buf, i = self.sim, self.sim.cfg, self.twin, self._buf, view.index
         pool, R, dev = sim.pool, cfg.num_requests, self.ref_device
-        if self._step0 is None:
-            self._step0 = view.step
         self._host.append((view.step, view.pre.copy(), view.accept.copy(), view.track.copy()))
-        twin.advance(view.x[:, :R], view.a[:, :R], view.b[:, :R], view.accept, view.track)
+        mark = self._marks(view)
+        twin.advance(view.x[:, :R], view.a[:, :R], view.b[:, :R], view.accept, view.track, mark)
         run = pool.ssm_kv[:, pool.active_slots].to(dev, F64)  # [L, R, HV, K, V]
         buf["err2"][i] = (run - twin.state).square().sum((-1, -2))
         buf["ref2"][i] = twin.state.square().sum((-1, -2))
         buf["run2"][i] = run.square().sum((-1, -2))
+        u2 = ulp_sq(run, pool.temporal.dtype)
+        buf["ulp2_run"][i] = u2.sum((-1, -2))
+        buf["ulp4_run"][i] = u2.square().sum((-1, -2))
+        buf["ulp2_bf16"][i] = ulp2_sum(twin.state, torch.bfloat16)
         buf["finite"][i] = torch.isfinite(run).all(-1).all(-1)
-        # Outputs of the accepted tokens only.
         acc = torch.from_numpy(view.accept).to(dev)
         m = (torch.arange(cfg.num_draft_tokens, device=dev)[None, :] < acc[:, None])  # [R, D]
+        self._bound_terms(i, m)
         o_run = view.out[:, :R].to(dev, F64)
         m5 = m[None, :, :, None, None]
         buf["out_err2"][i] = ((o_run - twin.out) * m5).square().sum((2, 4))
         buf["out_ref2"][i] = (twin.out * m5).square().sum((2, 4))
         Km1 = cfg.conv_kernel - 1
         win = pool.conv[:, pool.active_slots, cfg.conv_window - Km1:].to(dev, F64)
-        buf["conv_bad"][i] = (win != twin.window).sum((0, 2, 3))
-        tracked = view.track >= 0
-        if sim.mode == "mtp" and tracked.any():
-            rows = np.nonzero(tracked)[0]
-            rows_t = torch.from_numpy(rows).to(sim.device)
-            tslots = pool.row_track_slots[rows_t]
-            got = pool.ssm_kv[:, tslots]  # [L, n, HV, K, V] in the state dtype
-            held = pool.inter_kv[:, rows_t, torch.from_numpy(view.track[rows]).to(sim.device)]
-            bits = lambda t: t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
-            rows_d = torch.from_numpy(rows).to(dev)
-            buf["trk_bits_bad"][i].index_copy_(0, rows_d, (bits(got) != bits(held)).sum((0, 2, 3, 4)).to(dev))
-            got64 = got.to(dev, F64)
-            ref = twin.track_state[:, rows_d]
-            buf["trk_err2"][i][:, rows_d] = (got64 - ref).square().sum((-1, -2))
-            buf["trk_ref2"][i][:, rows_d] = ref.square().sum((-1, -2))
-            twin_w = pool.conv[:, tslots, cfg.conv_window - Km1:].to(dev, F64)
-            buf["trk_conv_bad"][i].index_copy_(0, rows_d, (twin_w != twin.track_window[:, rows_d]).sum((0, 2, 3)))
+        buf["conv_bad"][i] = (win != twin.window).sum((0, 2, 3)).to(F64)
+        if sim.mode == "mtp" and (view.track >= 0).any():
+            self._tracked(view, i)
+        if self.golden is not None:
+            self._validate(view, i, m, mark)
 
+    def _bound_terms(self, i: int, m: torch.Tensor) -> None:
+        """Contraction of the error energy over the step, and the weight of its roundings.
+
+        Per token the error is multiplied by ``a (I - beta k k^T)``; for an error spread evenly
+        over the ``r_eff``-dimensional key span, E||(I - beta k k^T) e||^2 = (1 - (2 beta -
+        beta^2) / r_eff) ||e||^2 (docs/bounds.md). A rounding after token j is contracted by
+        the tokens after it and scales with the state's size there, ||h_j||^2 / ||h_last||^2
+        (the bound multiplies by the ulp^2 of the committed state). MTP stores once, after the
+        last accepted token; sequential decode after every token; the fp32 compute rounds
+        at every token in both.
+        """
+        twin, buf = self.twin, self._buf
+        mm = m[None, :, :, None]  # [1, R, D, 1]
+        c = torch.exp(2.0 * twin.g) * (1.0 - (2.0 * twin.beta - twin.beta.square()) / self.r_eff)  # [L,R,D,HV]
+        c = torch.where(mm, c, torch.ones_like(c))
+        buf["rho2"][i] = c.prod(2)
+        buf["logdecay"][i] = torch.where(mm, twin.g, torch.zeros_like(twin.g)).sum(2)
+        suffix = torch.flip(torch.cumprod(torch.flip(c, [2]), 2), [2])  # prod_{t >= j}
+        after = torch.cat([suffix[:, :, 1:], torch.ones_like(suffix[:, :, :1])], 2)  # prod_{t > j}
+        last = (m.sum(1) - 1).clamp(min=0)  # [R] index of the last accepted token
+        n_last = twin.norm2.gather(2, last[None, :, None, None].expand(twin.norm2.shape[0], -1, 1,
+                                                                        twin.norm2.shape[3]))
+        size = twin.norm2 / n_last.clamp(min=1e-300)
+        buf["tok_w"][i] = (after * size * mm).sum(2)
+        buf["round_w"][i] = 1.0 if self.sim.mode == "mtp" else buf["tok_w"][i]
+
+    def _tracked(self, view, i: int) -> None:
+        sim, cfg, twin, buf, dev, pool = self.sim, self.sim.cfg, self.twin, self._buf, self.ref_device, self.sim.pool
+        rows = np.nonzero(view.track >= 0)[0]
+        rows_t = torch.from_numpy(rows).to(sim.device)
+        tslots = pool.row_track_slots[rows_t]
+        got = pool.ssm_kv[:, tslots]  # [L, n, HV, K, V] in the state dtype
+        held = pool.inter_kv[:, rows_t, torch.from_numpy(view.track[rows]).to(sim.device)]
+        bits = lambda t: t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+        rows_d = torch.from_numpy(rows).to(dev)
+        buf["trk_bits_bad"][i].index_copy_(0, rows_d, (bits(got) != bits(held)).sum((0, 2, 3, 4)).to(dev, F64))
+        got64 = got.to(dev, F64)
+        ref = twin.track_state[:, rows_d]
+        buf["trk_err2"][i][:, rows_d] = (got64 - ref).square().sum((-1, -2))
+        buf["trk_ref2"][i][:, rows_d] = ref.square().sum((-1, -2))
+        Km1 = cfg.conv_kernel - 1
+        w = pool.conv[:, tslots, cfg.conv_window - Km1:].to(dev, F64)
+        buf["trk_conv_bad"][i].index_copy_(0, rows_d, (w != twin.track_window[:, rows_d]).sum((0, 2, 3)).to(F64))
+
+    def _validate(self, view, i: int, m: torch.Tensor, mark: Optional[np.ndarray]) -> None:
+        """Twin vs golden: projections at every committed position and accepted output, full
+        state and conv window at checkpoints. Positions past the golden horizon are NaN."""
+        cfg, twin, buf, dev, g = self.sim.cfg, self.twin, self._buf, self.ref_device, self._g
+        post = view.pre + view.accept
+        inside = post <= self.golden_limit
+        if not inside.all():
+            self.beyond_golden_steps += 1
+        self.golden_positions += int(inside.sum())
+        rows = torch.arange(cfg.num_requests, device=dev)
+        pos = torch.from_numpy(np.minimum(post, self.golden_limit)).to(dev)
+        scale_kv = math.sqrt(cfg.head_k_dim * cfg.head_v_dim)
+        p_twin = torch.einsum("lhk,lrhkv,lhv->lrh", g["proj_u"], twin.state, g["proj_w"])
+        p_gold = g["proj_state"][pos, :, rows].permute(1, 0, 2)  # [L, R, HV]
+        n_gold = g["state_norm"][pos, :, rows].permute(1, 0, 2)
+        dev_s = (p_twin - p_gold).abs() / (p_gold.abs() + n_gold / scale_kv + 1e-300)
+        inside_t = torch.from_numpy(inside).to(dev)[None, :, None]
+        buf["gold_dev"][i] = torch.where(inside_t, dev_s, torch.full_like(dev_s, math.nan))
+        # Outputs of accepted tokens j sit at positions pre + j.
+        opos = torch.from_numpy(view.pre).to(dev)[:, None] + torch.arange(cfg.num_draft_tokens, device=dev)[None, :]
+        ok = m & (opos < g["proj_out"].shape[0])
+        o_gold = g["proj_out"][opos.clamp(max=g["proj_out"].shape[0] - 1), :, rows[:, None]]  # [R, D, L, HV]
+        o_twin = torch.einsum("lrdhv,lhv->rdlh", twin.out, g["proj_wo"])
+        o_dev = (o_twin - o_gold).abs() / (o_gold.abs() + torch.linalg.vector_norm(twin.out, dim=-1).permute(1, 2, 0, 3)
+                                           / math.sqrt(cfg.head_v_dim) + 1e-300)
+        o_dev = torch.where(ok[:, :, None, None], o_dev, torch.zeros_like(o_dev)).amax(1)  # [R, L, HV]
+        buf["gold_out_dev"][i] = torch.where(inside_t, o_dev.permute(1, 0, 2), torch.full_like(dev_s, math.nan))
+        if mark is not None:
+            ga = self.golden.arrays
+            for r in np.nonzero(mark >= 0)[0]:
+                c = self._ckpt[int(view.pre[r] + mark[r] + 1)]
+                ref = torch.from_numpy(ga["ckpt_state"][c][:, r]).to(dev, F64)
+                d = torch.linalg.vector_norm(twin.mark_state[:, r] - ref) / torch.linalg.vector_norm(ref)
+                wref = torch.from_numpy(ga["ckpt_window"][c][:, r]).to(dev, F64)
+                buf["gold_ckpt_dev"][i, r] = d
+                buf["gold_ckpt_bad"][i, r] = (twin.mark_window[:, r] != wref).sum().to(F64)
+                self.golden_checkpoints += 1
+
+    # ------------------------------------------------------------------ flush
     def flush(self) -> None:
         if not self._host:
             return
@@ -132,14 +268,91 @@ class Comparison:
         arrays = {k: v[:n].cpu().numpy().copy() for k, v in self._buf.items()}
         for k, v in self._buf.items():
             v[:n] = 1 if k == "finite" else 0
-        chunk = MetricsChunk(
-            step0=self._host[0][0], count=n,
-            pre=np.stack([h[1] for h in self._host]), accept=np.stack([h[2] for h in self._host]),
-            track=np.stack([h[3] for h in self._host]), **arrays)
+        arrays["pre"] = np.stack([h[1] for h in self._host])
+        arrays["accept"] = np.stack([h[2] for h in self._host])
+        arrays["track"] = np.stack([h[3] for h in self._host])
+        chunk = MetricsChunk(self._host[0][0], n, arrays)
         self._host.clear()
-        for c in self.consumers:
-            c.consume(chunk)
+        stop = None
+        for c in self.consumers:  # every consumer sees the chunk, even after a fatal finding
+            try:
+                c.consume(chunk)
+            except StopRun as why:
+                stop = stop or why
+        if stop is not None:
+            raise stop
 
     def on_end(self) -> None:
         for c in self.consumers:
             c.finish()
+
+    def reference_description(self) -> str:
+        dev = self.ref_device
+        if self.golden is None:
+            return f"float64 twin computed alongside on {dev} ({self.golden_note}; falling back to the twin)"
+        text = (f"{self.golden_note}; float64 twin on {dev} validated against it at "
+                f"{self.golden_positions} committed positions and {self.golden_checkpoints} checkpoints")
+        if self.beyond_golden_steps:
+            text += (f"; {self.beyond_golden_steps} steps reached past golden position {self.golden_limit} "
+                     "and were checked against the float64 twin alone")
+        return text
+
+
+class SequentialShadow:
+    """Observer: runs the same stream through sequential (non-MTP) decode in lockstep and
+    measures the MTP-vs-sequential divergence of the committed states (sglang #25587):
+    ``||h_mtp - h_seq||_F / ||h_mtp||_F`` per (layer, row, head) and step."""
+
+    name = "MTP vs sequential"
+
+    def __init__(self):
+        self.worst = -math.inf
+        self.where = ""
+        self.final: Optional[np.ndarray] = None
+        self.curves = None
+
+    def on_start(self, sim) -> None:
+        from .metrics import DriftCurves
+        from .simulate import Simulation
+
+        self.main = sim
+        self.seq = Simulation(sim.cfg, mode="sequential", check_untouched=False, device=sim.device)
+        cfg = sim.cfg
+        self._buf = torch.zeros(sim.stream.chunk_steps, cfg.num_layers, cfg.num_requests, cfg.num_v_heads,
+                                dtype=F64, device=sim.device)
+        self._steps: list[int] = []
+        self.curves = DriftCurves((cfg.num_layers, cfg.num_v_heads))
+
+    def on_step(self, view) -> None:
+        self.seq.advance(1)
+        a = self.main.pool.ssm_kv[:, self.main.pool.active_slots].to(F64)
+        b = self.seq.pool.ssm_kv[:, self.seq.pool.active_slots].to(F64)
+        self._buf[view.index] = (a - b).square().sum((-1, -2)).sqrt() / a.square().sum((-1, -2)).sqrt().clamp(min=1e-300)
+        self._steps.append(view.step)
+
+    def flush(self) -> None:
+        from .checks import locate
+
+        if not self._steps:
+            return
+        n = len(self._steps)
+        d = self._buf[:n].cpu().numpy()
+        i = np.unravel_index(int(np.argmax(np.nan_to_num(d, nan=np.inf))), d.shape)
+        if d[i] > self.worst:
+            self.worst, self.where = float(d[i]), locate(i, self._steps[0])
+        self.final = d[-1]
+        self.curves.add("divergence", np.asarray(self._steps) + 1, d)
+        self._steps.clear()
+
+    def on_end(self) -> None:
+        pass
+
+    def result(self):
+        from .checks import CheckResult
+
+        if self.final is None:
+            return CheckResult(self.name, False, None, None, "", "no step ran")
+        per_head = np.round(self.final.max(1), 5).tolist()
+        return CheckResult(self.name, True, self.worst, None, self.where,
+                           f"reported, not gated: committed-state divergence; final per (layer, head) {per_head}",
+                           extra={"kind": "info", "divergence": self.curves.to_dict()})

@@ -39,6 +39,11 @@ PROFILES: dict[str, dict[str, str]] = {
 }
 
 
+# drift.stream keys its generators with the seed masked to 32 bits: a larger seed would
+# silently replay the stream of seed % 2^32 under a different stream_hash.
+SEED_MAX = 2**32 - 1
+
+
 class ConfigError(ValueError):
     """A config field has a value outside what it allows."""
 
@@ -163,6 +168,9 @@ def _validate(cfg: Config) -> None:
     for name in ("num_padded", "track_interval", "key_rank", "spare_slots", "seed"):
         _positive_int(cfg, name, 0)
     _positive_int(cfg, "prefill_len", cfg.conv_kernel - 1)
+    if cfg.seed > SEED_MAX:
+        raise ConfigError(f"seed={cfg.seed} is invalid; allowed: an integer in [0, {SEED_MAX}] "
+                          "(the stream keys its generators with 32-bit words)")
     if cfg.num_v_heads % cfg.num_k_heads:
         raise ConfigError(
             f"num_v_heads={cfg.num_v_heads} is not a multiple of num_k_heads={cfg.num_k_heads}; "
@@ -191,6 +199,10 @@ def _validate(cfg: Config) -> None:
                           f"(num_v_heads = {cfg.num_v_heads}), each in (0, 1)")
     if any(not (0.0 < d < 1.0) or math.isnan(d) for d in cfg.decays):
         raise ConfigError(f"decays={list(cfg.decays)} is invalid; allowed: per-token decays in (0, 1)")
+    bias = cfg.beta_bias
+    if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+        raise ConfigError(f"beta_bias={bias!r} is invalid; allowed: a finite number "
+                          "(offset of the gate input b)")
     if cfg.num_draft_tokens > cfg.conv_window + 1:  # guaranteed by the formula, kept as a guard
         raise ConfigError("num_draft_tokens exceeds conv window + 1")
 
@@ -212,10 +224,10 @@ PRESETS: dict[str, Config] = {
     "stagnation": Config(
         name="stagnation",
         num_layers=1, num_requests=2, num_padded=1, num_k_heads=1, num_v_heads=2,
-        head_k_dim=64, head_v_dim=64, track_interval=16, steps=4096, decays=(0.999, 0.9995),
-        key_rank=4, pattern="model",
-        description="Adversarial: per-token decay ~0.999 and keys in a rank-4 coordinate "
-                    "subspace, where bf16 round-to-nearest stagnates.",
+        head_k_dim=64, head_v_dim=64, track_interval=16, steps=4096, decays=(0.999, 0.9998),
+        key_rank=4, beta_bias=-10.0, pattern="model",
+        description="Adversarial: per-token decay 0.999 and 0.9998, keys in a rank-4 coordinate "
+                    "subspace, tiny writes (beta ~ 5e-5): bf16 round-to-nearest stagnates.",
     ),
 }
 

@@ -251,15 +251,16 @@ def _token_major(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def gdn_decode(state_kv: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, num_tokens: torch.Tensor,
                rounding: str = "rne", key: int = 0, compute_dtype: torch.dtype = torch.float32,
-               capture_steps=None, capture_out: torch.Tensor | None = None) -> torch.Tensor:
+               captures=(), norms_out: torch.Tensor | None = None) -> torch.Tensor:
     """Sequential (non-MTP) decode: one token at a time, the state stored after every token.
 
     Same shapes as :func:`gdn_verify`; row n processes its first ``num_tokens[n]`` tokens
     (a token beyond that gets decay 1 and beta 0, an exact identity). The state is
     rounded to ``state_kv``'s dtype after each token (nothing to round when that is the
-    compute dtype) and written back to ``slots``. With ``capture_steps`` (host int array
-    ``[N]``, -1 = none) the state after token ``capture_steps[n]`` is copied into
-    ``capture_out [L, N, HV, K, V]``. Returns outputs ``[L, N, D, HV, V]`` in compute_dtype
+    compute dtype) and written back to ``slots``. Each ``(steps, out)`` in ``captures``
+    (steps a host int array ``[N]``, -1 = none; out ``[L, N, HV, K, V]``) receives the state
+    of row n after token ``steps[n]``; ``norms_out [L, N, D, HV]`` receives ``||h||_F^2`` after
+    every token. Returns outputs ``[L, N, D, HV, V]`` in compute_dtype
     (entries past num_tokens are meaningless).
     """
     L, N, D, HV, K = q.shape
@@ -274,14 +275,14 @@ def gdn_decode(state_kv: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: 
     qc, kc, vc = q.to(cd), k.to(cd), v.to(cd)
     out = torch.empty(L, N, D, HV, V, dtype=cd, device=q.device)
     step = _layer_chunk((N, HV, K, V), torch.finfo(cd).bits // 8)
-    cap_masks = {}
-    if capture_steps is not None:
+    cap_masks: dict[int, list] = {}
+    for cap_steps, cap_out in captures:
         for t in range(D):
-            hit = [n for n in range(N) if int(capture_steps[n]) == t]
+            hit = [n for n in range(N) if int(cap_steps[n]) == t]
             if hit:
                 m = torch.zeros(N, dtype=torch.bool)
                 m[hit] = True
-                cap_masks[t] = m.to(q.device)[:, None, None, None]
+                cap_masks.setdefault(t, []).append((m.to(q.device)[:, None, None, None], cap_out))
     for l0 in range(0, L, step):
         l1 = min(L, l0 + step)
         B = (l1 - l0) * N * HV
@@ -294,9 +295,11 @@ def gdn_decode(state_kv: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: 
             out[l0:l1, :, t] = o_t.view(l1 - l0, N, HV, V)
             if sdt != cd:
                 h.copy_(round_to(h, sdt, rounding, key * 1_000_003 + t * 4099 + l0))
-            if t in cap_masks:
+            if norms_out is not None:
+                norms_out[l0:l1, :, t] = h.square().sum((-1, -2)).view(l1 - l0, N, HV).to(norms_out.dtype)
+            for mask, cap_out in cap_masks.get(t, ()):
                 hv = h.view(l1 - l0, N, HV, K, V)
-                capture_out[l0:l1] = torch.where(cap_masks[t], hv.to(capture_out.dtype), capture_out[l0:l1])
+                cap_out[l0:l1] = torch.where(mask, hv.to(cap_out.dtype), cap_out[l0:l1])
         state_kv[l0:l1].index_copy_(1, slots, h.view(l1 - l0, N, HV, K, V).to(sdt))
     return out
 

@@ -149,6 +149,14 @@ def load_update(spec: str | Callable) -> Update:
         fn, name, text = spec, getattr(spec, "__qualname__", repr(spec)), getattr(spec, "__qualname__", "")
     elif spec in BUILTINS:
         fn, name, text = BUILTINS[spec], spec, spec
+    elif spec.startswith("mutant:"):
+        from .mutants import MUTANTS
+
+        m = MUTANTS.get(spec.split(":", 1)[1])
+        if m is None or m.kind != "update":
+            known = ", ".join(f"mutant:{n}" for n, x in MUTANTS.items() if x.kind == "update")
+            raise LoadError(f"update spec {spec!r} is not an update mutant; known: {known}")
+        fn, name, text = m.fn, spec, spec
     elif ":" in spec:
         target, qualname = spec.rsplit(":", 1)
         if not target or not qualname:

@@ -5,7 +5,10 @@ Pool layout follows SGLang's MambaPool (REFERENCE section 4):
   intermediate_ssm  ``[L, rows + 1, D, HV, V, K]`` verify scratch (row ``rows`` is spare)
   conv[0]           ``[L, slots, W, C]`` conv windows, NPU extended window
 With the ``npu`` layout, temporal and intermediate_ssm are transposed views of
-``[.., K, V]`` storage, as on Ascend with MTP; with ``contiguous`` they are dense.
+``[.., K, V]`` storage, as on Ascend with MTP, and the conv windows a transposed view of
+channel-major ``[L, slots, C, W]`` storage, so that code which silently works on a
+``.contiguous()`` copy or a ``reshape`` of them loses its writes (sgl-kernel-npu #748);
+with ``contiguous`` every tensor is dense.
 Slot 0 is the dummy that padded rows point at; request and track slots are a
 seeded permutation of the rest, with spare slots nobody owns.
 """
@@ -49,8 +52,12 @@ class StatePool:
         else:
             self.temporal = torch.zeros(L, S, HV, V, K, dtype=sdt, device=device)
             self.intermediate_ssm = torch.zeros(L, N + 1, D, HV, V, K, dtype=sdt, device=device)
-        self.conv = torch.zeros(L, S, cfg.conv_window, cfg.conv_channels, dtype=cfg.torch_conv_dtype,
-                                device=device)
+        conv_shape = (L, S, cfg.conv_window, cfg.conv_channels)
+        if cfg.layout == "npu":
+            self.conv = torch.zeros(L, S, cfg.conv_channels, cfg.conv_window, dtype=cfg.torch_conv_dtype,
+                                    device=device).transpose(-1, -2)
+        else:
+            self.conv = torch.zeros(conv_shape, dtype=cfg.torch_conv_dtype, device=device)
         rng = np.random.default_rng([cfg.seed, 0x5107])
         perm = 1 + rng.permutation(S - 1)
         R = cfg.num_requests

@@ -81,21 +81,28 @@ class Float64Twin:
         self.window = window.to(device=device, dtype=F64).clone()
         self.track_state = torch.zeros_like(self.state)
         self.track_window = torch.zeros_like(self.window)
-        self.out = None
+        self.mark_state = torch.zeros_like(self.state)  # state at a marked position (golden checkpoints)
+        self.mark_window = torch.zeros_like(self.window)
+        self.out = self.g = self.beta = None
+        self.norm2 = torch.zeros(cfg.num_layers, cfg.num_requests, cfg.num_draft_tokens, cfg.num_v_heads,
+                                 dtype=F64, device=device)  # ||h||^2 after each token of the step
         self._rows = torch.arange(cfg.num_requests, device=device)
 
     def advance(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accept: np.ndarray,
-                track: np.ndarray) -> None:
+                track: np.ndarray, mark: np.ndarray | None = None) -> None:
         """One decode step. x ``[L, R, D, C]``, a, b ``[L, R, D, HV]`` (active rows); accept,
-        track host int arrays ``[R]`` (track = -1 when the row is not tracked)."""
+        track host int arrays ``[R]`` (track = -1 when the row is not tracked); ``mark``
+        (optional, same form) selects a second draft step to capture into mark_state/window."""
         dev = self.device
         x, a, b = (t.to(device=dev, dtype=F64) for t in (x, a, b))
-        q, k, v, g, beta = _qkv_gating(self.cfg, self.params, self.window, x, a, b)
+        q, k, v, self.g, self.beta = _qkv_gating(self.cfg, self.params, self.window, x, a, b)
         take = torch.from_numpy(np.asarray(accept, np.int64)).to(dev)
-        self.out = kernels.gdn_decode(self.state, self._rows, q, k, v, g, beta, take, compute_dtype=F64,
-                                      capture_steps=track, capture_out=self.track_state)
-        if (np.asarray(track) >= 0).any():
-            tw = _advance_window(self.window, x, torch.from_numpy(np.maximum(track, 0) + 1).to(dev))
-            self.track_window = torch.where(torch.from_numpy(track >= 0).to(dev)[None, :, None, None],
-                                            tw, self.track_window)
+        captures = [(track, self.track_state)] + ([(mark, self.mark_state)] if mark is not None else [])
+        self.out = kernels.gdn_decode(self.state, self._rows, q, k, v, self.g, self.beta, take,
+                                      compute_dtype=F64, captures=captures, norms_out=self.norm2)
+        for steps, attr in ((track, "track_window"), (mark, "mark_window")):
+            if steps is not None and (np.asarray(steps) >= 0).any():
+                tw = _advance_window(self.window, x, torch.from_numpy(np.maximum(steps, 0) + 1).to(dev))
+                sel = torch.from_numpy(np.asarray(steps) >= 0).to(dev)[None, :, None, None]
+                setattr(self, attr, torch.where(sel, tw, getattr(self, attr)))
         self.window = _advance_window(self.window, x, take)

@@ -21,7 +21,7 @@ def _fmt(v: Optional[float]) -> str:
 
 
 def check_rows(checks: list[CheckResult]) -> list[list[str]]:
-    return [[c.name, "PASS" if c.passed else "FAIL", _fmt(c.worst), _fmt(c.limit),
+    return [[c.name, c.verdict, _fmt(c.worst), _fmt(c.limit),
              c.where, c.detail] for c in checks]
 
 

@@ -10,10 +10,12 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
+from .bounds import BoundCheck, GrowthCheck
 from .checks import Check, CheckResult, core_checks, untouched_result
-from .compare import Comparison
+from .compare import Comparison, SequentialShadow
 from .config import Config
-from .simulate import RunInfo, Simulation
+from .reference import F64
+from .simulate import ResumePoint, RunInfo, Simulation
 
 
 @dataclass
@@ -56,19 +58,123 @@ def versions() -> dict:
 def run_checked(cfg: Config, update="sync_free", mode: str = "mtp", steps: Optional[int] = None,
                 checks: Optional[Sequence[Check]] = None,
                 progress: Optional[Callable[[int, int], None]] = None,
-                verify_kernel=None) -> RunReport:
-    """Run ``cfg`` through ``update`` and apply ``checks`` (default: the core checks)."""
-    checks = list(core_checks() if checks is None else checks)
-    comparison = Comparison(checks)
-    sim = Simulation(cfg, update, mode=mode, observers=[comparison], verify_kernel=verify_kernel)
+                verify_kernel=None, golden=None, vs_sequential: bool = False,
+                start: Optional[ResumePoint] = None, env2_start: Optional[np.ndarray] = None,
+                observers: Sequence = (), sync_scan: bool = True) -> RunReport:
+    """Run ``cfg`` through ``update`` and apply ``checks`` (default: the semantic checks, the
+    drift bound and the growth exponent).
+
+    golden: as for :class:`Comparison`. vs_sequential: also run the stream through
+    sequential decode in lockstep and report the divergence. start / env2_start: resume
+    every row from a :class:`ResumePoint` with the bound envelope it carries there.
+    sync_scan: also run the update on the virtual accelerator and fail on any host sync.
+    """
+    post = []
+    if checks is None:
+        bound = BoundCheck(initial_env2=env2_start)
+        checks = core_checks() + [bound]
+        post = [GrowthCheck(bound)]
+    checks = list(checks)
+    comparison = Comparison(checks, golden=golden)
+    shadows = [SequentialShadow()] if vs_sequential else []
+    sim = Simulation(cfg, update, mode=mode, observers=[comparison, *shadows, *observers],
+                     verify_kernel=verify_kernel, start=start)
     info = sim.run(steps, progress=progress)
     if sim.update is not None:
         info.meta["update_spec"] = sim.update.spec
         info.meta["update_source"] = sim.update.source
-    results = [c.result() for c in checks]
+    results = [c.result() for c in checks] + [p.result() for p in post] + [s.result() for s in shadows]
     if mode == "mtp":
         results.append(untouched_result(info.untouched_violation, info.steps))
+        if sync_scan:
+            from .syncs import sync_check
+
+            results.append(sync_check(cfg, sim.update))
     if info.stopped_early:
         results.append(CheckResult("run completed", False, None, None, "", f"stopped early: {info.stopped_early}"))
-    ref = f"float64 twin computed alongside on {comparison.ref_device}"
-    return RunReport(cfg, info, results, ref)
+    return RunReport(cfg, info, results, comparison.reference_description())
+
+
+class SnapshotCatcher:
+    """Observer + consumer: after ``after_step``, grabs each active row's first tracked snapshot
+    (state bits, conv window, the twin's truth there, the bound envelope) as a ResumePoint.
+
+    Put it after the Comparison in the observers and after the BoundCheck in its consumers.
+    """
+
+    def __init__(self, comparison: Comparison, bound: BoundCheck, after_step: int):
+        self.comparison, self.bound, self.after = comparison, bound, after_step
+        self.rows: dict[int, dict] = {}
+
+    # observer side
+    def on_start(self, sim) -> None:
+        self.sim = sim
+
+    def on_step(self, view) -> None:
+        if view.step < self.after:
+            return
+        sim, twin, pool, cfg = self.sim, self.comparison.twin, self.sim.pool, self.sim.cfg
+        Km1 = cfg.conv_kernel - 1
+        for r in np.nonzero(view.track >= 0)[0]:
+            if int(r) in self.rows:
+                continue
+            slot = pool.row_track_slots[int(r)]
+            self.rows[int(r)] = {
+                "position": int(view.pre[r] + view.track[r] + 1), "step": view.step, "index": view.index,
+                "state": pool.ssm_kv[:, slot].clone(), "window": pool.conv[:, slot, cfg.conv_window - Km1:].clone(),
+                "true_state": twin.track_state[:, int(r)].clone(), "true_window": twin.track_window[:, int(r)].clone(),
+                "env2": None}
+
+    def flush(self) -> None:
+        pass
+
+    def on_end(self) -> None:
+        pass
+
+    # consumer side (after the BoundCheck has processed the chunk)
+    def start(self, comparison) -> None:
+        pass
+
+    def consume(self, chunk) -> None:
+        for r, snap in self.rows.items():
+            if snap["env2"] is None and chunk.step0 <= snap["step"] < chunk.step0 + chunk.count:
+                s = snap["step"] - chunk.step0
+                prev = self.bound.last_env2[s - 1] if s > 0 else self._carry
+                # The snapshot is one store after the previous commit: at most the larger of the
+                # envelopes around it, plus one rounding of the snapshot itself.
+                snap["env2"] = np.maximum(prev[:, r], self.bound.last_env2[s][:, r])
+        self._carry = self.bound.last_env2[-1].copy()
+
+    def finish(self) -> None:
+        pass
+
+    def resume_point(self) -> tuple[ResumePoint, np.ndarray]:
+        cfg = self.sim.cfg
+        missing = [r for r in range(cfg.num_requests) if r not in self.rows]
+        if missing:
+            raise RuntimeError(f"rows {missing} were never tracked after step {self.after}: run longer")
+        rows = [self.rows[r] for r in range(cfg.num_requests)]
+        stack = lambda k, dt=None: torch.stack([x[k] for x in rows], 1)
+        point = ResumePoint(positions=np.array([x["position"] for x in rows], np.int64),
+                            state=stack("state"), window=stack("window").to(F64),
+                            true_state=stack("true_state").cpu(), true_window=stack("true_window").cpu())
+        env2 = np.stack([x["env2"] for x in rows], 1)  # [L, R, HV]
+        return point, env2
+
+
+def capture_snapshots(cfg: Config, update="sync_free", after_step: int = 256,
+                      steps: Optional[int] = None) -> tuple[RunReport, ResumePoint, np.ndarray]:
+    """Run ``cfg`` (checked) and capture every row's first tracked snapshot after ``after_step``:
+    the prefix-cache entry a later request with the same prefix would load (cache hit)."""
+    if cfg.track_interval <= 0:
+        raise ValueError("capture_snapshots needs tracking on (track_interval > 0)")
+    bound = BoundCheck()
+    checks = core_checks() + [bound]
+    comparison = Comparison(checks)
+    catcher = SnapshotCatcher(comparison, bound, after_step)
+    comparison.consumers.append(catcher)
+    sim = Simulation(cfg, update, observers=[comparison, catcher])
+    info = sim.run(steps)
+    results = [c.result() for c in checks] + [untouched_result(info.untouched_violation, info.steps)]
+    point, env2 = catcher.resume_point()
+    return RunReport(cfg, info, results, comparison.reference_description()), point, env2

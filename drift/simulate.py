@@ -95,14 +95,29 @@ class SlotGuard:
                    | (c_bits != self._before_c).transpose(0, 1).reshape(S, -1).any(1))
         self.violations[index] = changed & ~touched
 
-    def flush(self, step0: int, count: int) -> None:
-        if self.first is not None:
-            return
-        v = self.violations[:count].cpu().numpy()
-        if v.any():
+    def flush(self, step0: int, count: int, offset: int = 0) -> None:
+        """Read flags ``[offset, offset + count)`` (steps ``step0 ..``) and clear them."""
+        v = self.violations[offset:offset + count].cpu().numpy()
+        if self.first is None and v.any():
             s, slot = map(int, np.argwhere(v)[0])
             self.first = {"step": step0 + s, "slot": slot, "role": self.pool.slot_role(slot)}
-        self.violations[:count] = False
+        self.violations[offset:offset + count] = False
+
+
+@dataclass
+class ResumePoint:
+    """Where each active row starts instead of its prompt (a prefix-cache hit, a checkpoint).
+
+    positions ``[R]`` int: seq_len of each row; state ``[L, R, HV, K, V]`` (the state dtype's
+    values to load, bit for bit) and window ``[L, R, Kc-1, C]``; true_state / true_window:
+    the float64 truth at those positions, where the twin starts.
+    """
+
+    positions: np.ndarray
+    state: torch.Tensor
+    window: torch.Tensor
+    true_state: torch.Tensor
+    true_window: torch.Tensor
 
 
 @dataclass
@@ -130,7 +145,7 @@ class Simulation:
     def __init__(self, cfg: Config, update: str | Update | Callable | None = "sync_free",
                  mode: str = "mtp", observers: Sequence[Observer] = (),
                  verify_kernel: Optional[VerifyKernel] = None, check_untouched: bool = True,
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, start: Optional[ResumePoint] = None):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not known; allowed: {', '.join(MODES)}")
         self.cfg = cfg
@@ -146,22 +161,34 @@ class Simulation:
         self.harness = Harness(self.pool)
         self.observers = list(observers)
         self.guard = SlotGuard(self.pool, self.stream.chunk_steps) if (check_untouched and mode == "mtp") else None
-        self.lengths = [self.stream.prefill_len(r) for r in range(cfg.num_requests)]
-        self.prefill_state, self.prefill_window = prefill(cfg, self.stream.tokens, self.stream.params,
-                                                          self.lengths, torch.device("cpu"))
-        self._load_prefill()
+        if start is None:
+            self.lengths = [self.stream.prefill_len(r) for r in range(cfg.num_requests)]
+            self.prefill_state, self.prefill_window = prefill(cfg, self.stream.tokens, self.stream.params,
+                                                              self.lengths, torch.device("cpu"))
+            stored = self.prefill_state.to(self.device).to(self.pool.temporal.dtype)
+            window = self.prefill_window
+        else:
+            self.lengths = [int(p) for p in start.positions]
+            self.stream.pos = np.asarray(start.positions, np.int64).copy()
+            self.prefill_state, self.prefill_window = start.true_state, start.true_window
+            stored, window = start.state.to(self.device), start.window
+        self._load_start(stored, window)
         self.step = 0
+        self._chunk = None
+        self._touched_chunk = None
+        self._in_chunk = 0
+        self._guard_read = 0
 
-    def _load_prefill(self) -> None:
-        """Prompt state stored once in the state dtype (as prefill does), the conv window at
-        the end of the buffer, the first D-1 rows stale (NaN: a read of them shows)."""
+    def _load_start(self, stored: torch.Tensor, window: torch.Tensor) -> None:
+        """The starting state as prefill leaves it: stored once in the state dtype, the conv
+        window at the end of the buffer, the first D-1 rows stale (NaN: a read of them shows)."""
         cfg, pool = self.cfg, self.pool
         slots = pool.active_slots
-        pool.ssm_kv[:, slots] = self.prefill_state.to(self.device).to(pool.temporal.dtype)
+        pool.ssm_kv[:, slots] = stored
         W, Km1 = cfg.conv_window, cfg.conv_kernel - 1
         buf = torch.full((cfg.num_layers, cfg.num_requests, W, cfg.conv_channels), STALE,
                          dtype=pool.conv.dtype, device=self.device)
-        buf[:, :, W - Km1:] = self.prefill_window.to(self.device, pool.conv.dtype)
+        buf[:, :, W - Km1:] = window.to(self.device, pool.conv.dtype)
         pool.conv[:, slots] = buf
         pool.temporal[:, pool.row_track_slots[: cfg.num_requests]] = STALE
         pool.conv[:, pool.row_track_slots[: cfg.num_requests]] = STALE
@@ -178,13 +205,7 @@ class Simulation:
         done = 0
         try:
             while done < total:
-                chunk = self.stream.chunk(min(self.stream.chunk_steps, total - done))
-                touched = self._touched(chunk) if self.guard is not None else None
-                for s in range(chunk.count):
-                    self._step(chunk, s, touched)
-                done += chunk.count
-                if self.guard is not None:
-                    self.guard.flush(chunk.step0, chunk.count)
+                done += self.advance(min(self.stream.chunk_steps, total - done))
                 for obs in self.observers:
                     obs.flush()
                 if progress is not None:
@@ -193,6 +214,7 @@ class Simulation:
             stopped = str(why)
             for obs in self.observers:
                 obs.flush()
+        self._flush_guard()
         for obs in self.observers:
             obs.on_end()
         return RunInfo(
@@ -200,6 +222,32 @@ class Simulation:
             update=self.update.name if self.update else "(sequential decode)",
             kernels=kernels_in_use(), device=str(self.device), stopped_early=stopped,
             untouched_violation=self.guard.first if self.guard else None)
+
+    def advance(self, count: int) -> int:
+        """Run ``count`` more steps (observers see each; they are not flushed here).
+
+        Steps come from the current input chunk; a new chunk is fetched when it is used up.
+        Lockstep shadows (e.g. a sequential twin of an MTP run) call this one step at a time.
+        """
+        done = 0
+        while done < count:
+            if self._chunk is None or self._in_chunk == self._chunk.count:
+                self._flush_guard()
+                self._guard_read = 0
+                self._chunk = self.stream.chunk(min(self.stream.chunk_steps, count - done))
+                self._touched_chunk = self._touched(self._chunk) if self.guard is not None else None
+                self._in_chunk = 0
+            self._step(self._chunk, self._in_chunk, self._touched_chunk)
+            self._in_chunk += 1
+            done += 1
+        return done
+
+    def _flush_guard(self) -> None:
+        """Read the slot guard's per-step flags for the steps of the current chunk run so far."""
+        if self.guard is not None and self._chunk is not None and self._in_chunk > self._guard_read:
+            self.guard.flush(self._chunk.step0 + self._guard_read, self._in_chunk - self._guard_read,
+                             offset=self._guard_read)
+            self._guard_read = self._in_chunk
 
     def _touched(self, chunk) -> torch.Tensor:
         """``[count, S]`` bool: slots the update may write at each step of the chunk."""

@@ -188,6 +188,16 @@ def track_steps(pre: np.ndarray, accept: np.ndarray, interval: int) -> np.ndarra
 
 
 # --------------------------------------------------------------------------- steps
+def prefill_lengths(cfg: Config) -> list[int]:
+    """Prompt length of each request: staggered by 3 so rows cross track boundaries apart."""
+    return [cfg.prefill_len + 3 * r for r in range(cfg.num_requests)]
+
+
+def max_position(cfg: Config, steps: int | None = None) -> int:
+    """The furthest position any request can reach in ``steps`` decode steps (all accept D)."""
+    return max(prefill_lengths(cfg)) + (cfg.steps if steps is None else steps) * cfg.num_draft_tokens
+
+
 @dataclass
 class StepChunk:
     """Inputs of ``count`` consecutive decode steps starting at ``step0``.
@@ -221,12 +231,11 @@ class InputStream:
         self.params = StreamParams.generate(cfg)
         per_step = cfg.num_layers * cfg.num_rows * cfg.num_draft_tokens * (cfg.conv_channels * 2 + 8 * cfg.num_v_heads)
         self.chunk_steps = int(max(1, min(256, chunk_bytes // max(per_step, 1))))
-        self.pos = np.array([self.prefill_len(r) for r in range(cfg.num_requests)], dtype=np.int64)
+        self.pos = np.array(prefill_lengths(cfg), dtype=np.int64)
         self.step = 0
 
     def prefill_len(self, row: int) -> int:
-        """Prompt length of request ``row``: staggered so rows cross track boundaries apart."""
-        return self.cfg.prefill_len + 3 * row
+        return prefill_lengths(self.cfg)[row]
 
     def chunk(self, count: int) -> StepChunk:
         """The next ``count`` steps (advances the stream)."""

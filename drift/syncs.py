@@ -1,0 +1,794 @@
+"""Host-device synchronisation detector for the update under test, usable on a CPU-only CI.
+
+A sync happens whenever the host needs a value that lives on the device (REFERENCE
+section 5): ``.item()``, ``bool(t)``, ``float(t)``, ``int(t)``, ops whose output shape
+depends on device data (boolean-mask indexing, ``nonzero``, ``masked_select``,
+``unique`` ...), host reads (``.cpu()``, ``.tolist()``, ``.numpy()``) and blocking copies.
+
+How it sees them without an accelerator
+---------------------------------------
+On CPU tensors most syncs are invisible (``.cpu()``, ``.tolist()``, ``.numpy()`` dispatch
+nothing), so the code under test runs on a *virtual accelerator*: :class:`VirtualTensor`
+reports the non-CPU device ``meta`` and carries real CPU data. A ``TorchDispatchMode``
+stacked on top sees every op, classifies it (:func:`sync_reasons`), records the Python
+line that caused it and runs it on the CPU data. Control flow therefore follows the real
+values and the call runs to its end, so every sync of a call is reported, not only the
+first. (``FakeTensorMode`` on a fake ``cuda`` device cannot serve here: it raises at the
+first data-dependent op, and a CPU-only torch has no cuda device guard; ``meta`` is the
+non-CPU device every build has one for.) A ``TorchFunctionMode`` names the Python-level
+call behind each op (``Tensor.item``, ``Tensor.__bool__`` ...) and catches the host reads
+that dispatch no op (``.tolist()``, ``.numpy()``, ``__array__``) and host data turned
+into a device tensor (``torch.tensor(data, device=...)``).
+
+On a machine with CUDA, ``torch.cuda.set_sync_debug_mode("error")`` is armed around each
+call (and restored after: the mode is process-global); with ``torch_npu`` its twin
+``torch.npu.set_sync_debug_mode("error")``. They only see work on real device tensors
+(:func:`scan_update` adds a pass on the accelerator when one is present), and they stop
+the call at its first sync. Every report lists the detectors that ran.
+
+Each :class:`SyncEvent` names the op and the ``file:line`` in the code under test: the
+innermost Python frame at dispatch time that is neither torch's nor this module's.
+drift's portable kernels (``drift/kernels.py``) are code under test like any other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import linecache
+import math
+import os
+import re
+import sys
+import types
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .checks import CheckResult
+from .config import Config
+from .loader import Update, load_update
+from .pool import Harness, StatePool
+from .stream import InputStream
+
+VIRTUAL_DEVICE = torch.device("meta")
+_HOST = torch.device("cpu")
+
+# Detector names, as reports list them. The dispatch mode watches virtual and real accelerator tensors.
+DETECTOR_DISPATCH = "dispatch mode"
+DETECTOR_CUDA = 'torch.cuda sync debug mode "error"'
+DETECTOR_NPU = 'torch.npu sync debug mode "error"'
+# The messages the two debug modes raise with (c10 "called a synchronizing CUDA operation",
+# torch_npu "called a synchronizing NPU operation").
+_DEBUG_MODE_ERROR = re.compile(r"called a synchronizing (CUDA|NPU) operation")
+
+# ---------------------------------------------------------------- classification
+_SCALAR_READ = {
+    "_local_scalar_dense": "reads a device value on the host (.item(), bool(), float(), int(), "
+                           "0-dim tensor index)",
+    "is_nonzero": "reads a device value on the host (bool())",
+    "equal": "returns a host bool computed from device data",
+    "allclose": "returns a host bool computed from device data",
+}
+_DYNAMIC_SHAPE = {
+    name: "output shape depends on device data (the host waits for it)"
+    for name in ("nonzero", "argwhere", "nonzero_numpy", "masked_select", "_unique", "_unique2",
+                 "unique_dim", "unique_consecutive", "unique_dim_consecutive", "bincount")
+}
+_MASK_INDEX_OPS = ("index", "_unsafe_index", "index_put", "index_put_", "_index_put_impl_",
+                   "_unsafe_index_put")
+_HOST_READ_FUNCS = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__}
+_HOST_DATA_FACTORIES = {torch.tensor, torch.as_tensor, torch.asarray}
+
+
+class VirtualDeviceError(RuntimeError):
+    """The code under test did something the virtual device cannot follow."""
+
+
+def _is_device(x: Any) -> bool:
+    """A tensor on the (virtual or real) accelerator."""
+    return isinstance(x, VirtualTensor) or (isinstance(x, torch.Tensor) and x.device.type not in ("cpu", "meta"))
+
+
+def _is_host(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and not isinstance(x, VirtualTensor) and x.device.type == "cpu"
+
+
+def _device_kind(dev: Any) -> Optional[str]:
+    """'virtual', 'host', 'device' (a real accelerator) or None for a ``device=`` argument."""
+    if dev is None:
+        return None
+    kind = torch.device(dev).type
+    return {"meta": "virtual", "cpu": "host"}.get(kind, "device")
+
+
+def op_name(func) -> str:
+    """``aten.nonzero`` for a default overload, ``aten.index.Tensor`` otherwise."""
+    ns, name = func.name().split("::", 1)
+    return f"{ns}.{name}"
+
+
+def sync_reasons(func, args: tuple, kwargs: dict) -> list[str]:
+    """Why dispatching ``func(*args, **kwargs)`` synchronises host and device (empty: it does not).
+
+    Applies to device tensors (:class:`VirtualTensor` or a real accelerator tensor); host
+    tensors are the host's own business. A blocking copy from a 0-dim host tensor is not
+    flagged (CUDA turns it into a fill), a ``non_blocking=True`` one neither.
+    """
+    name = func.overloadpacket.__name__
+    flat, _ = tree_flatten((args, kwargs))
+    dev_in = any(_is_device(x) for x in flat)
+    target = _device_kind(kwargs.get("device"))
+    if name == "_to_copy":
+        src = args[0]
+        if _is_device(src) and target == "host":
+            return ["device-to-host copy: the host waits for the data"]
+        if _is_host(src) and src.dim() > 0 and target in ("virtual", "device") and not kwargs.get("non_blocking"):
+            return ["blocking host-to-device copy"]
+        return []
+    if name == "copy_":
+        dst, src = args[0], args[1]
+        if _is_host(dst) and _is_device(src):
+            return ["device-to-host copy: the host waits for the data"]
+        if _is_device(dst) and _is_host(src) and src.dim() > 0 and not (args[2:3] and args[2]) \
+                and not kwargs.get("non_blocking"):
+            return ["blocking host-to-device copy"]
+        return []
+    if not dev_in:
+        return []
+    out = []
+    if name in _SCALAR_READ:
+        out.append(_SCALAR_READ[name])
+    elif name in _DYNAMIC_SHAPE:
+        out.append(_DYNAMIC_SHAPE[name])
+    elif name == "repeat_interleave" and kwargs.get("output_size") is None:
+        out.append("repeat_interleave without output_size: output shape depends on device data")
+    elif name in _MASK_INDEX_OPS:
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
+            out.append("boolean-mask indexing: an internal nonzero, output shape depends on device data")
+    if any(_is_host(x) and x.dim() > 0 for x in flat):
+        out.append("host tensor operand: an implicit blocking host-to-device copy on an accelerator "
+                   "(or a device-mismatch error)")
+    return out
+
+
+# ------------------------------------------------------------ virtual tensors
+class VirtualTensor(torch.Tensor):
+    """A tensor on the virtual accelerator: reports device ``meta``, holds CPU data in ``_inner``.
+
+    Shape, strides, dtype and storage offset are those of the CPU tensor; views share its
+    storage, so in-place writes through any view land in the same memory. Reading the data
+    on the host is a sync, so ``repr`` shows only the metadata. A *shape-only* virtual tensor
+    holds a meta tensor instead (no data: for counting ops and bytes); an op touching one
+    runs on meta, and one that needs its values raises :class:`VirtualDeviceError`.
+    """
+
+    _inner: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor):
+        if not isinstance(inner, torch.Tensor) or isinstance(inner, VirtualTensor) \
+                or inner.device.type not in ("cpu", "meta"):
+            raise TypeError(f"VirtualTensor wraps a plain CPU (or shape-only meta) tensor, got "
+                            f"{type(inner).__name__} on {getattr(inner, 'device', '?')}")
+        out = torch.Tensor._make_wrapper_subclass(
+            cls, inner.size(), strides=inner.stride(), storage_offset=inner.storage_offset(),
+            dtype=inner.dtype, device=VIRTUAL_DEVICE, requires_grad=False)
+        out._inner = inner
+        return out
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return _execute(func, args, kwargs or {})  # outside a detector: run, record nothing
+
+    def __repr__(self) -> str:  # must not read the data (that would be a sync)
+        return f"VirtualTensor(shape={tuple(self.shape)}, dtype={self.dtype})"
+
+
+def to_virtual(tree: Any) -> Any:
+    """Every CPU tensor in ``tree`` (a tensor, or lists/tuples/dicts of them) moved onto the
+    virtual device, sharing its storage; other leaves unchanged."""
+    return tree_map(lambda x: VirtualTensor(x) if _is_host(x) else x, tree)
+
+
+def host_data(t: torch.Tensor) -> torch.Tensor:
+    """The CPU tensor behind a :class:`VirtualTensor` (for tests and setup; not a recorded sync)."""
+    if not isinstance(t, VirtualTensor):
+        raise TypeError(f"host_data expects a VirtualTensor, got {type(t).__name__}")
+    return t._inner
+
+
+def _execute(func, args: tuple, kwargs: dict):
+    """Run ``func`` on the CPU data of virtual operands; outputs are virtual unless the op
+    targets the host (``device='cpu'``) or returns a host operand (``copy_`` into it)."""
+    target = _device_kind(kwargs.get("device"))
+    flat, _ = tree_flatten((args, kwargs))
+    virtual = target == "virtual" or any(isinstance(x, VirtualTensor) for x in flat)
+    if not virtual:
+        return func(*args, **kwargs)
+    by_inner: dict[int, VirtualTensor] = {}
+
+    def unwrap(x):
+        if isinstance(x, VirtualTensor):
+            by_inner[id(x._inner)] = x
+            return x._inner
+        if isinstance(x, torch.Tensor) and x.device.type == "meta":
+            raise VirtualDeviceError(
+                f"{op_name(func)} got a plain meta tensor next to virtual-device tensors: the code "
+                "under test created a device tensor in a way the virtual device cannot follow. "
+                "Create it with a factory op (torch.empty/zeros/arange(..., device=t.device)) or "
+                "from another device tensor.")
+        return x
+
+    cargs, ckwargs = tree_map(unwrap, (args, kwargs))
+    if target == "virtual":
+        ckwargs["device"] = _HOST
+    if any(isinstance(x, torch.Tensor) and x.device.type == "meta" for x in tree_flatten((cargs, ckwargs))[0]):
+        # A shape-only operand: run the op on meta (shapes and dtypes only).
+        cargs, ckwargs = tree_map(lambda x: x.to(VIRTUAL_DEVICE) if _is_host(x) else x, (cargs, ckwargs))
+        if target == "virtual":
+            ckwargs["device"] = VIRTUAL_DEVICE
+        try:
+            out = func(*cargs, **ckwargs)
+        except (RuntimeError, NotImplementedError) as exc:
+            raise VirtualDeviceError(
+                f"{op_name(func)} needs the values of a shape-only tensor ({exc}); the code under "
+                "test reads state data, so count it with real data (shape_only=False)") from exc
+    else:
+        out = func(*cargs, **ckwargs)
+    to_host = target == "host"
+
+    def wrap(o):
+        if not isinstance(o, torch.Tensor):
+            return o
+        vt = by_inner.get(id(o))
+        if vt is not None:  # in place or out=: the caller's own tensor
+            if vt.shape != o.shape or vt.stride() != o.stride():
+                raise VirtualDeviceError(f"{op_name(func)} changed a tensor's shape or strides in place; "
+                                         "the virtual device does not support that (use the out-of-place op)")
+            return vt
+        if to_host or o.device.type not in ("cpu", "meta") or any(o is x for x in flat):
+            return o
+        return VirtualTensor(o)
+
+    return tree_map(wrap, out)
+
+
+# ---------------------------------------------------------------------- events
+_INTERNAL_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch,))
+_THIS_FILE = os.path.normcase(os.path.abspath(__file__))
+
+
+def _is_internal(filename: str) -> bool:
+    """torch's (and torch_npu's) own frames and this detector's: skipped when locating a sync."""
+    if filename.startswith(_INTERNAL_DIRS) or os.path.normcase(os.path.abspath(filename)) == _THIS_FILE:
+        return True
+    npu = sys.modules.get("torch_npu")
+    return npu is not None and filename.startswith(os.path.dirname(npu.__file__) + os.sep)
+
+
+def display_path(filename: str) -> str:
+    """``filename`` relative to the working directory when inside it, else as given."""
+    try:
+        rel = os.path.relpath(filename)
+    except ValueError:  # another drive (Windows)
+        return filename
+    return filename if rel.startswith(os.pardir) else rel
+
+
+@dataclass(frozen=True)
+class SyncEvent:
+    """One host-device synchronisation.
+
+    op: the dispatched aten op (``aten._local_scalar_dense``) or the Python host read
+    (``Tensor.tolist``); api: the Python call that led to it (``Tensor.item``) or "".
+    file/line/function/code: the innermost frame of the code under test. stack: that frame
+    and its callers inside the call, ``path:line in function``, innermost first.
+    label: the caller's tag of the call (e.g. ``step 3``). seen_by: detectors that flagged it.
+    """
+
+    op: str
+    api: str
+    reason: str
+    file: str
+    line: int
+    function: str
+    code: str
+    stack: tuple[str, ...] = ()
+    label: str = ""
+    seen_by: tuple[str, ...] = (DETECTOR_DISPATCH,)
+
+    @property
+    def where(self) -> str:
+        return f"{display_path(self.file)}:{self.line}"
+
+    def describe(self) -> str:
+        api = f" ({self.api})" if self.api and self.api != self.op else ""
+        return f"{self.op}{api} at {self.where} in {self.function}"
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["where"] = self.where
+        d["stack"] = list(self.stack)
+        d["seen_by"] = list(self.seen_by)
+        return d
+
+
+@dataclass
+class SyncReport:
+    """Everything one :class:`SyncDetector` saw.
+
+    events: every sync, in order. detectors: those that ran. devices: device types the
+    watched ops touched (``virtual`` for the virtual accelerator). ops / view_ops: dispatched
+    aten ops (views included / views only). bytes: for every non-view op, the bytes of its
+    tensor inputs plus those of its outputs that are not one of its inputs -- a shape-based
+    upper bound on the memory it touches. stopped: calls a debug mode cut short at a sync.
+    """
+
+    events: list[SyncEvent] = field(default_factory=list)
+    detectors: list[str] = field(default_factory=list)
+    devices: list[str] = field(default_factory=list)
+    calls: int = 0
+    ops: int = 0
+    view_ops: int = 0
+    bytes: int = 0
+    stopped: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    @property
+    def clean(self) -> bool:
+        return not self.events
+
+    def by_label(self) -> dict[str, list[SyncEvent]]:
+        out: dict[str, list[SyncEvent]] = {}
+        for e in self.events:
+            out.setdefault(e.label, []).append(e)
+        return out
+
+    def format(self, limit: int = 20) -> str:
+        head = (f"{len(self.events)} host-device sync(s) in {self.calls} call(s); detectors: "
+                f"{'; '.join(self.detectors) or 'none'}")
+        lines = [head]
+        for e in self.events[:limit]:
+            tag = f"[{e.label}] " if e.label else ""
+            lines.append(f"  {tag}{e.describe()}: {e.code}  -- {e.reason}")
+        if len(self.events) > limit:
+            lines.append(f"  ... {len(self.events) - limit} more")
+        lines += [f"  stopped: {s}" for s in self.stopped]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {"syncs": len(self.events), "calls": self.calls, "ops": self.ops, "view_ops": self.view_ops,
+                "bytes": self.bytes, "detectors": list(self.detectors), "devices": list(self.devices),
+                "stopped": list(self.stopped), "events": [e.to_dict() for e in self.events]}
+
+
+# -------------------------------------------------------------------- detector
+def _api_name(func) -> str:
+    qual = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+    for prefix, repl in (("TensorBase.", "Tensor."), ("_VariableFunctionsClass.", "torch."),
+                         ("_TensorBase.", "Tensor.")):
+        if qual.startswith(prefix):
+            return repl + qual[len(prefix):]
+    mod = getattr(func, "__module__", "") or ""
+    return f"torch.{qual}" if mod.startswith("torch") and "." not in qual else qual
+
+
+class _BoundMode:
+    """A torch mode that reports to its detector."""
+
+    def __init__(self, det: "SyncDetector"):
+        super().__init__()
+        self.det = det
+
+
+class _FunctionMode(_BoundMode, TorchFunctionMode):
+    """Names the Python call behind each op; records host reads that dispatch nothing."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        det = self.det
+        if func in _HOST_READ_FUNCS and args and _is_device(args[0]):
+            name = _api_name(func)
+            det._reads.append(len(det.report.events))  # ops inside are this read's: not recorded again
+            det._record(name, name, "host read of device data (a device-to-host copy)")
+            try:
+                if isinstance(args[0], VirtualTensor):
+                    return func(args[0]._inner, *args[1:], **kwargs)
+                return func(*args, **kwargs)
+            finally:
+                det._reads.pop()
+        if func in _HOST_DATA_FACTORIES and _device_kind(kwargs.get("device")) == "virtual" \
+                and not (args and isinstance(args[0], torch.Tensor)):
+            name = _api_name(func)
+            det._record(name, name, "blocking host-to-device copy of host data")
+            return VirtualTensor(func(*args, **{**kwargs, "device": _HOST}))
+        det._api.append(_api_name(func))
+        try:
+            return func(*args, **kwargs)
+        finally:
+            det._api.pop()
+
+
+class _DispatchMode(_BoundMode, TorchDispatchMode):
+    """Counts every op, records the syncing ones, runs virtual ops on their CPU data."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        det = self.det
+        reasons = [] if det._reads else sync_reasons(func, args, kwargs)
+        first = det._reads[-1] if det._reads else len(det.report.events)
+        for reason in reasons:
+            det._record(op_name(func), det._api[-1] if det._api else "", reason)
+        try:
+            out = _execute(func, args, kwargs)
+        except RuntimeError as exc:
+            debug = _DEBUG_MODE_ERROR.search(str(exc))
+            if debug:
+                det._flag_debug(op_name(func), debug.group(1), first)
+            raise
+        det._count(func, args, kwargs, out)
+        return out
+
+
+class SyncDetector:
+    """Runs callables and reports every host-device sync they cause.
+
+    As a context manager the ``with`` block is the watched call; or call :meth:`run`.
+    Tensors must be on the virtual device (:func:`to_virtual`, :func:`virtual_harness`) or
+    a real accelerator to be watched; host tensors are not. Set :attr:`label` to tag the
+    events of the next calls (e.g. ``"step 3"``). ``device_debug``: arm the CUDA / NPU sync
+    debug mode ("error") around each call when that backend is present.
+
+    >>> det = SyncDetector()
+    >>> t = to_virtual(torch.arange(4))
+    >>> det.run(lambda: t.sum().item())
+    6
+    >>> det.report.events[0].op
+    'aten._local_scalar_dense'
+    """
+
+    def __init__(self, device_debug: bool = True, stack_limit: int = 8):
+        self.report = SyncReport()
+        self.label = ""
+        self.stack_limit = stack_limit
+        self._api: list[str] = []
+        self._reads: list[int] = []  # open host reads (.tolist() ...): index of their event
+        self._flagged = False  # a debug-mode error was already recorded at its op
+        self._boundary: Optional[types.FrameType] = None
+        self._modes: Optional[contextlib.ExitStack] = None
+        self._debug = _debug_backends() if device_debug else []
+        self.report.detectors = [DETECTOR_DISPATCH] + [name for name, _ in self._debug]
+
+    # ---------------------------------------------------------------- entry
+    def __enter__(self) -> "SyncDetector":
+        self._boundary = sys._getframe(1)
+        self._enter_modes()
+        self._armed = _armed(self._debug)
+        self._armed.__enter__()
+        self.report.calls += 1
+        self._flagged = False
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        try:
+            self._armed.__exit__(None, None, None)
+        finally:
+            self._exit_modes()
+            self._boundary = None
+        return exc is not None and self._debug_stop(exc)
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` watched; returns its result (None when a debug mode stopped it)."""
+        outer, own = self._boundary, self._modes is None
+        self._boundary = sys._getframe(0)
+        if own:
+            self._enter_modes()
+        self.report.calls += 1
+        self._flagged = False
+        try:
+            with _armed(self._debug):
+                return fn(*args, **kwargs)
+        except RuntimeError as exc:
+            if self._debug_stop(exc):
+                return None
+            raise
+        finally:
+            if own:
+                self._exit_modes()
+            self._boundary = outer
+
+    def _enter_modes(self) -> None:
+        stack = contextlib.ExitStack()
+        stack.enter_context(_FunctionMode(self))
+        stack.enter_context(_DispatchMode(self))
+        self._modes = stack
+
+    def _exit_modes(self) -> None:
+        if self._modes is not None:
+            self._modes.close()
+            self._modes = None
+
+    # ------------------------------------------------------------- recording
+    def _stack(self, start: Optional[types.FrameType] = None) -> list[tuple[str, int, str]]:
+        f = start if start is not None else sys._getframe(1)
+        out: list[tuple[str, int, str]] = []
+        while f is not None and len(out) < self.stack_limit:
+            fn = f.f_code.co_filename
+            if not _is_internal(fn):
+                out.append((fn, f.f_lineno, f.f_code.co_name))
+            if f is self._boundary:
+                break
+            f = f.f_back
+        return out
+
+    def _event(self, op: str, api: str, reason: str, frames: list[tuple[str, int, str]],
+               seen_by: tuple[str, ...]) -> SyncEvent:
+        if not frames:
+            return SyncEvent(op, api, reason, "<unknown>", 0, "", "", (), self.label, seen_by)
+        fn, line, func = frames[0]
+        stack = tuple(f"{display_path(p)}:{n} in {c}" for p, n, c in frames)
+        return SyncEvent(op, api, reason, fn, line, func, linecache.getline(fn, line).strip(), stack,
+                         self.label, seen_by)
+
+    def _record(self, op: str, api: str, reason: str) -> None:
+        self.report.events.append(self._event(op, api, reason, self._stack(), (DETECTOR_DISPATCH,)))
+
+    def _flag_debug(self, op: str, backend: str, first: int) -> None:
+        """A debug mode raised inside ``op``: confirm the events recorded for it from index
+        ``first`` on (the op's own, or the host read it belongs to), or add one."""
+        name = DETECTOR_CUDA if backend == "CUDA" else DETECTOR_NPU
+        ev = self.report.events
+        if len(ev) > first:
+            ev[first:] = [replace(e, seen_by=e.seen_by + (name,)) for e in ev[first:]]
+        else:
+            ev.append(self._event(op, self._api[-1] if self._api else "",
+                                  f"flagged by {name}", self._stack(), (name,)))
+        self._flagged = True
+
+    def _debug_stop(self, exc: BaseException) -> bool:
+        """True when ``exc`` is a debug mode's sync error (recorded; the call stops there)."""
+        m = _DEBUG_MODE_ERROR.search(str(exc)) if isinstance(exc, RuntimeError) else None
+        if not m:
+            return False
+        if not self._flagged:  # raised outside any dispatched op
+            tb = exc.__traceback__
+            frames = []
+            while tb is not None:
+                frames.append(tb.tb_frame)
+                tb = tb.tb_next
+            start = next((f for f in reversed(frames) if not _is_internal(f.f_code.co_filename)), None)
+            name = DETECTOR_CUDA if m.group(1) == "CUDA" else DETECTOR_NPU
+            self.report.events.append(self._event("(outside dispatch)", "", f"flagged by {name}",
+                                                  self._stack(start) if start else [], (name,)))
+        self._flagged = False
+        self.report.stopped.append(f"{self.label or 'call'}: {m.group(0)}")
+        return True
+
+    def _count(self, func, args: tuple, kwargs: dict, out: Any) -> None:
+        rep = self.report
+        rep.ops += 1
+        flat_in, _ = tree_flatten((args, kwargs))
+        for x in flat_in:
+            if isinstance(x, torch.Tensor):
+                kind = "virtual" if isinstance(x, VirtualTensor) else x.device.type
+                if kind not in rep.devices:
+                    rep.devices.append(kind)
+        if func.is_view:
+            rep.view_ops += 1
+            return
+        ins = [x for x in flat_in if isinstance(x, torch.Tensor)]
+        outs = [o for o in tree_flatten(out)[0]
+                if isinstance(o, torch.Tensor) and not any(o is x for x in ins)]
+        rep.bytes += sum(t.numel() * t.element_size() for t in ins + outs)
+
+
+def detect_syncs(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> SyncReport:
+    """Run ``fn(*args, **kwargs)`` under a fresh :class:`SyncDetector`; CPU tensors among
+    ``args``/``kwargs`` (at any depth of lists/tuples/dicts) are moved onto the virtual device first."""
+    det = SyncDetector()
+    det.run(fn, *to_virtual(args), **to_virtual(kwargs))
+    return det.report
+
+
+# ---------------------------------------------------------- device debug modes
+def _debug_backends() -> list[tuple[str, types.ModuleType]]:
+    """(detector name, torch.cuda / torch.npu) for each backend present with a sync debug mode."""
+    out = []
+    if torch.cuda.is_available():
+        out.append((DETECTOR_CUDA, torch.cuda))
+    if _npu_present():
+        npu = getattr(torch, "npu", None)
+        if npu is not None and hasattr(npu, "set_sync_debug_mode") and hasattr(npu, "get_sync_debug_mode"):
+            out.append((DETECTOR_NPU, npu))
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _npu_present() -> bool:
+    """torch_npu imports and sees an NPU (asked once per process)."""
+    from .devices import npu_available
+    return npu_available()
+
+
+@contextlib.contextmanager
+def _armed(backends: Sequence[tuple[str, types.ModuleType]]) -> Iterator[None]:
+    """Sync debug mode "error" on each backend for the block, the previous mode restored after."""
+    previous = []
+    try:
+        for _, mod in backends:
+            previous.append((mod, mod.get_sync_debug_mode()))
+            mod.set_sync_debug_mode("error")
+        yield
+    finally:
+        for mod, mode in reversed(previous):
+            mod.set_sync_debug_mode(mode)
+
+
+# ------------------------------------------------------- the update under test
+def virtual_pool(cfg: Config, shape_only: bool = False) -> StatePool:
+    """drift's :class:`StatePool` for ``cfg`` with every tensor on the virtual device
+    (built on the CPU, then wrapped; views keep sharing storage). ``shape_only``: the
+    floating-point states (temporal, intermediate_ssm, conv) hold no data, the integer slot
+    tables stay real -- enough for an update whose control flow reads only indices."""
+    pool = StatePool(cfg.replace(device="cpu"), _HOST)
+    for name, value in list(vars(pool).items()):
+        if isinstance(value, torch.Tensor):
+            if shape_only and value.is_floating_point():
+                value = value.to(VIRTUAL_DEVICE)  # keeps the strides of a transposed view
+            setattr(pool, name, VirtualTensor(value))
+    pool.device = VIRTUAL_DEVICE
+    return pool
+
+
+def virtual_harness(cfg: Config, shape_only: bool = False) -> Harness:
+    """The backend ``self`` the update receives, over a :func:`virtual_pool`."""
+    return Harness(virtual_pool(cfg, shape_only))
+
+
+def update_calls(cfg: Config, harness: Harness, last: torch.Tensor, trk: torch.Tensor,
+                 wrap: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[tuple]:
+    """The argument tuples of one update call per step, as the simulation passes them:
+    ``(harness, last_steps [N], track_indices [N] | None, track_steps [N] | None)``;
+    ``last`` / ``trk`` are int64 ``[steps, N]`` host tensors, ``wrap`` moves one onto the device."""
+    track_on = cfg.track_interval > 0
+    track_idx = harness._drift_pool.row_track_slots if track_on else None
+    for i in range(last.shape[0]):
+        yield harness, wrap(last[i]), track_idx, (wrap(trk[i]) if track_on else None)
+
+
+def step_indices(cfg: Config, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``last_steps`` and ``track_steps`` (int64 CPU ``[count, N]``, -1 = none / padded row)
+    of the first ``count`` decode steps of ``cfg``'s stream.
+
+    They depend only on the seed, batch, acceptance and tracking fields, never on the model
+    shapes, so the stream runs on a one-channel copy of the config (cheap at any size).
+    """
+    tiny = cfg.replace(num_layers=1, num_k_heads=1, num_v_heads=1, head_k_dim=1, head_v_dim=1,
+                       decays=(0.5,), key_rank=0, device="cpu")
+    chunk = InputStream(tiny, _HOST).chunk(count)
+    return chunk.last_steps, chunk.track_steps
+
+
+SCAN_STEPS = 1024  # steps searched for tracking and non-tracking ones (a track interval of up to ~1000 tokens)
+
+
+def representative_steps(cfg: Config, steps: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """``steps`` decode steps alternating non-tracking and tracking ones (all non-tracking when
+    tracking is off or no boundary is crossed within :data:`SCAN_STEPS`), with their indices.
+
+    Returns (step numbers, last_steps ``[steps, N]``, track_steps ``[steps, N]``), int64 CPU.
+    """
+    if steps < 1:
+        raise ValueError(f"steps={steps} is invalid; allowed: an integer >= 1")
+    last, trk = step_indices(cfg, SCAN_STEPS)
+    tracking = (trk >= 0).any(1).tolist()
+    pools = ([s for s in range(SCAN_STEPS) if not tracking[s]], [s for s in range(SCAN_STEPS) if tracking[s]])
+    chosen: list[int] = []
+    for i in range(steps):
+        want, other = pools[i % 2], pools[1 - i % 2]
+        src = want if want else other
+        if not src:
+            break
+        chosen.append(src.pop(0))
+    chosen.sort()
+    return chosen, last[chosen], trk[chosen]
+
+
+@dataclass
+class UpdateScan:
+    """The syncs of an update over a few steps: one report per pass (``virtual``, and the
+    config's device when it is an accelerator), events labelled ``step <n>``."""
+
+    update: str
+    steps: list[int]
+    tracking: list[bool]
+    padded_rows: int
+    track_on: bool
+    passes: dict[str, SyncReport]
+
+    @property
+    def events(self) -> list[SyncEvent]:
+        return [e for rep in self.passes.values() for e in rep.events]
+
+    def per_step(self, pass_name: str = "virtual") -> dict[int, list[SyncEvent]]:
+        """Events of each step (every step present, possibly with no events)."""
+        labels = self.passes[pass_name].by_label()
+        return {s: labels.get(f"step {s}", []) for s in self.steps}
+
+
+def _device_pass(cfg: Config, device: Optional[str]) -> Optional[str]:
+    """The accelerator of the second pass: ``device`` as given ("none": no pass), or with
+    "auto" the config's device when it is one, else the first accelerator present."""
+    if device != "auto":
+        return None if device in (None, "none", "cpu") else device
+    if cfg.device != "cpu":
+        return cfg.device
+    if torch.cuda.is_available():
+        return "cuda"
+    return "npu" if _npu_present() else None
+
+
+def scan_update(cfg: Config, update: str | Update | Callable = "sync_free", steps: int = 4,
+                device: Optional[str] = "auto") -> UpdateScan:
+    """Run ``update`` for :func:`representative_steps` on the virtual device and, when there is
+    an accelerator (:func:`_device_pass`), again on it with its sync debug mode armed; padded
+    rows and tracking as configured (``track_interval = 0`` passes ``None`` as the simulation does)."""
+    upd = update if isinstance(update, Update) else load_update(update)
+    chosen, last, trk = representative_steps(cfg, steps)
+    passes: dict[str, SyncReport] = {}
+    targets: list[tuple[str, Optional[torch.device]]] = [("virtual", None)]
+    accel = _device_pass(cfg, device)
+    if accel is not None:
+        from .devices import resolve_device
+        targets.append((accel, resolve_device(accel)))
+    for name, dev in targets:
+        if dev is None:
+            harness, wrap = virtual_harness(cfg), to_virtual
+            det = SyncDetector(device_debug=False)  # CPU data: the debug modes would see nothing
+        else:
+            harness, wrap = Harness(StatePool(cfg.replace(device=name), dev)), (lambda t, d=dev: t.to(d))
+            det = SyncDetector(device_debug=True)
+        for s, call in zip(chosen, update_calls(cfg, harness, last, trk, wrap)):
+            det.label = f"step {s}"
+            det.run(upd, *call)
+        passes[name] = det.report
+    tracking = [bool(x) for x in (trk >= 0).any(1).tolist()]
+    return UpdateScan(upd.name, chosen, tracking, cfg.num_padded, cfg.track_interval > 0, passes)
+
+
+def sync_check(cfg: Config, update: str | Update | Callable = "sync_free", steps: int = 4,
+               device: Optional[str] = "auto") -> CheckResult:
+    """The "host syncs" check of ``drift run``: passed iff the update causes no host-device
+    sync in :func:`scan_update`'s steps (virtual device, plus the accelerator pass when there
+    is one). worst: syncs per step (the worst pass); limit 0; where: the first sync's op and
+    ``file:line``; extra: syncs per pass, detectors, the first events."""
+    scan = scan_update(cfg, update, steps, device)
+    n = len(scan.steps)
+    per_step = max((len(r.events) / n for r in scan.passes.values()), default=0.0) if n else math.nan
+    detectors = sorted({d for r in scan.passes.values() for d in r.detectors})
+    n_track = sum(scan.tracking)
+    what = (f"{n} steps ({n_track} tracking, {n - n_track} not{'' if scan.track_on else ', tracking off'}; "
+            f"{scan.padded_rows} padded row(s); passes: {', '.join(scan.passes)}; detectors: {', '.join(detectors)})")
+    events = scan.events
+    extra = {"syncs": len(events), "syncs_by_pass": {k: len(r.events) for k, r in scan.passes.items()},
+             "steps": scan.steps, "detectors": detectors,
+             "events": [e.to_dict() for e in events[:10]]}
+    if not events:
+        return CheckResult("host syncs", passed=True, worst=0.0, limit=0.0, where="",
+                           detail=f"no host-device sync in {what}", extra=extra)
+    sites = list(dict.fromkeys(f"{e.op} at {e.where}" for e in events))
+    detail = (f"{len(events)} syncs in {what}: " + "; ".join(sites[:4])
+              + (f"; {len(sites) - 4} more sites" if len(sites) > 4 else "")
+              + ". Keep the hot path device-side (torch.where, fixed-shape ops).")
+    return CheckResult("host syncs", passed=False, worst=per_step, limit=0.0, where=events[0].describe(),
+                       detail=detail, extra=extra)

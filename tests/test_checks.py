@@ -1,0 +1,178 @@
+"""drift.checks: the core checks, each with a positive and a known-bad (negative) control.
+
+Every check a test in this suite relies on is shown to fail on an update that is wrong in
+the one way that check exists for (tests/bad_updates.py), and to pass on a correct one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from conftest import bad_spec, checks_of, small_cfg
+from drift.checks import SEMANTIC_TOL, Check, StateCheck, TrackCheck, untouched_result
+from drift.compare import PER_HEAD, PER_ROW, MetricsChunk
+from drift.metrics import rel_err
+
+CORE = ("finite states", "committed state", "outputs", "conv windows", "tracked snapshots",
+        "untouched slots")
+
+# 200 steps of the small config: the default pattern ('mixed') starts with 256 steps of the
+# acceptance model, so every accept length 1..D occurs and each row crosses its track
+# boundary (interval 16) about 18 times.
+STEPS = 200
+
+
+@pytest.fixture(scope="module")
+def good():
+    return checks_of(small_cfg(STEPS), "sync_free")
+
+
+def test_correct_update_passes_every_core_check(good):
+    for name in CORE:
+        assert good[name].passed, (name, good[name])
+    assert good["report"].passed
+    # The committed-state worst case is bf16 rounding drift: drift.checks documents
+    # 0.003 .. 0.0124 for RNE on ci-small over 4,096 steps (0.007 here at 200 steps), so a
+    # quarter of the semantic threshold (0.0625) leaves a 5x margin over the long-run value
+    # while the bad controls below sit 10x above the threshold.
+    assert good["committed state"].worst < SEMANTIC_TOL / 4
+
+
+def test_positive_control_written_like_a_plugin_passes():
+    """tests/bad_updates.py:correct (the same code as the bad variants, no fault) passes:
+    the negative controls fail because of their one fault, not their plumbing."""
+    res = checks_of(small_cfg(STEPS), bad_spec("correct"))
+    assert all(res[name].passed for name in CORE), [res[n] for n in CORE]
+
+
+@pytest.mark.parametrize("variant, failing, passing, detail", [
+    # Committing the state after a rejected draft: order-one state error.
+    ("commit_next_step", "committed state", ("conv windows", "untouched slots"), "first over the limit"),
+    # No rollback: the window ends D-1-step tokens too late.
+    ("skip_conv_rollback", "conv windows", ("untouched slots",), "first over the limit"),
+    # Tracking one token too far: the snapshot is not the boundary state.
+    ("track_next_step", "tracked snapshots", ("committed state", "conv windows", "untouched slots"),
+     "tracked SSM state differs"),
+    # Conv window copied to the track slot after the working slot was rolled back, then
+    # rolled again: the window read from the wrong point (sglang #34794 class).
+    ("track_conv_late", "tracked snapshots", ("committed state", "conv windows", "untouched slots"),
+     "tracked conv window differs"),
+    # A snapshot that is not bit-exact what the run held at the boundary, though within
+    # rounding distance of the truth: only the bit-exact part of the check can see it.
+    ("track_rescaled", "tracked snapshots", ("committed state", "conv windows", "untouched slots"),
+     "tracked SSM state differs"),
+    # Writing the dummy slot that padded rows point at.
+    ("write_dummy_slot", "untouched slots", ("committed state", "conv windows", "tracked snapshots"),
+     "wrote dummy slot 0 (slot 0) at step 0"),
+    ("write_dummy_conv", "untouched slots", ("committed state", "conv windows", "tracked snapshots"),
+     "wrote dummy slot 0 (slot 0) at step 0"),
+    # Unconditional copy into untracked rows' track slots (no self-copy).
+    ("track_unconditional", "untouched slots", ("committed state", "conv windows"),
+     "wrote track slot of row"),
+])
+def test_known_bad_update_fails_its_check(variant, failing, passing, detail):
+    res = checks_of(small_cfg(STEPS), bad_spec(variant))
+    assert not res[failing].passed, res[failing]
+    assert detail in res[failing].detail, res[failing]
+    assert not res["report"].passed
+    for name in passing:  # the fault is confined to what the variant breaks
+        assert res[name].passed, (name, res[name])
+    if variant == "track_rescaled":  # the relative error stays rounding-sized: bits decide
+        assert res[failing].worst < SEMANTIC_TOL / 4
+    if variant in ("commit_next_step", "track_next_step"):
+        # A semantic error is order one (one token's update or a rejected draft's: measured
+        # 1.7 .. 6 here), far above the threshold, not a borderline miss.
+        assert res[failing].worst > 2 * SEMANTIC_TOL
+
+
+def test_nan_commit_stops_the_run_and_fails():
+    cfg = small_cfg(300)  # more than one 256-step chunk: the run must not reach the end
+    res = checks_of(cfg, bad_spec("commit_nan"))
+    assert not res["finite states"].passed
+    assert "row 0" in res["finite states"].detail
+    rep = res["report"]
+    assert rep.info.stopped_early and not rep.passed
+    assert rep.info.steps < cfg.steps  # stopped at the end of the first chunk with a NaN
+    assert "step 0" in rep.info.stopped_early
+    assert not res["run completed"].passed
+
+
+def test_wrong_outputs_fail_the_output_check_only(good):
+    """A verify kernel whose outputs are 1.5x too large (states untouched) fails 'outputs'."""
+    from drift.kernels import gdn_verify
+
+    def scaled(*args, **kwargs):
+        return gdn_verify(*args, **kwargs) * 1.5
+
+    res = checks_of(small_cfg(STEPS), "sync_free", verify_kernel=scaled)
+    assert not res["outputs"].passed
+    # |1.5 (o + e) - o| / |o| = 0.5 up to 1.5 |e| / |o|, where e is the correct run's own
+    # rounding error (its 'outputs' worst, same stream and steps).
+    assert abs(res["outputs"].worst - 0.5) <= 1.5 * good["outputs"].worst
+    assert res["committed state"].passed
+
+
+# ------------------------------------------------------------------ unit behaviour
+def test_rel_err_uses_the_norm_floor():
+    err2, ref2 = np.array([4.0, 4.0]), np.array([100.0, 0.0])
+    np.testing.assert_allclose(rel_err(err2, ref2, floor=1.0), [0.2, 2.0])
+
+
+def _chunk(count=2, R=1, **over):
+    """A MetricsChunk of zero errors (unit references), one layer and head, nothing tracked."""
+    arrays = {k: np.zeros((count, 1, R, 1)) for k in PER_HEAD}
+    arrays.update({k: np.zeros((count, R), np.int64) for k in PER_ROW})
+    arrays.update(ref2=np.ones((count, 1, R, 1)), finite=np.ones((count, 1, R, 1), bool),
+                  pre=np.zeros((count, R), np.int64), accept=np.ones((count, R), np.int64),
+                  track=np.full((count, R), -1, np.int64))
+    arrays.update(over)
+    return MetricsChunk(0, count, arrays)
+
+
+class _Comparison:  # what Check.start reads: comparison.sim.cfg / .mode
+    class sim:
+        class cfg:
+            head_v_dim = 16
+            track_interval = 16
+        mode = "mtp"
+
+
+def test_a_check_that_saw_nothing_fails():
+    c = StateCheck()
+    c.start(_Comparison)
+    assert not c.result().passed
+
+
+def test_state_check_locates_the_first_failure():
+    c = StateCheck()
+    c.start(_Comparison)
+    err2 = np.zeros((3, 1, 1, 1))
+    err2[2] = 1.0  # relative error 1 at step 2
+    c.consume(_chunk(3, err2=err2, ref2=np.ones((3, 1, 1, 1))))
+    r = c.result()
+    assert not r.passed and r.worst == pytest.approx(1.0)
+    assert "step 2" in r.detail
+
+
+def test_track_check_with_tracking_on_but_no_boundary_fails():
+    c = TrackCheck()
+    c.start(_Comparison)
+    c.consume(_chunk())
+    assert not c.result().passed
+
+
+def test_untouched_result_verdicts():
+    assert untouched_result(None, 5).passed
+    assert not untouched_result(None, 0).passed
+    bad = untouched_result({"step": 3, "slot": 0, "role": "dummy slot 0"}, 5)
+    assert not bad.passed and "dummy slot 0" in bad.detail
+
+
+def test_base_check_treats_nan_as_worst():
+    c = Check(limit=1.0)
+    c.start(_Comparison)
+    c._update(np.array([[0.5], [math.nan]]), 0, dims=("row",))
+    assert c.first_fail == "step 1, row 0"

@@ -1,0 +1,80 @@
+"""drift.cli ``drift run``: exit 0 when every check passes, 1 when one fails, 2 on a usage,
+config, load or device error; the summary table and the --report files.
+
+Runs the default preset (ci-small, full size) for a few dozen steps: enough to cross
+track boundaries (interval 16) so every core check sees data.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import bad_spec
+from drift.cli import EXIT_FAIL, EXIT_PASS, EXIT_USAGE, main
+
+RUN = ["run", "--steps", "40", "--quiet"]
+
+
+def test_passing_run_exits_0_and_prints_the_table(capsys):
+    assert main(RUN) == EXIT_PASS
+    out = capsys.readouterr().out
+    assert "update sync_free, 40 steps (mtp)" in out and "PASS: every check passed" in out
+    for name in ("finite states", "committed state", "outputs", "conv windows", "tracked snapshots",
+                 "untouched slots"):
+        assert name in out
+
+
+@pytest.mark.parametrize("args", [["--update", "device_select"], ["--mode", "sequential"],
+                                  ["--profile", "fp32", "--pattern", "all-D"],
+                                  ["--rounding", "stochastic", "--seed", "3"]])
+def test_other_correct_configurations_exit_0(args):
+    assert main(RUN + args) == EXIT_PASS
+
+
+def test_failing_check_exits_1(capsys):
+    """A file-spec update that commits draft step last + 1."""
+    assert main(RUN + ["--update", bad_spec("commit_next_step")]) == EXIT_FAIL
+    out = capsys.readouterr().out
+    assert "FAIL: " in out and "committed state" in out.split("FAIL: ")[-1]
+
+
+def test_report_files_even_for_a_nan_run(tmp_path, capsys):
+    """--report writes JSON a strict parser reads (NaN worst values become null)."""
+    assert main(RUN + ["--update", bad_spec("commit_nan"), "--report", str(tmp_path)]) == EXIT_FAIL
+    rep = json.loads((tmp_path / "report.json").read_text())
+    assert rep["verdict"] == "fail" and rep["run"]["stopped_early"]
+    assert rep["config"]["name"] == "ci-small" and rep["run"]["update"] == "commit_nan"
+    assert {c["name"] for c in rep["checks"]} >= {"finite states", "run completed"}
+    assert (tmp_path / "report.md").read_text().startswith("# drift run: FAIL")
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_report_of_a_passing_run(tmp_path):
+    assert main(RUN + ["--report", str(tmp_path)]) == EXIT_PASS
+    rep = json.loads((tmp_path / "report.json").read_text())
+    assert rep["verdict"] == "pass" and all(c["passed"] for c in rep["checks"])
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--preset", "nope"], "preset='nope' is not known; allowed: ci-small"),
+    (["--steps", "0"], "steps=0 is invalid; allowed: an integer >= 1"),
+    (["--seed", "-1"], "seed=-1 is invalid"),
+    (["--update", "/nonexistent/upd.py:fn"], "not found"),
+    (["--update", "sync_fre"], "not a built-in"),
+    (["--update", f"{bad_spec('nope')}"], "has no attribute 'nope'"),
+    (["--device", "cuda"], "device='cuda' requested"),
+    (["--device", "npu"], "device='npu' requested"),
+])
+def test_usage_config_load_and_device_errors_exit_2(cpu_only, capsys, args, words):
+    assert main(RUN + args) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("drift: error: ") and words in err
+
+
+def test_bad_arguments_exit_2(capsys):
+    for args in (["run", "--steps", "many"], ["run", "--profile", "tpu"], ["fly"]):
+        with pytest.raises(SystemExit) as exc:
+            main(args)
+        assert exc.value.code == EXIT_USAGE

@@ -1,0 +1,147 @@
+"""drift.config: every invalid field raises ConfigError naming the field and what is
+allowed; the presets have the shapes issue 2 asks for."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from drift.config import PRESETS, PROFILES, Config, ConfigError, preset
+
+BASE = preset("ci-small")
+
+# (field changes, words the message must contain besides the field name and "allowed").
+INVALID = [
+    *[({f: 0}, ">= 1") for f in ("num_layers", "num_requests", "num_k_heads", "num_v_heads",
+                                "head_k_dim", "head_v_dim", "num_draft_tokens", "steps")],
+    ({"num_layers": -3}, ">= 1"),
+    ({"num_layers": 1.5}, "integer"),
+    ({"num_layers": True}, "integer"),  # a bool is not a size
+    ({"steps": "100"}, "integer"),
+    ({"conv_kernel": 1}, ">= 2"),
+    *[({f: -1}, ">= 0") for f in ("num_padded", "track_interval", "key_rank", "spare_slots", "seed")],
+    ({"seed": 2**32}, "[0, 4294967295]"),  # would alias seed 0 (32-bit generator keys)
+    ({"prefill_len": 2}, ">= 3"),  # needs at least conv_kernel - 1 prompt tokens
+    ({"num_k_heads": 4, "num_v_heads": 6, "decays": (0.5,) * 6}, "multiple"),
+    ({"key_rank": 65}, "0 (full rank) .. 64"),
+    ({"ssm_dtype": "float64"}, "bfloat16, float16, float32"),
+    ({"conv_dtype": "int8"}, "bfloat16, float16, float32"),
+    ({"store_rounding": "nearest"}, "rne, stochastic, truncate"),
+    ({"ssm_dtype": "float32", "store_rounding": "truncate"}, "'rne'"),
+    ({"layout": "nhwc"}, "npu, contiguous"),
+    ({"pattern": "all-2"}, "model, all-1, all-D, mixed"),
+    ({"device": "tpu"}, "cpu, cuda, npu"),
+    ({"acceptance": (0.8, 0.4)}, "num_draft_tokens - 1 = 3"),
+    ({"acceptance": (0.5, 0.6, 0.1)}, "non-increasing"),
+    ({"acceptance": (1.2, 0.5, 0.1)}, "[0, 1]"),
+    ({"acceptance": (math.nan, 0.5, 0.1)}, "[0, 1]"),
+    ({"decays": (0.5, 0.9)}, "one per value head"),
+    ({"decays": (0.5, 0.9, 0.98, 1.0)}, "(0, 1)"),
+    ({"decays": (0.0, 0.9, 0.98, 0.99)}, "(0, 1)"),
+    ({"decays": (math.nan, 0.9, 0.98, 0.99)}, "(0, 1)"),
+    ({"beta_bias": math.nan}, "finite"),
+    ({"beta_bias": math.inf}, "finite"),
+    ({"beta_bias": "0.5"}, "finite number"),
+]
+
+
+def _field(changes: dict) -> str:
+    """The field the message must name: the one whose value is bad (last key changed,
+    except where a companion field is only changed to keep the others consistent)."""
+    if "store_rounding" in changes:
+        return "store_rounding"
+    if "num_v_heads" in changes:
+        return "num_v_heads"
+    return next(iter(changes))
+
+
+@pytest.mark.parametrize("changes, allowed", INVALID, ids=[repr(c) for c, _ in INVALID])
+def test_invalid_field_raises_config_error_naming_it(changes, allowed):
+    with pytest.raises(ConfigError) as exc:
+        BASE.replace(**changes)
+    msg = str(exc.value)
+    assert _field(changes) in msg and "allowed" in msg and allowed in msg, msg
+    # The same through the constructor (not only replace) and through preset().
+    with pytest.raises(ConfigError):
+        Config(**{**BASE.to_dict(), **changes})
+    with pytest.raises(ConfigError):
+        preset("ci-small", **changes)
+
+
+@pytest.mark.parametrize("changes", [
+    {"num_draft_tokens": 2, "acceptance": (0.5,)},
+    {"num_draft_tokens": 1, "acceptance": ()},
+    {"num_padded": 0, "track_interval": 0, "key_rank": 0, "spare_slots": 0, "seed": 0},
+    {"conv_kernel": 2, "prefill_len": 1},
+    {"num_k_heads": 2, "num_v_heads": 4},
+    {"ssm_dtype": "float16", "conv_dtype": "float32", "layout": "contiguous"},
+    {"store_rounding": "stochastic"},
+    {"acceptance": (1.0, 1.0, 0.0), "beta_bias": -2.5},
+])
+def test_valid_edge_values_are_accepted(changes):
+    """Positive controls: the boundaries of what is allowed construct fine."""
+    cfg = BASE.replace(**changes)
+    for k, v in changes.items():
+        assert getattr(cfg, k) == v
+
+
+def test_unknown_preset_and_profile_list_the_choices():
+    with pytest.raises(ConfigError, match=r"preset='nope'.*allowed: ci-small, qwen3\.5-397b-tp16, stagnation"):
+        preset("nope")
+    with pytest.raises(ConfigError, match=r"profile='tpu'.*allowed: \['fp32', 'npu'\]"):
+        BASE.with_profile("tpu")
+
+
+def test_profiles_set_the_state_store():
+    npu, fp32 = BASE.with_profile("npu"), BASE.with_profile("fp32")
+    assert (npu.ssm_dtype, npu.conv_dtype, npu.layout) == ("bfloat16", "bfloat16", "npu")
+    assert (fp32.ssm_dtype, fp32.conv_dtype, fp32.layout) == ("float32", "bfloat16", "contiguous")
+    assert set(PROFILES) == {"npu", "fp32"}
+    assert npu.unit_roundoff == 2.0 ** -8 and fp32.unit_roundoff == 2.0 ** -24
+
+
+def test_ci_small_meets_the_issue():
+    c = PRESETS["ci-small"]
+    assert c.num_requests >= 4 and c.num_padded >= 1
+    assert c.num_v_heads >= 4 and min(c.decays) <= 0.6 and max(c.decays) >= 0.99  # fast .. very slow
+    assert c.num_layers >= 2 and c.head_k_dim == c.head_v_dim >= 64
+    assert c.num_draft_tokens == 4 and c.conv_kernel == 4 and c.steps >= 4096
+    # Tracking fires many times: each row advances >= 1 token per step.
+    assert 0 < c.track_interval and c.steps // c.track_interval >= 100
+
+
+def test_qwen_preset_has_the_real_per_rank_shapes():
+    c = PRESETS["qwen3.5-397b-tp16"]
+    assert (c.num_layers, c.num_k_heads, c.num_v_heads, c.head_k_dim, c.head_v_dim) == (45, 1, 4, 128, 128)
+    assert c.conv_channels == 768 and c.num_draft_tokens == 4 and c.conv_kernel == 4
+
+
+def test_stagnation_preset_is_adversarial():
+    c = PRESETS["stagnation"]
+    assert all(0.998 <= d < 1 for d in c.decays)  # above bf16's stagnation threshold (REFERENCE 3)
+    assert 0 < c.key_rank <= c.head_k_dim // 8
+
+
+def test_derived_sizes():
+    c = BASE
+    assert c.num_rows == c.num_requests + c.num_padded
+    assert c.conv_window == (c.conv_kernel - 1) + (c.num_draft_tokens - 1)
+    assert c.conv_channels == 2 * c.num_k_heads * c.head_k_dim + c.num_v_heads * c.head_v_dim
+    assert c.num_slots == 1 + 2 * c.num_requests + c.spare_slots
+
+
+def test_stream_hash_covers_the_trajectory_only():
+    """One golden serves every store profile, device, horizon and acceptance pattern."""
+    h = BASE.stream_hash()
+    for same in ({"steps": 7}, {"pattern": "all-1"}, {"acceptance": (0.9, 0.1, 0.0)},
+                 {"ssm_dtype": "float32"}, {"store_rounding": "stochastic"}, {"layout": "contiguous"}):
+        assert BASE.replace(**same).stream_hash() == h, same
+    for other in ({"seed": 1}, {"decays": (0.5, 0.9, 0.98, 0.99)}, {"key_rank": 4}, {"prefill_len": 25},
+                  {"beta_bias": 0.5}, {"num_layers": 3}):
+        assert BASE.replace(**other).stream_hash() != h, other
+
+
+def test_to_dict_round_trips():
+    d = BASE.to_dict()
+    assert Config(**{**d, "acceptance": tuple(d["acceptance"]), "decays": tuple(d["decays"])}) == BASE

@@ -1,0 +1,100 @@
+"""Cost model (drift.costmodel, ``drift bench-update``): structure and relations that must hold.
+
+No wall-clock timing is asserted; device latency is checked only where an accelerator exists.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from drift.cli import main
+from drift.config import preset
+from drift.costmodel import BYTES_MODEL, CostRow, format_table, measure, to_json
+from drift.updates import BUILTINS
+
+CI = preset("ci-small")
+BATCHES = (1, 4, 16)
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def rows() -> dict[tuple[str, int], CostRow]:
+    return {(r.update, r.requests): r for r in measure(CI, batch_sizes=BATCHES, steps=STEPS)}
+
+
+def test_one_row_per_update_and_batch(rows):
+    assert sorted(rows) == sorted((u, b) for u in BUILTINS for b in BATCHES)
+    for (u, b), r in rows.items():
+        assert r.rows == b + CI.num_padded and r.steps == STEPS
+        assert 0 <= r.tracking_steps <= STEPS
+        assert r.ops_per_step > r.view_ops_per_step > 0 and r.bytes_per_step > 0
+        assert r.latency_us is None and r.latency_device is None  # cpu config: no device timing
+
+
+def test_sync_relations(rows):
+    for b in BATCHES:
+        g, s, d = (rows[(u, b)] for u in ("guarded", "sync_free", "device_select"))
+        assert d.syncs_per_step == 0.0
+        assert g.syncs_per_step >= 1.0
+        # Tracking is on: sync_free builds its boolean mask every step.
+        assert s.syncs_per_step >= 1.0
+        # guarded = sync_free's path + exactly one .item() per step (ci-small has a padded row,
+        # so the guard never fires and both take the same tracking path).
+        assert g.syncs_per_step - s.syncs_per_step == 1.0
+        assert g.ops_per_step > s.ops_per_step
+
+
+def test_device_select_cost_is_data_independent(rows):
+    """No data-dependent control flow: the same ops every step at every batch size, and bytes
+    growing with the batch (every tensor it touches grows with rows and slots)."""
+    ops = {rows[("device_select", b)].ops_per_step for b in BATCHES}
+    assert len(ops) == 1 and float(next(iter(ops))).is_integer()
+    moved = [rows[("device_select", b)].bytes_per_step for b in BATCHES]
+    assert moved == sorted(moved) and len(set(moved)) == len(moved)
+
+
+def test_unconditional_copy_costs_bytes(rows):
+    """The #32130 trade-off, as measured: device_select copies the conv window of every row
+    each step (a self-copy for untracked ones), sync_free only of tracked rows and not at all
+    on steps without one. Padded rows are never tracked, so device_select copies at least one
+    window more per step (gather + scatter: 2 * L * W * C * 2 B = 18 KiB on ci-small), far
+    more than the index tensors ([N] int64) its torch.where reads beyond sync_free's masks."""
+    for b in BATCHES:
+        assert rows[("device_select", b)].bytes_per_step > rows[("sync_free", b)].bytes_per_step
+
+
+def test_shape_only_counts_equal_real_data_counts():
+    real = measure(CI, batch_sizes=(1, 3), steps=4, shape_only=False)
+    shape = measure(CI, batch_sizes=(1, 3), steps=4, shape_only=True)
+    assert real == shape
+
+
+def test_table_and_json(rows):
+    rs = list(rows.values())
+    table = format_table(rs).splitlines()
+    assert table[0].startswith("| update | requests |") and len(table) == 2 + len(rs) + 2
+    assert table[-1] == f"bytes/step: {BYTES_MODEL}."
+    data = json.loads(to_json(rs))
+    assert [d["update"] for d in data] == [r.update for r in rs]
+    assert all(d["bytes_model"] == BYTES_MODEL and d["latency_us"] is None for d in data)
+
+
+def test_cli_bench_update_json(capsys):
+    assert main(["bench-update", "--batches", "1,2", "--steps", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [(d["update"], d["requests"]) for d in data] == [(u, b) for b in (1, 2) for u in BUILTINS]
+
+
+def test_cli_bench_update_rejects_bad_batches(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench-update", "--batches", "0,4"])
+    assert exc.value.code == 2 and "batch sizes >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_latency_is_measured():
+    [row] = measure(CI.replace(device="cuda"), updates=["device_select"], batch_sizes=(4,), steps=4)
+    assert row.latency_us is not None and row.latency_us > 0 and row.latency_device.startswith("cuda")

@@ -1,0 +1,61 @@
+"""drift.devices: cpu by default; asking for an absent accelerator is a clear
+DeviceUnavailable (asserted, never skipped).
+
+The accelerator probes are pinned to "absent" (conftest's ``cpu_only``) so the tests
+state a CPU-only host everywhere (a runner with a GPU would otherwise flip the premise).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import small_cfg
+from drift import devices
+from drift.devices import DeviceUnavailable, resolve_device, supports_float64
+from drift.simulate import Simulation
+
+
+def test_cpu_resolves():
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("cpu:0") == torch.device("cpu:0")
+
+
+def test_probes_report_cpu_only(cpu_only):
+    assert devices.npu_available() is False
+    assert devices.available_devices() == ["cpu"]
+
+
+@pytest.mark.parametrize("name, words", [
+    ("cuda", r"device='cuda' requested but torch\.cuda\.is_available\(\) is False.*available here: cpu"),
+    ("cuda:1", r"device='cuda:1' requested"),
+    ("npu", r"device='npu' requested but torch_npu is not installed or finds no NPU.*'npu' extra.*"
+            r"Available here: cpu"),
+    ("tpu", r"device='tpu' is not known; allowed: cpu, cuda, npu"),
+])
+def test_absent_device_is_a_clear_error(cpu_only, name, words):
+    with pytest.raises(DeviceUnavailable, match=words):
+        resolve_device(name)
+
+
+@pytest.mark.parametrize("name", ["cuda", "npu"])
+def test_simulation_on_an_absent_device_raises_before_running(cpu_only, name):
+    cfg = small_cfg(5, device=name)
+    with pytest.raises(DeviceUnavailable, match=f"device='{name}'"):
+        Simulation(cfg)
+
+
+def test_npu_probe_survives_a_broken_cann_install(monkeypatch):
+    def broken(name, *a, **k):
+        raise RuntimeError("libascendcl.so: cannot open shared object file")
+
+    monkeypatch.setattr(devices.importlib, "import_module", broken)
+    assert devices.npu_available() is False
+
+
+def test_float64_support():
+    assert supports_float64(torch.device("cpu")) and supports_float64(torch.device("cuda"))
+    # torch.device("npu") only parses once torch_npu registered it; the probe reads .type.
+    assert not supports_float64(SimpleNamespace(type="npu"))  # the twin then runs on the CPU

@@ -1,0 +1,217 @@
+"""drift.loader: the plug point. Specs by module path, file path and Class.method; extra
+parameters receive None; the sgl_kernel_npu shim (and the real package when present);
+errors that name the spec and what was expected."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import textwrap
+
+import pytest
+
+from conftest import checks_of, small_cfg
+from drift import kernels
+from drift.loader import SHIM_MODULE, LoadError, kernels_in_use, load_update, sgl_kernels
+from drift.pool import Harness
+from drift.updates import BUILTINS
+
+SHIM_NAMES = ("sgl_kernel_npu", "sgl_kernel_npu.mamba", SHIM_MODULE)
+
+# An update written the way SGLang's Ascend backend writes it (newest signature, with
+# ``model`` and ``req_pool_indices``), importing its kernels from sgl_kernel_npu. It
+# records what it was called with.
+PLUGIN = textwrap.dedent('''
+    import torch
+    from sgl_kernel_npu.mamba.mamba_state_update_triton import move_intermediate_cache, conv_state_rollback
+
+    CALLS = []
+
+
+    def update(self, last_correct_step_indices, mamba_track_indices, mamba_steps_to_track, model,
+               req_pool_indices=None):
+        CALLS.append((self, model, req_pool_indices))
+        last = last_correct_step_indices.to(torch.int64)
+        n = last.shape[0]
+        dst = self.linear_attn_backend.forward_metadata.mamba_cache_indices[:n].to(torch.int64)
+        p = self.linear_attn_backend.req_to_token_pool.get_speculative_mamba2_params_all_layers()
+        conv, d = p.conv[0], p.intermediate_ssm.shape[2]
+        src = torch.arange(n)
+        move_intermediate_cache(p.temporal, p.intermediate_ssm, dst, src, last)
+        if mamba_track_indices is not None:
+            track, steps = mamba_track_indices.to(torch.int64), mamba_steps_to_track.to(torch.int64)
+            move_intermediate_cache(p.temporal, p.intermediate_ssm, track, src, steps)
+            conv[:, track] = conv[:, torch.where(steps >= 0, dst, track)]
+        conv_state_rollback(conv, dst, last, d)
+        if mamba_track_indices is not None:
+            conv_state_rollback(conv, track, steps, d)
+
+
+    class Backend:
+        def update_mamba_state_after_mtp_verify(self, last_correct_step_indices, mamba_track_indices,
+                                                mamba_steps_to_track, model, req_pool_indices=None):
+            return update(self, last_correct_step_indices, mamba_track_indices, mamba_steps_to_track,
+                          model, req_pool_indices)
+
+
+    def two_args(self, last_correct_step_indices):
+        pass
+
+
+    NOT_CALLABLE = 3
+    instance = Backend()
+''')
+
+STEPS = 40  # crosses a few track boundaries (interval 16): the tracking path runs too
+
+
+@pytest.fixture
+def plugin_file(tmp_path):
+    path = tmp_path / "plug.py"
+    path.write_text(PLUGIN)
+    return path
+
+
+def _unload_sgl(monkeypatch):
+    for name in SHIM_NAMES:
+        monkeypatch.delitem(sys.modules, name)
+
+
+def _run_and_check_calls(spec):
+    upd = load_update(spec)
+    res = checks_of(small_cfg(STEPS), upd)
+    assert res["report"].passed, [c for c in res["report"].checks if not c.passed]
+    calls = upd.fn.__globals__["CALLS"]
+    assert len(calls) == STEPS
+    for self_, model, req_pool_indices in calls:
+        assert isinstance(self_, Harness) and model is None and req_pool_indices is None
+    return upd
+
+
+def test_builtins_by_name():
+    for name, fn in BUILTINS.items():
+        upd = load_update(name)
+        assert upd.fn is fn and upd.name == name and upd.extra == ("model",)
+
+
+def test_load_by_file_path(plugin_file):
+    upd = _run_and_check_calls(f"{plugin_file}:update")
+    assert upd.extra == ("model", "req_pool_indices") and str(plugin_file) in upd.source
+
+
+def test_load_by_module_path(tmp_path, monkeypatch):
+    pkg = tmp_path / "drift_test_plugpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "impl.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _run_and_check_calls("drift_test_plugpkg.impl:update")
+    assert load_update("drift.updates:device_select").fn is BUILTINS["device_select"]
+
+
+def test_load_a_class_method_called_with_the_harness_as_self(plugin_file):
+    upd = _run_and_check_calls(f"{plugin_file}:Backend.update_mamba_state_after_mtp_verify")
+    assert upd.name == "Backend.update_mamba_state_after_mtp_verify"
+
+
+def test_plugin_imports_the_shim_and_gets_drifts_kernels(plugin_file, monkeypatch):
+    _unload_sgl(monkeypatch)  # start from a process where nothing installed the shim yet
+    upd = load_update(f"{plugin_file}:update")
+    assert getattr(sys.modules[SHIM_MODULE], "__drift_shim__", False)
+    g = upd.fn.__globals__
+    assert g["move_intermediate_cache"] is kernels.move_intermediate_cache
+    assert g["conv_state_rollback"] is kernels.conv_state_rollback
+    assert kernels_in_use() == "drift portable (shim)"
+    _run_and_check_calls(f"{plugin_file}:update")
+
+
+def _install_fake_sgl_kernel_npu(root, body, monkeypatch):
+    """An importable sgl_kernel_npu under ``root`` whose kernel module is ``body``, with the
+    shim unloaded (both undone after the test)."""
+    mamba = root / "sgl_kernel_npu" / "mamba"
+    mamba.mkdir(parents=True)
+    (root / "sgl_kernel_npu" / "__init__.py").write_text("")
+    (mamba / "__init__.py").write_text("")
+    (mamba / "mamba_state_update_triton.py").write_text(textwrap.dedent(body))
+    _unload_sgl(monkeypatch)
+    monkeypatch.syspath_prepend(str(root))
+    importlib.invalidate_caches()
+
+
+def test_the_real_package_is_used_when_present(tmp_path, monkeypatch):
+    _install_fake_sgl_kernel_npu(tmp_path, '''
+        from drift import kernels
+        CALLS = {"move": 0, "rollback": 0}
+        def move_intermediate_cache(*args):
+            CALLS["move"] += 1
+            return kernels.move_intermediate_cache(*args)
+        def conv_state_rollback(*args):
+            CALLS["rollback"] += 1
+            return kernels.conv_state_rollback(*args)
+    ''', monkeypatch)
+    mod = sgl_kernels()
+    assert not getattr(mod, "__drift_shim__", False) and kernels_in_use() == "sgl_kernel_npu"
+    res = checks_of(small_cfg(STEPS), "sync_free")
+    assert res["report"].passed and res["report"].info.kernels == "sgl_kernel_npu"
+    assert mod.CALLS["move"] >= STEPS and mod.CALLS["rollback"] >= STEPS
+
+
+def test_a_broken_real_package_is_an_error_not_a_silent_shim(tmp_path, monkeypatch):
+    _install_fake_sgl_kernel_npu(tmp_path, "raise ImportError('libascend missing')\n", monkeypatch)
+    with pytest.raises(LoadError, match="installed but.*libascend missing"):
+        sgl_kernels()
+
+
+def test_keyword_only_extras_get_none_and_old_signatures_load():
+    seen = {}
+
+    def new_style(self, last, track, steps, *, model, req_pool_indices, **kw):
+        seen.update(model=model, req_pool_indices=req_pool_indices, kw=kw)
+
+    def old_style(self, last_correct_step_indices, mamba_track_indices, mamba_steps_to_track):
+        pass
+
+    upd = load_update(new_style)
+    assert upd.extra == ("model", "req_pool_indices")
+    upd(None, None, None, None)
+    assert seen == {"model": None, "req_pool_indices": None, "kw": {}}
+    assert load_update(old_style).extra == ()
+
+
+# ----------------------------------------------------------------------- errors
+@pytest.mark.parametrize("qualname, expected", [
+    ("nope", r"has no attribute 'nope'; it has: .*Backend.*update"),
+    ("Backend.nope", r"Backend has no attribute 'nope'"),
+    ("two_args", r"signature two_args\(self, last_correct_step_indices\); expected at least four "
+                 r"positional parameters \(self, last_correct_step_indices, mamba_track_indices, "
+                 r"mamba_steps_to_track\)"),
+    ("NOT_CALLABLE", r"resolves to a int, not a function"),
+    ("instance.update_mamba_state_after_mtp_verify", r"bound method; name the function through its class"),
+])
+def test_load_errors_name_the_spec_and_what_was_expected(plugin_file, qualname, expected):
+    spec = f"{plugin_file}:{qualname}"
+    with pytest.raises(LoadError, match=expected) as exc:
+        load_update(spec)
+    assert spec in str(exc.value)
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("/nonexistent/dir/upd.py:fn", r"file '/nonexistent/dir/upd.py' not found .*expected path/to/file.py:qualname"),
+    ("no_such_module_for_drift:fn", r"importing module 'no_such_module_for_drift' raised ModuleNotFoundError"),
+    ("sync_fre", r"not a built-in \(guarded, sync_free, device_select\).*expected package.module:qualname "
+                 r"or path/to/file.py:qualname"),
+    ("drift.updates:", r"expected module:qualname or file.py:qualname"),
+])
+def test_load_errors_for_bad_targets(spec, expected):
+    with pytest.raises(LoadError, match=expected) as exc:
+        load_update(spec)
+    assert repr(spec) in str(exc.value)
+
+
+def test_a_file_that_fails_to_import_names_the_spec(tmp_path):
+    path = tmp_path / "broken.py"
+    path.write_text("raise RuntimeError('boom at import')\n")
+    spec = f"{path}:fn"
+    with pytest.raises(LoadError, match=r"importing .*broken.py raised RuntimeError\('boom at import'\)") as exc:
+        load_update(spec)
+    assert repr(spec) in str(exc.value)
