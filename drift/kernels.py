@@ -71,10 +71,14 @@ def conv_verify(conv_states: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
     L, S, W, C = conv_states.shape
     N, D, Kc = x.shape[1], x.shape[2], weight.shape[-1]
     slots = slots.to(torch.int64)
-    rows = _as_rows(conv_states, 2)  # [L * S, W * C] when the strides allow: whole-slot row copies
+    # Whole-slot row copies when each slot's window is one dense block ([W, C] or, for the
+    # channel-major NPU layout, [C, W] storage): rows [L * S, W * C] in storage order.
+    rows, cw = _slot_rows(conv_states)
     flat = _flat_rows(slots, L, S).reshape(-1)
     if rows is None:
         buf = conv_states.index_select(1, slots)  # [L, N, W, C]
+    elif cw:
+        buf = rows.index_select(0, flat).view(L, N, C, W).transpose(-1, -2)
     else:
         buf = rows.index_select(0, flat).view(L, N, W, C)
     out = conv_silu(buf[:, :, W - (Kc - 1):], x, weight, torch.float32)
@@ -82,9 +86,21 @@ def conv_verify(conv_states: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
     if rows is None:
         conv_states.index_copy_(1, slots, rolled)
     else:
-        dst, src = _wide_rows(rows, rolled.view(L * N, W * C))
+        block = (rolled.transpose(-1, -2) if cw else rolled).contiguous().view(L * N, W * C)
+        dst, src = _wide_rows(rows, block)
         dst.index_copy_(0, flat, src)
     return out
+
+
+def _slot_rows(conv_states: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
+    """``conv_states [L, S, W, C]`` as rows ``[L * S, W * C]`` holding each slot's window in
+    storage order, and whether that order is channel-major (``[C, W]``, a transposed view);
+    ``(None, False)`` when a window is not one dense block."""
+    rows = _as_rows(conv_states, 2)
+    if rows is not None:
+        return rows, False
+    rows = _as_rows(conv_states.transpose(-1, -2), 2)
+    return rows, rows is not None
 
 
 def conv_silu(window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
@@ -132,15 +148,25 @@ def conv_state_rollback(conv_states: torch.Tensor, state_indices: torch.Tensor,
     src = torch.where(w[None, :] >= shift[:, None], w[None, :] - shift[:, None], w[None, :])  # [N, W]
     slot = state_indices.to(device=dev, dtype=torch.int64)
     # Gather then scatter; rows with shift 0 write back their own bits.
-    rows = _as_rows(conv_states, 3)
-    if rows is None:  # strides that do not flatten
-        conv_states[:, slot] = conv_states[:, slot[:, None], src]
+    L, S, _, C = conv_states.shape
+    rows = _as_rows(conv_states, 3)  # [L * S * W, C]: one row per window position
+    if rows is not None:
+        base = _flat_rows(slot * W, L, S * W)[:, :, None]  # [L, N, 1]
+        (rows,) = _wide_rows(rows)
+        moved = rows.index_select(0, (base + src[None]).reshape(-1))
+        rows.index_copy_(0, (base + w[None, None, :]).reshape(-1), moved)
         return conv_states
-    L, S = conv_states.shape[:2]
-    base = _flat_rows(slot * W, L, S * W)[:, :, None]  # [L, N, 1]
-    (rows,) = _wide_rows(rows)
-    moved = rows.index_select(0, (base + src[None]).reshape(-1))
-    rows.index_copy_(0, (base + w[None, None, :]).reshape(-1), moved)
+    rows, cw = _slot_rows(conv_states)
+    if cw:  # channel-major windows: gather whole slots, shift along W inside them, scatter
+        flat = _flat_rows(slot, L, S).reshape(-1)
+        blocks = rows.index_select(0, flat).view(L, -1, C, W)
+        # Gather on the bits: torch.gather on bf16 rewrites NaN payloads, an int view keeps them.
+        blocks = blocks.view(_SAME_WIDTH_INT[blocks.element_size()])
+        moved = torch.gather(blocks, 3, src[None, :, None, :].expand(blocks.shape))
+        dst, moved = _wide_rows(rows, moved.view(rows.dtype).view(-1, C * W))
+        dst.index_copy_(0, flat, moved)
+        return conv_states
+    conv_states[:, slot] = conv_states[:, slot[:, None], src]  # strides that do not flatten
     return conv_states
 
 
@@ -369,6 +395,7 @@ def _as_rows(t: torch.Tensor, lead: int) -> torch.Tensor | None:
 
 
 _WIDE = (torch.complex128, torch.int64, torch.int32, torch.int16)
+_SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _wide_rows(*rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
