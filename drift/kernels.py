@@ -422,34 +422,31 @@ def _flat_rows(idx: torch.Tensor, L: int, per_layer: int) -> torch.Tensor:
 def _select_rows(dst2: torch.Tensor, dst_rows: torch.Tensor, src2: torch.Tensor,
                  src_rows: torch.Tensor, ok: torch.Tensor) -> None:
     """``dst2[dst_rows[l, i]] = src2[src_rows[l, i]]`` for every layer l and every i with ``ok[i]``;
-    no other row of dst2 changes.
+    when the call returns, no other row of dst2 has changed.
 
     dst2 / src2: ``[rows, E]`` views of one dtype; dst_rows / src_rows int64 ``[L, N]``; ok bool
-    ``[N]``. Sync free, so skipped rows still copy, but only one row per layer: each skipped
-    row rewrites the current bits of the first skipped row's destination ``T`` (by the
-    caller's contract no committed row writes there) and reads the first committed row's
-    source, so skipped rows cost no memory traffic of their own. Per chunk of layers: gather
-    the candidate rows and the ``T`` rows, pick per row by index (row copies, no arithmetic),
-    scatter.
+    ``[N]``. Sync free, so skipped rows still copy, but only within one row per layer: they
+    all write the first committed row's candidate into the first skipped row's destination
+    ``T`` (by the caller's contract no committed row writes there), and ``T`` then gets its
+    own bits back, so skipped rows cost no memory traffic of their own. Per chunk of layers:
+    gather the candidates and the ``T`` rows, scatter the candidates, restore the ``T`` rows.
     """
     dst2, src2 = _wide_rows(dst2, src2)
     L, N = dst_rows.shape
-    dev = dst2.device
     # First committed / first skipped row as 1-element index tensors (indexing with a 0-dim
-    # tensor would read it on the host); 0 when there is none, and then unused.
+    # tensor would read it on the host); 0 when there is none.
     first_ok = torch.argmax(ok.to(torch.int32), dim=0, keepdim=True)
     first_skip = torch.argmax((~ok).to(torch.int32), dim=0, keepdim=True)
+    any_skip = (~ok).any()
     src_rows = torch.where(ok[None, :], src_rows, src_rows.index_select(1, first_ok))
     keep_rows = dst_rows.index_select(1, first_skip).view(L)  # T of each layer
     dst_rows = torch.where(ok[None, :], dst_rows, keep_rows[:, None])
     lc = _layer_chunk((N + 1, dst2.shape[1]), dst2.element_size())
-    m = lc * N
-    buf = torch.empty(m + lc, dst2.shape[1], dtype=dst2.dtype, device=dev)
-    j = torch.arange(m, device=dev, dtype=torch.int64)
-    pick = torch.where(ok.repeat(lc), j, m + j // N)  # candidate row j, or its layer's T row
     for l0 in range(0, L, lc):
         l1 = min(L, l0 + lc)
-        n = (l1 - l0) * N
-        torch.index_select(src2, 0, src_rows[l0:l1].reshape(-1), out=buf[:n])
-        torch.index_select(dst2, 0, keep_rows[l0:l1], out=buf[m:m + l1 - l0])
-        dst2.index_copy_(0, dst_rows[l0:l1].reshape(-1), buf.index_select(0, pick[:n]))
+        before = dst2.index_select(0, keep_rows[l0:l1])
+        cand = src2.index_select(0, src_rows[l0:l1].reshape(-1))
+        dst2.index_copy_(0, dst_rows[l0:l1].reshape(-1), cand)
+        # T's final bits: its own when a row was skipped; else T is row 0's destination.
+        row0 = cand.view(l1 - l0, N, -1)[:, 0]
+        dst2.index_copy_(0, keep_rows[l0:l1], torch.where(any_skip, before, row0))
