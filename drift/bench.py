@@ -236,8 +236,9 @@ def format_bench(res: dict) -> str:
     mib = res["min_bytes_per_step"] / 2**20
     lines = [
         f"drift bench: {res['preset']}, {res['layers']} of {res['preset_layers']} GDN layers, "
-        f"{res['ssm_dtype']} states, {res['device']}, {res['torch_threads']} threads "
-        f"(probe steps/s by threads: {_by_threads(res, 'probe_steps_per_s_by_threads')}), load avg {res['load_avg_1min']:.2f}",
+        f"{res['ssm_dtype']} states, {res['device']}, {res['torch_threads']} threads (probe steps/s "
+        f"by threads: {_by_threads(res, 'probe_steps_per_s_by_threads')}), "
+        f"load avg {res['load_avg_1min']:.2f}",
         f"  vectorised  {res['steps_per_s']:9.2f} steps/s   (best of {res['repeats']} blocks of "
         f"{res['steps']} steps)",
         f"  naive       {res['naive_steps_per_s']:9.2f} steps/s   (best of {res['naive_steps']} "
