@@ -82,12 +82,15 @@ def conv_verify(conv_states: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
     else:
         buf = rows.index_select(0, flat).view(L, N, W, C)
     out = conv_silu(buf[:, :, W - (Kc - 1):], x, weight, torch.float32)
-    rolled = torch.cat([buf[:, :, D:], x.to(conv_states.dtype)], dim=2)
+    xs = x.to(conv_states.dtype)
+    if cw:  # the rolled windows built in storage order [L, N, C, W]
+        rolled = torch.cat([buf.transpose(-1, -2)[..., D:], xs.transpose(-1, -2)], dim=-1)
+    else:
+        rolled = torch.cat([buf[:, :, D:], xs], dim=2)
     if rows is None:
         conv_states.index_copy_(1, slots, rolled)
     else:
-        block = (rolled.transpose(-1, -2) if cw else rolled).contiguous().view(L * N, W * C)
-        dst, src = _wide_rows(rows, block)
+        dst, src = _wide_rows(rows, rolled.view(L * N, W * C))
         dst.index_copy_(0, flat, src)
     return out
 
@@ -109,7 +112,9 @@ def conv_silu(window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     before them, ``window [L, N, Kc-1, C]``; weight ``[L, C, Kc]``. Returns ``[L, N, D, C]`` in dtype,
     stored in memory order ``[L, C, N, D]`` (see the end)."""
     D, Kc = x.shape[2], weight.shape[-1]
-    seq = torch.cat([window.to(dtype), x.to(dtype)], dim=2)  # [L, N, Kc-1+D, C]
+    # .contiguous() first: casting a strided bf16 view (a window of channel-major conv storage)
+    # is ~7x slower than copying it dense and casting that; the values are the same.
+    seq = torch.cat([window.contiguous().to(dtype), x.contiguous().to(dtype)], dim=2)  # [L, N, Kc-1+D, C]
     taps = weight.to(dtype).permute(2, 0, 1).contiguous()[:, :, None, None, :]  # [Kc, L, 1, 1, C]
     # Taps summed in order m = 0 .. Kc-1, each product rounded then added (no FMA).
     acc = seq[:, :, 0:D] * taps[0]
