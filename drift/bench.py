@@ -118,7 +118,7 @@ def naive_step(sim: Simulation, chunk: StepChunk, s: int) -> torch.Tensor:
                     kernels.store_state(inter[l, n, t, hd], h, cfg.store_rounding, sim.step)
     # The sync_free update (drift.updates.sync_free), as per-request loops.
     last, trk = chunk.last_steps[s], chunk.track_steps[s]
-    src = torch.arange(N)
+    src = torch.arange(N, dtype=torch.int64)
     naive.move_intermediate_cache(pool.temporal, pool.intermediate_ssm, pool.row_slots, src, last)
     tracking = cfg.track_interval > 0
     if tracking:

@@ -52,8 +52,8 @@ def pool_for(layout: str, ssm_dtype: str) -> StatePool:
                                               ("npu", "float32")])
 def test_move_intermediate_cache_is_the_definition(layout, ssm_dtype, steps):
     pool = pool_for(layout, ssm_dtype)
-    last = torch.tensor(STEPS[steps])
-    src = torch.arange(5)
+    last = torch.tensor(STEPS[steps], dtype=torch.int64)
+    src = torch.arange(5, dtype=torch.int64)
     for dst in (pool.row_slots, pool.row_track_slots):
         want = pool.temporal.clone()
         naive.move_intermediate_cache(want, pool.intermediate_ssm, dst, src, last)
@@ -74,7 +74,8 @@ def test_move_intermediate_cache_is_the_definition(layout, ssm_dtype, steps):
 def test_conv_state_rollback_is_the_definition(steps):
     gen = torch.Generator().manual_seed(3)
     L, S, W, C = 3, 11, 6, 48
-    slots, step = torch.tensor([3, 5, 7, 9, 0]), torch.tensor(STEPS[steps])
+    slots = torch.tensor([3, 5, 7, 9, 0], dtype=torch.int64)
+    step = torch.tensor(STEPS[steps], dtype=torch.int64)
     layouts = {
         "contiguous": torch.empty(L, S, W, C, dtype=torch.bfloat16),
         "transposed": torch.empty(L, S, C, W, dtype=torch.bfloat16).transpose(-1, -2),
@@ -101,8 +102,9 @@ def test_conv_verify_row_and_generic_paths_agree_with_the_loops():
     strided.copy_(dense)
     loops = dense.clone()
     want = naive.conv_verify(loops, slots, x, weight, dtype=torch.float32)
-    got = kernels.conv_verify(dense, torch.tensor(slots), x, weight)
-    got_strided = kernels.conv_verify(strided, torch.tensor(slots), x, weight)
+    slot_t = torch.tensor(slots, dtype=torch.int64)
+    got = kernels.conv_verify(dense, slot_t, x, weight)
+    got_strided = kernels.conv_verify(strided, slot_t, x, weight)
     assert torch.equal(bits(dense), bits(loops)) and torch.equal(bits(strided), bits(loops))
     assert torch.equal(got, got_strided)
     # Same taps in the same order; the loops' silu is x * sigmoid(x), F.silu's differs in
@@ -135,7 +137,7 @@ def test_gdn_verify_does_not_depend_on_the_layer_chunk(monkeypatch):
     k = F.normalize(torch.randn(L, N, D, HV, K, generator=gen), dim=-1)
     v = torch.randn(L, N, D, HV, K, generator=gen)
     g, beta = -torch.rand(L, N, D, HV, generator=gen), torch.rand(L, N, D, HV, generator=gen)
-    slots = torch.tensor([4, 1, 0])
+    slots = torch.tensor([4, 1, 0], dtype=torch.int64)
     runs = []
     for chunk_bytes in (1, 3 * N * HV * K * K * 4, 1 << 30):  # 1, 3 and all layers per chunk
         monkeypatch.setattr(kernels, "STATE_CHUNK_BYTES", chunk_bytes)
