@@ -77,6 +77,7 @@ class BoundCheck(Check):
     """
 
     name = "drift bound"
+    _state = Check._state + ("env2", "var2", "worst_head", "logdecay_sum", "logdecay_n")
 
     def __init__(self, constant: float = BOUND_CONSTANT, growth_limit: float = GROWTH_LIMIT,
                  initial_env2: Optional[np.ndarray] = None):
@@ -103,7 +104,8 @@ class BoundCheck(Check):
         from .compare import MANTISSA_BITS
         self.compute_scale = KAPPA_COMPUTE * 4.0 ** -(COMPUTE_MANTISSA - MANTISSA_BITS[cfg.torch_ssm_dtype])
         self.curves = DriftCurves((cfg.num_layers, cfg.num_v_heads))
-        self.decay_log: list[np.ndarray] = []  # per chunk: median log step decay per (L, HV)
+        self.logdecay_sum = np.zeros((cfg.num_layers, cfg.num_v_heads))  # sum over steps and rows
+        self.logdecay_n = 0
         self.worst_head = np.zeros((cfg.num_layers, cfg.num_v_heads))
 
     def consume(self, chunk: MetricsChunk) -> None:
@@ -131,12 +133,13 @@ class BoundCheck(Check):
         self.curves.add("ulp_err", steps, ulp_err(chunk.err2, chunk.ulp2_bf16))
         self.curves.add("bound_rel", steps, bound / np.maximum(np.sqrt(chunk.ref2), self.floor))
         self.curves.add("bound_ratio", steps, ratio)
-        self.decay_log.append(np.median(chunk.logdecay, axis=(0, 2)))
+        self.logdecay_sum = self.logdecay_sum + chunk.logdecay.sum((0, 2))
+        self.logdecay_n += chunk.count * chunk.logdecay.shape[2]
 
     # ---------------------------------------------------------------- summary
     def head_decay(self) -> np.ndarray:
-        """Median per-step decay ``a`` of each (layer, head)."""
-        return np.exp(np.median(np.stack(self.decay_log), axis=0)) if self.decay_log else np.ones(1)
+        """Geometric-mean per-step decay ``a`` of each (layer, head): exp(mean of sum g)."""
+        return np.exp(self.logdecay_sum / max(self.logdecay_n, 1))
 
     def stagnation_prone(self) -> np.ndarray:
         """``[L, HV]`` bool: heads whose per-step decay is within the dtype's half-ulp of 1."""
@@ -173,6 +176,13 @@ class BoundCheck(Check):
         res = super().result()
         res.extra["bound"] = self.summary() if self.seen else {}
         return res
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "curves": self.curves.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.curves.load_state_dict(state["curves"])
 
 
 class GrowthCheck:

@@ -24,6 +24,7 @@ from typing import Optional
 
 import numpy as np
 
+from .checkpoint import Stateful
 from .compare import MetricsChunk
 from .metrics import norm_floor, rel_err
 from .simulate import StopRun
@@ -76,10 +77,11 @@ def locate(idx: tuple, step0: int, dims: tuple[str, ...] = ("layer", "row", "hea
     return ", ".join(parts)
 
 
-class Check:
+class Check(Stateful):
     """Base consumer: tracks the worst value and the first place it crossed the limit."""
 
     name = "check"
+    _state = ("worst", "worst_where", "first_fail", "seen")
 
     def __init__(self, limit: Optional[float] = None):
         self.limit = limit
@@ -181,6 +183,7 @@ class TrackCheck(Check):
     semantic threshold of the twin's boundary state."""
 
     name = "tracked snapshots"
+    _state = Check._state + ("tracked", "bits_fail", "conv_fail")
 
     def __init__(self, limit: float = SEMANTIC_TOL):
         super().__init__(limit)
@@ -230,6 +233,7 @@ class GoldenCheck(Check):
     position and accepted output, full states and conv windows at checkpoints."""
 
     name = "golden"
+    _state = Check._state + ("ckpt_fail",)
 
     def __init__(self, tol: float = GOLDEN_TOL):
         super().__init__(tol)

@@ -46,7 +46,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     resolve_device(cfg.device)
     progress = None if args.quiet else progress_printer(f"drift run {cfg.name}")
-    rep = run_checked(cfg, args.update, mode=args.mode, progress=progress, vs_sequential=args.vs_sequential)
+    from .verify_kernels import load_kernel
+
+    kernel = load_kernel(args.kernel)
+    rep = run_checked(cfg, args.update, mode=args.mode, progress=progress, vs_sequential=args.vs_sequential,
+                      verify_kernel=kernel)
     print(summary_text(rep))
     if args.report:
         for path in write_report(rep, args.report):
@@ -102,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--update", default=DEFAULT_UPDATE,
                      help="built-in (guarded, sync_free, device_select), module:qualname or file.py:qualname "
                           f"(default {DEFAULT_UPDATE})")
+    run.add_argument("--kernel", default=None, metavar="SPEC",
+                     help="verify kernel under test: portable (default), npu, npu-op:<spec>, mutant:<name>, "
+                          "module:qualname or file.py:qualname")
     run.add_argument("--mode", choices=("mtp", "sequential"), default="mtp",
                      help="mtp (default) or sequential non-MTP decode of the same stream")
     run.add_argument("--vs-sequential", action="store_true",
@@ -133,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"decode steps averaged (default {DEFAULT_STEPS})")
     bu.add_argument("--json", action="store_true", help="print JSON (a list of objects)")
     bu.set_defaults(func=cmd_bench_update)
+    sub.add_parser("nightly", help="long-horizon drift matrix with checkpoints and a report (see drift nightly --help)")
+    sub.add_parser("report", help="report tools: drift report merge SHARD_DIRS... -o OUT")
     sub.add_parser("regen-golden", help="regenerate golden trajectories (same as scripts/regen_golden.py; "
                                         "see drift regen-golden --help)")
     return ap
@@ -143,6 +152,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv[:1] == ["regen-golden"]:
         from .golden import regen_main
         return regen_main(argv[1:])
+    if argv[:1] == ["nightly"]:
+        from .nightly import main as nightly_main
+        return nightly_main(argv[1:])
+    if argv[:1] == ["report"]:
+        from .nightly import report_main
+        return report_main(argv[1:])
     ap = build_parser()
     args = ap.parse_args(argv)
     try:

@@ -17,6 +17,7 @@ import torch
 from .devices import supports_float64
 from .golden import Golden, load_golden
 from .reference import F64, Float64Twin
+from .checkpoint import restore, saveable
 from .simulate import StopRun
 
 # Per (layer, row, head), float64, every step:
@@ -286,6 +287,24 @@ class Comparison:
         for c in self.consumers:
             c.finish()
 
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """Counters and the twin's state (taken between chunks, after a flush)."""
+        return {"golden_positions": self.golden_positions, "golden_checkpoints": self.golden_checkpoints,
+                "beyond_golden_steps": self.beyond_golden_steps,
+                "twin_state": saveable(self.twin.state), "twin_window": saveable(self.twin.window),
+                "consumers": [c.state_dict() if hasattr(c, "state_dict") else None for c in self.consumers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.golden_positions = state["golden_positions"]
+        self.golden_checkpoints = state["golden_checkpoints"]
+        self.beyond_golden_steps = state["beyond_golden_steps"]
+        self.twin.state.copy_(state["twin_state"])
+        self.twin.window = state["twin_window"].to(self.twin.window.device)
+        for c, cs in zip(self.consumers, state["consumers"]):
+            if cs is not None:
+                c.load_state_dict(cs)
+
     def reference_description(self) -> str:
         dev = self.ref_device
         if self.golden is None:
@@ -346,6 +365,15 @@ class SequentialShadow:
 
     def on_end(self) -> None:
         pass
+
+    def state_dict(self) -> dict:
+        return {"worst": self.worst, "where": self.where, "final": saveable(self.final),
+                "curves": self.curves.state_dict(), "seq": self.seq.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.worst, self.where, self.final = state["worst"], state["where"], restore(state["final"])
+        self.curves.load_state_dict(state["curves"])
+        self.seq.load_state_dict(state["seq"])
 
     def result(self):
         from .checks import CheckResult

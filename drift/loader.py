@@ -89,34 +89,54 @@ class Update:
                        **kwargs)
 
 
-def _module_from_file(path: str, spec: str) -> types.ModuleType:
+def _module_from_file(path: str, spec: str, what: str) -> types.ModuleType:
     full = os.path.abspath(path)
     if not os.path.isfile(full):
-        raise LoadError(f"update spec {spec!r}: file {path!r} not found (looked at {full}); "
+        raise LoadError(f"{what} spec {spec!r}: file {path!r} not found (looked at {full}); "
                         "expected path/to/file.py:qualname")
     name = "drift_plugin_" + hashlib.sha1(full.encode()).hexdigest()[:12]
     if name in sys.modules:
         return sys.modules[name]
     mspec = importlib.util.spec_from_file_location(name, full)
     if mspec is None or mspec.loader is None:
-        raise LoadError(f"update spec {spec!r}: cannot load {full} as a Python module")
+        raise LoadError(f"{what} spec {spec!r}: cannot load {full} as a Python module")
     module = importlib.util.module_from_spec(mspec)
     sys.modules[name] = module
     try:
         mspec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[name]
-        raise LoadError(f"update spec {spec!r}: importing {full} raised {exc!r}") from exc
+        raise LoadError(f"{what} spec {spec!r}: importing {full} raised {exc!r}") from exc
     return module
 
 
-def _resolve(obj: Any, qualname: str, spec: str) -> Any:
+def resolve_spec(spec: str, what: str = "update") -> Any:
+    """``package.module:qualname`` or ``path/to/file.py:qualname`` -> the object it names.
+
+    Installs the sgl_kernel_npu shim first (code under test imports its kernels at import
+    time). Raises LoadError naming the spec and what was expected.
+    """
+    sgl_kernels()
+    if ":" not in spec:
+        raise LoadError(f"{what} spec {spec!r} has no ':'; expected package.module:qualname or "
+                        "path/to/file.py:qualname")
+    target, qualname = spec.rsplit(":", 1)
+    if not target or not qualname:
+        raise LoadError(f"{what} spec {spec!r}: expected module:qualname or file.py:qualname")
+    if target.endswith(".py") or os.sep in target or "/" in target:
+        module = _module_from_file(target, spec, what)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except Exception as exc:
+            raise LoadError(f"{what} spec {spec!r}: importing module {target!r} raised {exc!r}") from exc
+    obj = module
     for part in qualname.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
             have = sorted(n for n in dir(obj) if not n.startswith("_"))
-            raise LoadError(f"update spec {spec!r}: {getattr(obj, '__name__', obj)!s} has no attribute "
+            raise LoadError(f"{what} spec {spec!r}: {getattr(obj, '__name__', obj)!s} has no attribute "
                             f"{part!r}; it has: {', '.join(have[:30]) or '(nothing public)'}") from None
     return obj
 
@@ -158,17 +178,7 @@ def load_update(spec: str | Callable) -> Update:
             raise LoadError(f"update spec {spec!r} is not an update mutant; known: {known}")
         fn, name, text = m.fn, spec, spec
     elif ":" in spec:
-        target, qualname = spec.rsplit(":", 1)
-        if not target or not qualname:
-            raise LoadError(f"update spec {spec!r}: expected module:qualname or file.py:qualname")
-        if target.endswith(".py") or os.sep in target or "/" in target:
-            module = _module_from_file(target, spec)
-        else:
-            try:
-                module = importlib.import_module(target)
-            except Exception as exc:
-                raise LoadError(f"update spec {spec!r}: importing module {target!r} raised {exc!r}") from exc
-        fn, name, text = _resolve(module, qualname, spec), qualname, spec
+        fn, name, text = resolve_spec(spec, "update"), spec.rsplit(":", 1)[1], spec
     else:
         raise LoadError(f"update spec {spec!r} is not a built-in ({', '.join(BUILTINS)}) and has no "
                         "':'; expected package.module:qualname or path/to/file.py:qualname")

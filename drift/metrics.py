@@ -10,6 +10,8 @@ from typing import Optional
 
 import numpy as np
 
+from .checkpoint import Stateful
+
 # Relative errors divide by max(||ref||_F, NORM_FLOOR_PER_SQRT_V * sqrt(V)): the norm of a
 # rank-one update with a unit key and values of RMS 0.01, far below any real state
 # (ci-small's smallest twin state norm is 0.75 with floor 0.08), so a state decaying
@@ -42,9 +44,11 @@ def bin_center(b: np.ndarray) -> np.ndarray:
     return 2.0 ** ((b + 0.5) / BINS_PER_OCTAVE) - 1.0
 
 
-class DriftCurves:
+class DriftCurves(Stateful):
     """Downsampled drift curves per (layer, head): for each log bin of steps, the mean and the
     max over steps and rows of a set of named per-step series. Memory O(bins), not O(steps)."""
+
+    _state = ("series", "nbins")
 
     def __init__(self, shape: tuple[int, int]):
         self.shape = shape  # (L, HV)

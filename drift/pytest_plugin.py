@@ -1,19 +1,99 @@
 """pytest plugin for drift (registered through the ``pytest11`` entry point).
 
+An engine's CI runs drift's PR-gating checks against its own code::
+
+    pytest --pyargs drift --drift-device npu \\
+        --drift-update sglang.srt.hardware_backend.npu.attention.ascend_hybrid_linear_attn_backend:AscendHybridLinearAttnBackend.update_mamba_state_after_mtp_verify \\
+        --drift-kernel npu
+
 Options:
-  --drift-force-regen   regenerate golden data a test asks for, then fail that test so
-                        the change is reviewed (as pytest-regressions' --force-regen).
+  --drift-device D      cpu (default), cuda or npu: where the simulation runs
+  --drift-update SPEC   an implementation under test (repeatable; default: device_select)
+  --drift-kernel SPEC   the verify kernel under test (default: drift's portable kernel)
+  --drift-preset P      the preset (default ci-small)
+  --drift-steps N       decode steps (default: the preset's)
+  --drift-force-regen   regenerate golden data a test asks for, then fail that test so the
+                        change is reviewed (as pytest-regressions' --force-regen)
+
+Markers: ``cuda``, ``npu`` (a test needing that device skips, naming it, when the run did not
+ask for the device, and fails when it asked and the device is absent) and ``nightly``.
 """
 
 from __future__ import annotations
 
 import pytest
 
+DEVICE_MARKERS = ("cuda", "npu")
+MARKERS = {
+    "nightly": "long-horizon drift runs (excluded by default; run with pytest -m nightly -n auto)",
+    "cuda": "needs a CUDA device (select with --drift-device cuda)",
+    "npu": "needs an Ascend NPU through torch_npu (select with --drift-device npu)",
+}
+DEFAULT_GATE_UPDATE = "device_select"
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("drift", "drift precision-drift suite")
+    group.addoption("--drift-device", default="cpu", help="cpu (default), cuda or npu")
+    group.addoption("--drift-update", action="append", default=[], metavar="SPEC",
+                    help="update under test: built-in, mutant:<name>, module:qualname or file.py:qualname "
+                         f"(repeatable; default {DEFAULT_GATE_UPDATE})")
+    group.addoption("--drift-kernel", default=None, metavar="SPEC",
+                    help="verify kernel under test: portable (default), npu, npu-op:<spec>, mutant:<name>, <spec>")
+    group.addoption("--drift-preset", default="ci-small", help="preset (default ci-small)")
+    group.addoption("--drift-steps", type=int, default=None, help="decode steps (default: the preset's)")
     group.addoption("--drift-force-regen", action="store_true", default=False,
                     help="regenerate golden trajectories used by the tests (then fail them for review)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, text in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {text}")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    asked = item.config.getoption("--drift-device").split(":")[0]
+    for dev in DEVICE_MARKERS:
+        if item.get_closest_marker(dev) is None:
+            continue
+        if asked != dev:
+            pytest.skip(f"needs the {dev} device, which this run did not ask for (--drift-device {dev})")
+        from drift.devices import DeviceUnavailable, resolve_device
+
+        try:
+            resolve_device(item.config.getoption("--drift-device"))
+        except DeviceUnavailable as exc:
+            pytest.fail(f"--drift-device {dev} was asked for but is absent: {exc}", pytrace=False)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "drift_update" in metafunc.fixturenames:
+        specs = metafunc.config.getoption("--drift-update") or [DEFAULT_GATE_UPDATE]
+        metafunc.parametrize("drift_update", specs, ids=[s.rsplit(":", 1)[-1][:60] for s in specs])
+
+
+@pytest.fixture
+def drift_device(request: pytest.FixtureRequest) -> str:
+    return request.config.getoption("--drift-device")
+
+
+@pytest.fixture
+def drift_config(request: pytest.FixtureRequest, drift_device: str):
+    """The preset chosen by --drift-preset/--drift-steps, on --drift-device."""
+    from drift.config import preset
+
+    cfg = preset(request.config.getoption("--drift-preset"), device=drift_device)
+    steps = request.config.getoption("--drift-steps")
+    return cfg.replace(steps=steps) if steps else cfg
+
+
+@pytest.fixture
+def drift_kernel(request: pytest.FixtureRequest):
+    """The verify kernel under test (--drift-kernel), or None for drift's portable kernel."""
+    from drift.verify_kernels import load_kernel
+
+    spec = request.config.getoption("--drift-kernel")
+    return None if spec is None else load_kernel(spec)
 
 
 @pytest.fixture

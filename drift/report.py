@@ -115,3 +115,90 @@ def progress_printer(label: str, stream: TextIO = sys.stderr) -> Callable[[int, 
         print(f"{label}: step {done}/{total} ({100 * done / total:.0f}%), {rate:.1f} steps/s, "
               f"ETA {eta:.0f} s", file=stream, flush=True)
     return plain
+
+
+# ---------------------------------------------------------------------- nightly
+def _check(entry: dict, name: str) -> Optional[dict]:
+    return next((c for c in entry["checks"] if c["name"] == name), None)
+
+
+def _bound(entry: dict) -> dict:
+    c = _check(entry, "drift bound")
+    return (c or {}).get("bound") or {}
+
+
+def nightly_markdown(rep: dict) -> str:
+    """The one-minute summary of a nightly report."""
+    entries = rep["entries"]
+    lines = [f"# drift nightly: {rep['verdict'].upper()}", ""]
+    cuts = sorted({e["cut"] for e in entries.values() if e.get("cut")})
+    lines += [f"- {len(entries)} entries; device {rep.get('device', '?')}; shard {rep.get('shard', '1/1')}",
+              f"- versions: " + ", ".join(f"{k} {v}" for k, v in (rep.get("versions") or {}).items())]
+    lines += [f"- cut to fit the night: {c}" for c in cuts]
+    lines += ["", "## Verdict per implementation and mode", ""]
+    rows = []
+    for key, e in entries.items():
+        en, b = e["entry"], _bound(e)
+        state = _check(e, "committed state") or {}
+        worst_ratio = (_check(e, "drift bound") or {}).get("worst")
+        failed = [c["name"] for c in e["checks"] if not c["passed"] and c.get("kind") != "info"]
+        rows.append([en["preset"], str(en["seed"]), en["impl"], en["mode"], str(e["steps"]),
+                     e["verdict"].upper(), _fmt(worst_ratio), _fmt(state.get("worst")),
+                     _fmt(e.get("syncs_per_step")), ", ".join(failed) or "-"])
+    lines.append(markdown_table(["preset", "seed", "impl", "mode", "steps", "verdict", "worst bound ratio",
+                                 "worst rel. error", "syncs/step", "failed checks"], rows))
+    heads = []
+    for key, e in entries.items():
+        b = _bound(e)
+        for l, row in enumerate(b.get("worst_ratio_per_head", [])):
+            for h, r in enumerate(row):
+                g = b["growth_exponent"][l][h]
+                heads.append((r, key, l, h, g, b["step_decay"][l][h], b["stagnation_prone"][l][h]))
+    heads.sort(key=lambda t: -t[0])
+    lines += ["", "## Worst heads (by bound ratio)", ""]
+    lines.append(markdown_table(["entry", "layer", "head", "bound ratio", "growth exponent", "decay / step",
+                                 "stagnation-prone"],
+                                [[k, str(l), str(h), _fmt(r), _fmt(g), f"{d:.5f}", "yes" if s else "no"]
+                                 for r, k, l, h, g, d, s in heads[:8]]))
+    lines += ["", "## Growth exponents (max over layers, per value head)", ""]
+    grow_rows = []
+    for key, e in entries.items():
+        ge = _bound(e).get("growth_exponent") or []
+        if ge:
+            per_head = [max((r[h] for r in ge if r[h] is not None), default=None) for h in range(len(ge[0]))]
+            grow_rows.append([key] + [_fmt(v) for v in per_head])
+    if grow_rows:
+        width = max(len(r) for r in grow_rows) - 1
+        lines.append(markdown_table(["entry"] + [f"head {h}" for h in range(width)], grow_rows))
+    lines += ["", "## Trade-off", ""]
+    impls = {}
+    for e in entries.values():
+        en = e["entry"]
+        if en["mode"] == "sequential":
+            continue
+        t = impls.setdefault(en["impl"], {"syncs": 0.0, "ratio": 0.0, "precision": True})
+        t["syncs"] = max(t["syncs"], e.get("syncs_per_step") or 0.0)
+        t["ratio"] = max(t["ratio"], (_check(e, "drift bound") or {}).get("worst") or 0.0)
+        if en["mode"] == "rne":
+            t["precision"] &= all(c["passed"] for c in e["checks"] if c["name"] not in ("host syncs",)
+                                  and c.get("kind") != "info")
+    lines.append(markdown_table(["impl", "syncs/step", "worst bound ratio (all modes)", "precision (rne)", "sync free"],
+                                [[k, _fmt(v["syncs"]), _fmt(v["ratio"]), "PASS" if v["precision"] else "FAIL",
+                                  "PASS" if v["syncs"] == 0 else "FAIL"] for k, v in impls.items()]))
+    if rep.get("trend") is not None:
+        lines += ["", f"## Trend against the baseline (flag: error grew > {rep['trend_factor']}x at equal horizon)", ""]
+        if rep["trend"]:
+            lines.append(markdown_table(["entry", "layer", "head", "step", "baseline", "now", "ratio"],
+                                        [[t["key"], str(t["layer"]), str(t["head"]), _fmt(t["step"]),
+                                          _fmt(t["baseline"]), _fmt(t["current"]), _fmt(t["ratio"])]
+                                         for t in rep["trend"]]))
+        else:
+            lines.append("No head regressed.")
+    fails = [(k, c) for k, e in entries.items() for c in e["checks"]
+             if not c["passed"] and c.get("kind") != "info" and c.get("applicable", True)]
+    if fails:
+        lines += ["", "## Failures", ""]
+        lines += [f"- `{k}` **{c['name']}**: {c.get('detail') or ''} ({c.get('where') or ''})" for k, c in fails]
+    lines += ["", "Plots: `drift_vs_step.png` (error and bound envelope per head, log-log), "
+              "`mtp_vs_sequential.png`, `rounding_modes.png`.", ""]
+    return "\n".join(lines)

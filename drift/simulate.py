@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from . import kernels
+from .checkpoint import restore, saveable
 from .config import Config
 from .devices import resolve_device
 from .loader import Update, kernels_in_use, load_update
@@ -195,14 +196,31 @@ class Simulation:
 
     # ------------------------------------------------------------------ loop
     def run(self, steps: Optional[int] = None,
-            progress: Optional[Callable[[int, int], None]] = None) -> RunInfo:
+            progress: Optional[Callable[[int, int], None]] = None,
+            resume_state: Optional[dict] = None,
+            checkpoint: Optional[Callable[[int, dict], None]] = None,
+            checkpoint_every: int = 0) -> RunInfo:
+        """Run to ``steps`` (default: the config's) decode steps in total.
+
+        resume_state: a snapshot handed to ``checkpoint`` earlier; the run continues from it.
+        checkpoint(done, snapshot) is called at the first chunk boundary after every
+        ``checkpoint_every`` steps, with the state of the simulation and of every observer.
+        Chunk boundaries depend only on (done, total), so a resumed run sees the same ones.
+        """
         cfg = self.cfg
         total = cfg.steps if steps is None else steps
         for obs in self.observers:
             obs.on_start(self)
+        done = 0
+        if resume_state is not None:
+            self.load_state_dict(resume_state["sim"])
+            for obs, st in zip(self.observers, resume_state["observers"]):
+                if st is not None:
+                    obs.load_state_dict(st)
+            done = int(resume_state["done"])
         t0 = time.perf_counter()
         stopped = None
-        done = 0
+        next_ckpt = (done // checkpoint_every + 1) * checkpoint_every if checkpoint_every else None
         try:
             while done < total:
                 done += self.advance(min(self.stream.chunk_steps, total - done))
@@ -210,6 +228,12 @@ class Simulation:
                     obs.flush()
                 if progress is not None:
                     progress(done, total)
+                if checkpoint is not None and next_ckpt is not None and done >= next_ckpt and done < total:
+                    self._flush_guard()
+                    checkpoint(done, {"done": done, "sim": self.state_dict(),
+                                      "observers": [obs.state_dict() if hasattr(obs, "state_dict") else None
+                                                    for obs in self.observers]})
+                    next_ckpt = (done // checkpoint_every + 1) * checkpoint_every
         except StopRun as why:
             stopped = str(why)
             for obs in self.observers:
@@ -222,6 +246,26 @@ class Simulation:
             update=self.update.name if self.update else "(sequential decode)",
             kernels=kernels_in_use(), device=str(self.device), stopped_early=stopped,
             untouched_violation=self.guard.first if self.guard else None)
+
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """Pool tensors, stream position and step counters (between chunks only)."""
+        pool = self.pool
+        return saveable({"temporal": pool.temporal, "conv": pool.conv, "inter": pool.intermediate_ssm,
+                         "stream_pos": self.stream.pos, "stream_step": self.stream.step, "step": self.step,
+                         "guard_first": self.guard.first if self.guard is not None else None})
+
+    def load_state_dict(self, state: dict) -> None:
+        pool = self.pool
+        pool.temporal.copy_(state["temporal"])
+        pool.conv.copy_(state["conv"])
+        pool.intermediate_ssm.copy_(state["inter"])
+        self.stream.pos = restore(state["stream_pos"])
+        self.stream.step = int(state["stream_step"])
+        self.step = int(state["step"])
+        if self.guard is not None:
+            self.guard.first = state["guard_first"]
+        self._chunk, self._in_chunk, self._guard_read = None, 0, 0
 
     def advance(self, count: int) -> int:
         """Run ``count`` more steps (observers see each; they are not flushed here).

@@ -41,7 +41,7 @@ def _update(self, last_correct_step_indices, mamba_track_indices, mamba_steps_to
     caches = backend.req_to_token_pool.get_speculative_mamba2_params_all_layers()
     conv, ssm, inter = caches.conv[0], caches.temporal, caches.intermediate_ssm
     D = inter.shape[2]
-    src = torch.arange(N, dtype=torch.int64)
+    src = torch.arange(N, dtype=torch.int64, device=dst.device)
     commit = torch.where(last >= 0, torch.clamp(last + commit_shift, max=D - 1), last)
     move_intermediate_cache(ssm, inter, dst, src, commit)
     if mamba_track_indices is not None:

@@ -94,7 +94,7 @@ def test_cli_bench_update_rejects_bad_batches(capsys):
     assert exc.value.code == 2 and "batch sizes >= 1" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_cuda_latency_is_measured():
     [row] = measure(CI.replace(device="cuda"), updates=["device_select"], batch_sizes=(4,), steps=4)
     assert row.latency_us is not None and row.latency_us > 0 and row.latency_device.startswith("cuda")

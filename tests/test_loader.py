@@ -36,7 +36,7 @@ PLUGIN = textwrap.dedent('''
         dst = self.linear_attn_backend.forward_metadata.mamba_cache_indices[:n].to(torch.int64)
         p = self.linear_attn_backend.req_to_token_pool.get_speculative_mamba2_params_all_layers()
         conv, d = p.conv[0], p.intermediate_ssm.shape[2]
-        src = torch.arange(n)
+        src = torch.arange(n, device=dst.device)
         move_intermediate_cache(p.temporal, p.intermediate_ssm, dst, src, last)
         if mamba_track_indices is not None:
             track, steps = mamba_track_indices.to(torch.int64), mamba_steps_to_track.to(torch.int64)

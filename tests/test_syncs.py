@@ -425,7 +425,7 @@ def test_sync_check_plugin_from_file_spec():
     assert res.worst == 1.0  # one host read per step, tracking on
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_cuda_debug_mode_confirms_guarded_item():
     scan = scan_update(CI.replace(device="cuda"), "guarded", STEPS)
     rep = scan.passes["cuda"]

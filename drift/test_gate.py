@@ -1,0 +1,64 @@
+"""drift's PR gate for the code under test: ``pytest --pyargs drift [--drift-update SPEC ...]``.
+
+Every implementation named with --drift-update (default: the built-in device_select) gets
+the full PR-gating checks on --drift-preset (default ci-small): precision against golden
+over the preset's horizon, and freedom from host syncs with tracking on and off. Tests
+marked ``cuda`` / ``npu`` run the same on that device when --drift-device asks for it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from drift.runner import run_checked
+from drift.syncs import SyncDetector, sync_check
+
+
+def _failures(rep) -> str:
+    return "; ".join(f"{c.name}: {c.detail} ({c.where})" for c in rep.checks
+                     if not c.passed and c.extra.get("kind") != "info") or "none"
+
+
+def test_update_keeps_precision(drift_config, drift_update, drift_kernel, drift_golden):
+    drift_golden(drift_config)  # PR-gating presets must have golden data; fails, never skips
+    rep = run_checked(drift_config, drift_update, verify_kernel=drift_kernel, sync_scan=False)
+    assert rep.passed, f"{drift_update}: {_failures(rep)}"
+
+
+@pytest.mark.parametrize("tracking", [True, False], ids=["tracking", "no-tracking"])
+def test_update_is_sync_free(drift_config, drift_update, tracking):
+    cfg = drift_config if tracking else drift_config.replace(track_interval=0)
+    res = sync_check(cfg.replace(device="cpu"), drift_update)
+    assert res.passed, f"{drift_update}: {res.where}; {res.detail}"
+
+
+def _device_run(cfg, update, kernel):
+    rep = run_checked(cfg.replace(steps=min(cfg.steps, 512)), update, verify_kernel=kernel, sync_scan=False)
+    assert rep.info.device.startswith(cfg.device), rep.info.device
+    assert rep.passed, f"{update} on {cfg.device}: {_failures(rep)}"
+
+
+@pytest.mark.cuda
+def test_cuda_simulation_and_sync_debug_mode(drift_config, drift_update, drift_kernel):
+    """The CUDA path: the simulation on the GPU, and the update under the sync detector with
+    torch.cuda.set_sync_debug_mode('error') armed."""
+    _device_run(drift_config, drift_update, drift_kernel)
+    res = sync_check(drift_config, drift_update)
+    assert any("cuda" in d for d in res.extra["detectors"]), res.extra["detectors"]
+    assert res.passed, res.detail
+    import torch
+
+    det = SyncDetector()
+    with det:
+        torch.ones(2, device="cuda").sum().item()  # a positive control on the real device
+    assert det.report.events, "the CUDA sync detector missed .item()"
+
+
+@pytest.mark.npu
+def test_npu_simulation_and_sync_debug_mode(drift_config, drift_update, drift_kernel):
+    """The NPU path: the simulation on the NPU (real sgl_kernel_npu kernels when installed),
+    and the update under torch.npu.set_sync_debug_mode('error')."""
+    _device_run(drift_config, drift_update, drift_kernel)
+    res = sync_check(drift_config, drift_update)
+    assert any("npu" in d for d in res.extra["detectors"]), res.extra["detectors"]
+    assert res.passed, res.detail

@@ -1,0 +1,131 @@
+"""Nightly machinery on short runs (issue 5): report files, resume after a kill, baseline
+trend, shards and merge. The long-horizon matrix itself is tests/test_nightly_long.py."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from drift import nightly
+
+PNG = b"\x89PNG\r\n\x1a\n"
+ARGS = ["--preset", "ci-small", "--impl", "device_select", "--quiet"]
+
+
+def run_nightly(out: Path, *extra: str) -> int:
+    return nightly.main([*ARGS, "--report", str(out), *extra])
+
+
+def deterministic(report_dir: Path) -> dict:
+    """Everything a report holds except wall-clock timings."""
+    rep = json.loads((report_dir / "report.json").read_text())
+    rep.pop("timings")
+    files = {p.name: p.read_bytes() for p in report_dir.iterdir() if p.suffix in (".md", ".png")}
+    return {"json": rep, "files": files}
+
+
+@pytest.fixture(scope="module")
+def short_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("nightly")
+    assert run_nightly(out, "--steps", "160") == 0
+    return out
+
+
+def test_short_run_writes_every_report_file(short_report):
+    rep = json.loads((short_report / "report.json").read_text())
+    assert rep["verdict"] == "pass" and rep["kind"] == "drift-nightly"
+    assert set(e["entry"]["mode"] for e in rep["entries"].values()) == set(nightly.STORE_MODES)
+    for key, e in rep["entries"].items():
+        bound = next(c for c in e["checks"] if c["name"] == "drift bound")
+        curves = bound["bound"]["curves"]["rel_err"]
+        assert len(curves["step"]) > 5 and np.array(curves["mean"]).shape[1:] == (2, 4)
+        assert bound["bound"]["growth_exponent"] and "first_fail" not in bound
+        assert e["steps"] == 160 and key in rep["timings"]
+    md = (short_report / "report.md").read_text()
+    for section in ("Verdict per implementation and mode", "Worst heads", "Growth exponents", "Trade-off"):
+        assert section in md
+    import matplotlib.image as mpimg
+
+    for name in ("drift_vs_step.png", "mtp_vs_sequential.png", "rounding_modes.png"):
+        data = (short_report / name).read_bytes()
+        assert data[:8] == PNG
+        img = mpimg.imread(short_report / name)
+        assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 300
+        assert img.std() > 0.01  # not a blank canvas
+
+
+def test_failing_entry_gives_nonzero_exit(tmp_path):
+    code = nightly.main(["--preset", "ci-small", "--impl", "sync_free", "--modes", "rne", "--steps", "40",
+                         "--report", str(tmp_path), "--quiet"])
+    assert code == 1  # sync_free syncs on its tracking path
+    rep = json.loads((tmp_path / "report.json").read_text())
+    assert rep["verdict"] == "fail"
+    assert "host syncs" in (tmp_path / "report.md").read_text()
+
+
+def test_bad_arguments_exit_2(tmp_path):
+    assert nightly.main(["--shard", "3/2", "--report", str(tmp_path)]) == 2
+    assert nightly.main(["--modes", "rne,bogus", "--report", str(tmp_path)]) == 2
+    assert nightly.main(["--device", "npu", "--report", str(tmp_path)]) == 2
+
+
+def test_resume_after_kill_reproduces_the_uninterrupted_report(tmp_path):
+    steps = "1024"  # ci-small steps come in chunks of 256: checkpoints at 256, 512, 768
+    common = [*ARGS, "--modes", "rne", "--steps", steps, "--checkpoint-every", "200"]
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "drift", "nightly", *common, "--report", str(killed)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ckpt = killed / "checkpoints" / "ci-small.seed0.device_select.rne.pt"
+    deadline = time.time() + 600
+    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert ckpt.exists() and proc.poll() is None, "the run ended before its first checkpoint"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "report.json").exists()
+    assert nightly.main([*common, "--report", str(killed), "--resume"]) == 0
+    whole = tmp_path / "whole"
+    assert nightly.main([*common, "--report", str(whole)]) == 0
+    assert deterministic(killed) == deterministic(whole)
+
+
+def test_baseline_flags_an_injected_regression(short_report, tmp_path):
+    rep = json.loads((short_report / "report.json").read_text())
+    same = nightly.assemble(rep["entries"], {}, {}, baseline=rep)
+    assert same["trend"] == [] and same["verdict"] == "pass"
+    better = copy.deepcopy(rep)  # a baseline whose errors were half of today's
+    key = next(k for k, e in better["entries"].items() if e["entry"]["mode"] == "rne")
+    bound = next(c for c in better["entries"][key]["checks"] if c["name"] == "drift bound")
+    mean = np.array(bound["bound"]["curves"]["rel_err"]["mean"])
+    mean[..., 3] *= 0.5  # head 3 only
+    bound["bound"]["curves"]["rel_err"]["mean"] = mean.tolist()
+    flagged = nightly.assemble(rep["entries"], {}, {}, baseline=better)
+    assert flagged["verdict"] == "fail"
+    assert {(t["key"], t["head"]) for t in flagged["trend"]} == {(key, 3)}
+    assert all(t["ratio"] == pytest.approx(2.0) for t in flagged["trend"])
+    nightly.write(flagged, tmp_path)
+    assert "Trend against the baseline" in (tmp_path / "report.md").read_text()
+
+
+def test_shards_cover_the_matrix_and_merge(tmp_path):
+    dirs = []
+    for k in (1, 2):
+        d = tmp_path / f"shard{k}"
+        assert run_nightly(d, "--steps", "24", "--modes", "rne,stochastic,fp32", "--shard", f"{k}/2") == 0
+        dirs.append(d)
+    keys = [set(json.loads((d / "report.json").read_text())["entries"]) for d in dirs]
+    assert keys[0] and keys[1] and not keys[0] & keys[1]
+    out = tmp_path / "merged"
+    assert nightly.report_main(["merge", *map(str, dirs), "-o", str(out)]) == 0
+    merged = json.loads((out / "report.json").read_text())
+    assert set(merged["entries"]) == keys[0] | keys[1]
+    assert (out / "drift_vs_step.png").read_bytes()[:8] == PNG
