@@ -64,7 +64,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     resolve_device(cfg.device)
-    res = bench(cfg, layers=args.layers, steps=args.bench_steps, naive_steps=args.naive_steps)
+    res = bench(cfg, layers=args.layers, steps=args.bench_steps, naive_steps=args.naive_steps,
+                repeats=args.repeats, threads=args.threads)
     print(json.dumps(res, indent=2) if args.json else format_bench(res))
     return EXIT_PASS
 
@@ -121,8 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(b)
     b.set_defaults(preset="qwen3.5-397b-tp16")
     b.add_argument("--layers", type=int, default=None, help="simulate only this many layers (default: all)")
-    b.add_argument("--bench-steps", type=int, default=20, help="timed steps of the vectorised simulator")
+    b.add_argument("--bench-steps", type=int, default=20, help="timed steps per block of the vectorised simulator")
     b.add_argument("--naive-steps", type=int, default=2, help="timed steps of the naive loop")
+    b.add_argument("--repeats", type=int, default=3, help="timed blocks of --bench-steps steps (best kept)")
+    b.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (default: the faster of 1 and torch's default, probed)")
     b.add_argument("--json", action="store_true", help="print JSON")
     b.set_defaults(func=cmd_bench)
 

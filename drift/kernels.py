@@ -69,23 +69,65 @@ def conv_verify(conv_states: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
     ``[old[D:], x_0 .. x_{D-1}]`` (what conv_state_rollback later undoes).
     """
     L, S, W, C = conv_states.shape
-    D, Kc = x.shape[2], weight.shape[-1]
+    N, D, Kc = x.shape[1], x.shape[2], weight.shape[-1]
     slots = slots.to(torch.int64)
-    buf = conv_states.index_select(1, slots)  # [L, N, W, C]
+    # Whole-slot row copies when each slot's window is one dense block ([W, C] or, for the
+    # channel-major NPU layout, [C, W] storage): rows [L * S, W * C] in storage order.
+    rows, cw = _slot_rows(conv_states)
+    flat = _flat_rows(slots, L, S).reshape(-1)
+    if rows is None:
+        buf = conv_states.index_select(1, slots)  # [L, N, W, C]
+    elif cw:
+        buf = rows.index_select(0, flat).view(L, N, C, W).transpose(-1, -2)
+    else:
+        buf = rows.index_select(0, flat).view(L, N, W, C)
     out = conv_silu(buf[:, :, W - (Kc - 1):], x, weight, torch.float32)
-    rolled = torch.cat([buf[:, :, D:], x.to(conv_states.dtype)], dim=2)
-    conv_states.index_copy_(1, slots, rolled)
+    xs = x.to(conv_states.dtype)
+    if cw:  # the rolled windows built in storage order [L, N, C, W]
+        rolled = torch.cat([buf.transpose(-1, -2)[..., D:], xs.transpose(-1, -2)], dim=-1)
+    else:
+        rolled = torch.cat([buf[:, :, D:], xs], dim=2)
+    if rows is None:
+        conv_states.index_copy_(1, slots, rolled)
+    else:
+        dst, src = _wide_rows(rows, rolled.view(L * N, W * C))
+        dst.index_copy_(0, flat, src)
     return out
+
+
+def _slot_rows(conv_states: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
+    """``conv_states [L, S, W, C]`` as rows ``[L * S, W * C]`` holding each slot's window in
+    storage order, and whether that order is channel-major (``[C, W]``, a transposed view);
+    ``(None, False)`` when a window is not one dense block."""
+    rows = _as_rows(conv_states, 2)
+    if rows is not None:
+        return rows, False
+    rows = _as_rows(conv_states.transpose(-1, -2), 2)
+    return rows, rows is not None
 
 
 def conv_silu(window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
               dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """SiLU(causal depthwise conv) of the D tokens ``x [L, N, D, C]`` given the ``Kc-1`` tokens
-    before them, ``window [L, N, Kc-1, C]``; weight ``[L, C, Kc]``. Returns ``[L, N, D, C]`` in dtype."""
-    Kc = weight.shape[-1]
-    seq = torch.cat([window.to(dtype), x.to(dtype)], dim=2)
-    win = seq.unfold(2, Kc, 1)  # [L, N, D, C, Kc]
-    return F.silu(torch.einsum("lndck,lck->lndc", win, weight.to(dtype)))
+    before them, ``window [L, N, Kc-1, C]``; weight ``[L, C, Kc]``. Returns ``[L, N, D, C]`` in dtype,
+    stored in memory order ``[L, C, N, D]`` (see the end)."""
+    D, Kc = x.shape[2], weight.shape[-1]
+    # .contiguous() first: casting a strided bf16 view (a window of channel-major conv storage)
+    # is ~7x slower than copying it dense and casting that; the values are the same.
+    seq = torch.cat([window.contiguous().to(dtype), x.contiguous().to(dtype)], dim=2)  # [L, N, Kc-1+D, C]
+    taps = weight.to(dtype).permute(2, 0, 1).contiguous()[:, :, None, None, :]  # [Kc, L, 1, 1, C]
+    # Taps summed in order m = 0 .. Kc-1, each product rounded then added (no FMA).
+    acc = seq[:, :, 0:D] * taps[0]
+    tmp = torch.empty_like(acc)
+    for m in range(1, Kc):
+        acc.add_(torch.mul(seq[:, :, m:m + D], taps[m], out=tmp))
+    F.silu(acc, inplace=True)
+    # Returned in memory order [L, C, N, D] (the layout an einsum over the unfolded window
+    # produced): reductions over C downstream (split_qkv's l2norm) sum in memory order, so
+    # this keeps their rounding, and every value after them, bit-identical to that version.
+    L, N, _, C = acc.shape
+    out = torch.empty(L, C, N, D, dtype=dtype, device=acc.device).permute(0, 2, 3, 1)
+    return out.copy_(acc)
 
 
 def conv_state_rollback(conv_states: torch.Tensor, state_indices: torch.Tensor,
@@ -111,7 +153,25 @@ def conv_state_rollback(conv_states: torch.Tensor, state_indices: torch.Tensor,
     src = torch.where(w[None, :] >= shift[:, None], w[None, :] - shift[:, None], w[None, :])  # [N, W]
     slot = state_indices.to(device=dev, dtype=torch.int64)
     # Gather then scatter; rows with shift 0 write back their own bits.
-    conv_states[:, slot] = conv_states[:, slot[:, None], src]
+    L, S, _, C = conv_states.shape
+    rows = _as_rows(conv_states, 3)  # [L * S * W, C]: one row per window position
+    if rows is not None:
+        base = _flat_rows(slot * W, L, S * W)[:, :, None]  # [L, N, 1]
+        (rows,) = _wide_rows(rows)
+        moved = rows.index_select(0, (base + src[None]).reshape(-1))
+        rows.index_copy_(0, (base + w[None, None, :]).reshape(-1), moved)
+        return conv_states
+    rows, cw = _slot_rows(conv_states)
+    if cw:  # channel-major windows: gather whole slots, shift along W inside them, scatter
+        flat = _flat_rows(slot, L, S).reshape(-1)
+        blocks = rows.index_select(0, flat).view(L, -1, C, W)
+        # Gather on the bits: torch.gather on bf16 rewrites NaN payloads, an int view keeps them.
+        blocks = blocks.view(_SAME_WIDTH_INT[blocks.element_size()])
+        moved = torch.gather(blocks, 3, src[None, :, None, :].expand(blocks.shape))
+        dst, moved = _wide_rows(rows, moved.view(rows.dtype).view(-1, C * W))
+        dst.index_copy_(0, flat, moved)
+        return conv_states
+    conv_states[:, slot] = conv_states[:, slot[:, None], src]  # strides that do not flatten
     return conv_states
 
 
@@ -196,23 +256,27 @@ def gdn_verify(state_kv: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: 
     V = v.shape[-1]
     cd = compute_dtype
     slots = slots.to(torch.int64)
-    out = torch.empty(L, N, D, HV, V, dtype=cd, device=q.device)
-    decay = torch.exp(g.to(cd))
-    qc, kc, vc, bc = q.to(cd), k.to(cd), v.to(cd), beta.to(cd)
+    # Token-major copies ([D, L, N, HV, ...]) so every per-token slice below is a plain view.
+    qt, kt, vt, dect, bt = (_token_major(t, cd) for t in (q, k, v, torch.exp(g.to(cd)), beta))
+    out = torch.empty(D, L, N, HV, V, dtype=cd, device=q.device)
     step = _layer_chunk((N, HV, K, V), torch.finfo(cd).bits // 8)
+    h_buf = torch.empty(min(step, L) * N * HV, K, V, dtype=cd, device=q.device)
     for l0 in range(0, L, step):
         l1 = min(L, l0 + step)
         B = (l1 - l0) * N * HV
-        h = state_kv[l0:l1].index_select(1, slots).to(cd).reshape(B, K, V)
+        h = h_buf[:B]
+        h.copy_(state_kv[l0:l1].index_select(1, slots).view(B, K, V))
         for t in range(D):
-            o_t = torch.empty(B, V, dtype=cd, device=q.device)
-            _gdn_token(h, qc[l0:l1, :, t].reshape(B, K), kc[l0:l1, :, t].reshape(B, K),
-                       vc[l0:l1, :, t].reshape(B, V), decay[l0:l1, :, t].reshape(B),
-                       bc[l0:l1, :, t].reshape(B), o_t)
-            out[l0:l1, :, t] = o_t.view(l1 - l0, N, HV, V)
+            _gdn_token(h, qt[t, l0:l1].view(B, K), kt[t, l0:l1].view(B, K), vt[t, l0:l1].view(B, V),
+                       dect[t, l0:l1].view(B), bt[t, l0:l1].view(B), out[t, l0:l1].view(B, V))
             store_state(inter_kv[l0:l1, :, t], h.view(l1 - l0, N, HV, K, V), rounding,
                         key * 1_000_003 + t * 4099 + l0)
-    return out
+    return out.permute(1, 2, 0, 3, 4).contiguous()
+
+
+def _token_major(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[L, N, D, ...]`` -> contiguous ``[D, L, N, ...]`` in dtype (values unchanged)."""
+    return t.to(dtype).movedim(2, 0).contiguous()
 
 
 def gdn_decode(state_kv: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -280,9 +344,9 @@ def move_intermediate_cache(ssm_states: torch.Tensor, intermediate_state_cache: 
     both views (a transposed ``[HV, V, K]`` view copies logically); no host sync.
 
     ssm_states ``[L, S, HV, ., .]``; intermediate_state_cache ``[L, rows, D, HV, ., .]``.
-    Rows with a negative step write back their destination's own bits, so a skipped
-    row must not share its destination with a committed one (padded rows use the
-    dummy slot 0, which no request owns).
+    To stay sync free, skipped rows still write: each layer's first skipped destination
+    gets its own current bits back, so a skipped row must not share its destination with
+    a committed one (padded rows use the dummy slot 0, which no request owns).
     """
     if ssm_states.ndim != 5 or intermediate_state_cache.ndim != 6:
         raise ValueError("move_intermediate_cache expects ssm_states [L, S, HV, ., .] and "
@@ -300,7 +364,94 @@ def move_intermediate_cache(ssm_states: torch.Tensor, intermediate_state_cache: 
     ok = (step >= 0) & (step < D)
     dst = dst_indices.to(device=dev, dtype=torch.int64)
     src = src_indices.to(device=dev, dtype=torch.int64)
-    vals = intermediate_state_cache[:, src, torch.where(ok, step, torch.zeros_like(step))]
-    keep = ssm_states[:, dst]
-    ssm_states[:, dst] = torch.where(ok[None, :, None, None, None], vals, keep)
+    step0 = torch.where(ok, step, torch.zeros_like(step))
+    ssm, inter = _dense_last(ssm_states, intermediate_state_cache)
+    ssm2, inter2 = _as_rows(ssm, 2), _as_rows(inter, 3)
+    if ssm2 is None or inter2 is None:  # strides that do not flatten: generic gather/select/scatter
+        vals = inter[:, src, step0]
+        keep = ssm[:, dst]
+        ssm[:, dst] = torch.where(ok[None, :, None, None, None], vals, keep)
+        return ssm_states
+    _select_rows(ssm2, _flat_rows(dst, ssm.shape[0], ssm.shape[1]),
+                 inter2, _flat_rows(src * D + step0, inter.shape[0], inter.shape[1] * D), ok)
     return ssm_states
+
+
+def _dense_last(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(a, b)``, or both transposed in their last two dims when that makes the last dim the
+    densest in both (an elementwise copy between them means the same either way)."""
+    if a.stride(-1) > a.stride(-2) and b.stride(-1) > b.stride(-2):
+        return a.transpose(-1, -2), b.transpose(-1, -2)
+    return a, b
+
+
+def _as_rows(t: torch.Tensor, lead: int) -> torch.Tensor | None:
+    """``t`` viewed (never copied) as ``[prod(shape[:lead]), prod(shape[lead:])]``, or None when
+    its strides do not allow that."""
+    inner = 1
+    for s in t.shape[lead:]:
+        inner *= s
+    if t.numel() == 0:
+        return None
+    try:
+        return t.view(-1, inner)
+    except RuntimeError:
+        return None
+
+
+_WIDE = (torch.complex128, torch.int64, torch.int32, torch.int16)
+_SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _wide_rows(*rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``[R, E]`` CPU row views of one dtype reinterpreted as the widest element that fits (bits
+    unchanged): CPU index kernels copy element by element, so 16-byte elements move bf16
+    rows about 6x faster. Returned unchanged when no wider view exists or not on the CPU."""
+    if rows[0].device.type != "cpu":  # accelerator index kernels need no help (nor complex128)
+        return rows
+    for wide in _WIDE:
+        if wide.itemsize <= rows[0].element_size():
+            break
+        try:
+            return tuple(r.view(wide) for r in rows)
+        except RuntimeError:
+            continue
+    return rows
+
+
+def _flat_rows(idx: torch.Tensor, L: int, per_layer: int) -> torch.Tensor:
+    """Row numbers ``l * per_layer + idx[i]`` of a ``[L * per_layer, E]`` view: int64 ``[L, len(idx)]``."""
+    return torch.arange(L, device=idx.device, dtype=torch.int64)[:, None] * per_layer + idx[None, :]
+
+
+def _select_rows(dst2: torch.Tensor, dst_rows: torch.Tensor, src2: torch.Tensor,
+                 src_rows: torch.Tensor, ok: torch.Tensor) -> None:
+    """``dst2[dst_rows[l, i]] = src2[src_rows[l, i]]`` for every layer l and every i with ``ok[i]``;
+    when the call returns, no other row of dst2 has changed.
+
+    dst2 / src2: ``[rows, E]`` views of one dtype; dst_rows / src_rows int64 ``[L, N]``; ok bool
+    ``[N]``. Sync free, so skipped rows still copy, but only within one row per layer: they
+    all write the first committed row's candidate into the first skipped row's destination
+    ``T`` (by the caller's contract no committed row writes there), and ``T`` then gets its
+    own bits back, so skipped rows cost no memory traffic of their own. Per chunk of layers:
+    gather the candidates and the ``T`` rows, scatter the candidates, restore the ``T`` rows.
+    """
+    dst2, src2 = _wide_rows(dst2, src2)
+    L, N = dst_rows.shape
+    # First committed / first skipped row as 1-element index tensors (indexing with a 0-dim
+    # tensor would read it on the host); 0 when there is none.
+    first_ok = torch.argmax(ok.to(torch.int32), dim=0, keepdim=True)
+    first_skip = torch.argmax((~ok).to(torch.int32), dim=0, keepdim=True)
+    any_skip = (~ok).any()
+    src_rows = torch.where(ok[None, :], src_rows, src_rows.index_select(1, first_ok))
+    keep_rows = dst_rows.index_select(1, first_skip).view(L)  # T of each layer
+    dst_rows = torch.where(ok[None, :], dst_rows, keep_rows[:, None])
+    lc = _layer_chunk((N + 1, dst2.shape[1]), dst2.element_size())
+    for l0 in range(0, L, lc):
+        l1 = min(L, l0 + lc)
+        before = dst2.index_select(0, keep_rows[l0:l1])
+        cand = src2.index_select(0, src_rows[l0:l1].reshape(-1))
+        dst2.index_copy_(0, dst_rows[l0:l1].reshape(-1), cand)
+        # T's final bits: its own when a row was skipped; else T is row 0's destination.
+        row0 = cand.view(l1 - l0, N, -1)[:, 0]
+        dst2.index_copy_(0, keep_rows[l0:l1], torch.where(any_skip, before, row0))

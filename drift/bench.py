@@ -1,0 +1,262 @@
+"""``drift bench``: simulated MTP decode steps per second and effective bandwidth.
+
+Two implementations of the same decode step are timed on one config:
+
+* **vectorised**: :class:`drift.simulate.Simulation` as ``drift run`` drives it, minus the
+  checks (no observers, ``check_untouched=False``): input stream -> conv verify ->
+  split/gating -> GDN verify of all layers -> the ``sync_free`` update (sglang #32130)
+  through drift's portable kernels.
+* **naive**: the same step as host loops built from :mod:`drift.naive`, in the simulator's
+  dtypes (:func:`naive_step`).
+
+Effective bandwidth is the minimal number of bytes a step must move
+(:func:`min_bytes_per_step`) times steps per second, divided by the bandwidth of a
+large tensor copy measured in the same run (bytes read + bytes written per second).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Optional
+
+import torch
+
+from . import kernels, naive
+from .config import Config, ConfigError
+from .simulate import Simulation
+from .stream import StepChunk
+
+UPDATE = "sync_free"  # the update the vectorised simulator runs (and the naive loop mirrors)
+COPY_BYTES = 256 << 20  # copy-bandwidth buffer: 8x the 32 MiB L3 of the reference machine
+COPY_REPEATS = 5
+WARMUP_STEPS = 2
+PROBE_STEPS = 3  # single steps timed per candidate thread count, to pick the count
+
+VECTORISED = ("drift.simulate.Simulation, no observers, check_untouched=False, update "
+              f"{UPDATE!r} through drift's portable kernels; one timed block = Simulation.run(steps), "
+              "input-stream generation included")
+NAIVE = ("drift.bench.naive_step: per layer, batch row (padded rows included, as in the "
+         "simulator), value head and verify token: drift.naive.conv_verify (per token and tap), "
+         "naive.qkv_heads, naive.gating (Python floats), naive.gdn_token in float32 with the "
+         "state stored to the state dtype after every token; then the sync_free update as "
+         "naive.move_intermediate_cache (commit and track) and naive.conv_state_rollback loops "
+         "per request and layer; one timed block = stream chunk of 1 step + naive_step")
+BYTES_MODEL = ("per active request and layer (padded rows and the rare tracking copies not "
+               "counted): read the committed state once, write D intermediate states, commit "
+               "copy (read 1 + write 1), all in the state dtype; read the D input tokens and the "
+               "Kc-1 committed conv rows and write Kc-1 new ones in the conv dtype; read gating "
+               "inputs a, b (float32) and write the D outputs (float32); plus per layer the conv "
+               "weights, A_log and dt_bias (float32) once")
+
+
+def min_bytes_per_step(cfg: Config) -> dict[str, int]:
+    """The minimal bytes one decode step moves (:data:`BYTES_MODEL`), by part, plus ``total``."""
+    R, L, D = cfg.num_requests, cfg.num_layers, cfg.num_draft_tokens
+    HV, K, V, C, Kc = cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim, cfg.conv_channels, cfg.conv_kernel
+    state = HV * K * V * cfg.torch_ssm_dtype.itemsize
+    conv_b = cfg.torch_conv_dtype.itemsize
+    f32 = 4
+    parts = {
+        "state_read": R * L * state,
+        "intermediates_write": R * L * D * state,
+        "commit_copy": R * L * 2 * state,
+        # The stream hands x over in bfloat16 (drift.stream.StepChunk).
+        "conv_inputs": R * L * (D * C * torch.bfloat16.itemsize + 2 * (Kc - 1) * C * conv_b),
+        "gating_inputs": R * L * 2 * D * HV * f32,
+        "outputs": R * L * D * HV * V * f32,
+        "params": L * (C * Kc + 2 * HV) * f32,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for queued device work (a no-op on CPU) so wall-clock times are complete."""
+    if device.type != "cpu":
+        getattr(torch, device.type).synchronize()
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = COPY_BYTES, repeats: int = COPY_REPEATS) -> float:
+    """Best-of-``repeats`` bandwidth of ``dst.copy_(src)`` on uint8 ``[nbytes]`` tensors, in bytes/s,
+    counting ``2 * nbytes`` (read + write) per copy. Both buffers are written first, so no
+    timed copy pays for first-touch page faults."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    best = min(_timed(device, lambda: dst.copy_(src)) for _ in range(repeats))
+    return 2 * nbytes / best
+
+
+def naive_step(sim: Simulation, chunk: StepChunk, s: int) -> torch.Tensor:
+    """Step ``s`` of ``chunk`` on ``sim``'s pool as naive loops (:data:`NAIVE`).
+
+    Leaves the pool as the vectorised step would (committed, tracked and conv states, within
+    float32 rounding of the verify arithmetic) but does not advance ``sim.step``. Returns
+    float32 outputs ``[L, N, D, HV, V]``.
+    """
+    cfg, pool, prm = sim.cfg, sim.pool, sim.params
+    L, N, D = cfg.num_layers, cfg.num_rows, cfg.num_draft_tokens
+    HK, K, HV, V = cfg.num_k_heads, cfg.head_k_dim, cfg.num_v_heads, cfg.head_v_dim
+    f32 = torch.float32
+    slots = pool.row_slots.tolist()
+    qkv = naive.conv_verify(pool.conv, slots, chunk.x[s], prm.conv_weight, dtype=f32)  # [L, N, D, C]
+    a, b = chunk.a[s].tolist(), chunk.b[s].tolist()
+    A_log, dt_bias = prm.A_log.tolist(), prm.dt_bias.tolist()
+    ssm, inter = pool.ssm_kv, pool.inter_kv
+    out = torch.empty(L, N, D, HV, V, dtype=f32, device=qkv.device)
+    for l in range(L):
+        for n in range(N):
+            heads = [naive.qkv_heads(qkv[l, n, t], HK, K, HV, V) for t in range(D)]
+            for hd in range(HV):
+                h = ssm[l, slots[n], hd].to(f32)
+                for t in range(D):
+                    q, k, v = heads[t]
+                    g, beta = naive.gating(a[l][n][t][hd], b[l][n][t][hd], A_log[l][hd], dt_bias[l][hd])
+                    h, o = naive.gdn_token(h, q[hd], k[hd], v[hd], math.exp(g), beta)
+                    out[l, n, t, hd] = o
+                    kernels.store_state(inter[l, n, t, hd], h, cfg.store_rounding, sim.step)
+    # The sync_free update (drift.updates.sync_free), as per-request loops.
+    last, trk = chunk.last_steps[s], chunk.track_steps[s]
+    src = torch.arange(N, dtype=torch.int64)
+    naive.move_intermediate_cache(pool.temporal, pool.intermediate_ssm, pool.row_slots, src, last)
+    tracking = cfg.track_interval > 0
+    if tracking:
+        naive.move_intermediate_cache(pool.temporal, pool.intermediate_ssm, pool.row_track_slots, src, trk)
+        for n, (step, tslot) in enumerate(zip(trk.tolist(), pool.row_track_slots.tolist())):
+            if step >= 0:  # the verify-time window, before the working slot rolls back
+                for l in range(L):
+                    pool.conv[l, tslot] = pool.conv[l, slots[n]]
+    naive.conv_state_rollback(pool.conv, pool.row_slots, last, D)
+    if tracking:
+        naive.conv_state_rollback(pool.conv, pool.row_track_slots, trk, D)
+    return out
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"bench {name}={value!r} is invalid; allowed: an integer >= 1")
+
+
+def bench(cfg: Config, layers: Optional[int] = None, steps: int = 20, naive_steps: int = 2,
+          repeats: int = 3, copy_bytes: int = COPY_BYTES, threads: Optional[int] = None) -> dict:
+    """Time the vectorised and the naive step on ``cfg`` (first ``layers`` GDN layers).
+
+    After a warm-up, per candidate CPU thread count (``threads``, or both 1 and torch's
+    current count: on a shared machine intra-op threads can stall each other by whole
+    scheduler slices): the copy bandwidth and a short probe of single steps. With the
+    faster count: ``repeats`` blocks of ``steps`` vectorised steps, then ``naive_steps``
+    naive blocks of one step each. Rates are the best block (least disturbed by other load);
+    the copy bandwidth is the best copy with the same thread count (the same CPU resources),
+    measured before and after the steps. Returns a JSON-ready dict with
+    ``bandwidth_ratio = steps_per_s * min_bytes_per_step / (copy_bandwidth_GBps * 1e9)``.
+    """
+    for name, value in (("steps", steps), ("naive_steps", naive_steps), ("repeats", repeats),
+                        ("copy_bytes", copy_bytes)):
+        _positive(name, value)
+    if threads is not None:
+        _positive("threads", threads)
+    preset_layers = cfg.num_layers
+    if layers is not None:
+        _positive("layers", layers)
+        cfg = cfg.replace(num_layers=layers)
+    sim = Simulation(cfg, update=UPDATE, observers=(), check_untouched=False)
+    dev = sim.device
+    start_threads = torch.get_num_threads()
+    candidates = [threads] if threads is not None else sorted({1, start_threads})
+    copies, probes = {}, {}
+    try:
+        sim.run(steps=WARMUP_STEPS)
+        for c in candidates:
+            torch.set_num_threads(c)
+            copies[c] = copy_bandwidth(dev, copy_bytes)
+            # A stalling thread count is given up once it has taken a few times the best probe.
+            budget = 3 * PROBE_STEPS * min(probes.values()) if probes else math.inf
+            probes[c] = _probe(sim, budget)
+        chosen = min(candidates, key=lambda c: probes[c])
+        torch.set_num_threads(chosen)
+        blocks = [_timed(dev, lambda: sim.run(steps=steps)) / steps for _ in range(repeats)]
+        naive_blocks = [_timed(dev, lambda: naive_step(sim, sim.stream.chunk(1), 0))
+                        for _ in range(naive_steps)]
+        copy_bps = max(copies[chosen], copy_bandwidth(dev, copy_bytes))
+    finally:
+        torch.set_num_threads(start_threads)
+    nbytes = min_bytes_per_step(cfg)
+    sps, naive_sps = 1.0 / min(blocks), 1.0 / min(naive_blocks)
+    return {
+        "preset": cfg.name,
+        "layers": cfg.num_layers,
+        "preset_layers": preset_layers,
+        "device": str(dev),
+        "torch_threads": chosen,
+        "probe_steps_per_s_by_threads": {str(c): 1.0 / t for c, t in probes.items()},
+        "copy_bandwidth_GBps_by_threads": {str(c): b / 1e9 for c, b in copies.items()},
+        "load_avg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "ssm_dtype": cfg.ssm_dtype,
+        "steps": steps,
+        "repeats": repeats,
+        "naive_steps": naive_steps,
+        "steps_per_s": sps,
+        "steps_per_s_blocks": [1.0 / b for b in blocks],
+        "naive_steps_per_s": naive_sps,
+        "speedup": sps / naive_sps,
+        "min_bytes_per_step": nbytes["total"],
+        "min_bytes_breakdown": {k: v for k, v in nbytes.items() if k != "total"},
+        "copy_bandwidth_GBps": copy_bps / 1e9,
+        "copy_bytes": copy_bytes,
+        "effective_bandwidth_GBps": sps * nbytes["total"] / 1e9,
+        "bandwidth_ratio": sps * nbytes["total"] / copy_bps,
+        "naive_bandwidth_ratio": naive_sps * nbytes["total"] / copy_bps,
+        "vectorised": VECTORISED,
+        "naive": NAIVE,
+        "bytes_model": BYTES_MODEL,
+    }
+
+
+def _probe(sim: Simulation, budget: float) -> float:
+    """Mean seconds of up to :data:`PROBE_STEPS` single steps; stops early once the steps
+    together took more than ``budget`` seconds."""
+    times = []
+    while len(times) < PROBE_STEPS and sum(times) <= budget:
+        times.append(_timed(sim.device, lambda: sim.run(steps=1)))
+    return sum(times) / len(times)
+
+
+def _timed(device: torch.device, fn) -> float:
+    """Wall seconds of ``fn()``, device work included."""
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def format_bench(res: dict) -> str:
+    """The :func:`bench` result as a short human-readable report."""
+    mib = res["min_bytes_per_step"] / 2**20
+    lines = [
+        f"drift bench: {res['preset']}, {res['layers']} of {res['preset_layers']} GDN layers, "
+        f"{res['ssm_dtype']} states, {res['device']}, {res['torch_threads']} threads (probe steps/s "
+        f"by threads: {_by_threads(res, 'probe_steps_per_s_by_threads')}), "
+        f"load avg {res['load_avg_1min']:.2f}",
+        f"  vectorised  {res['steps_per_s']:9.2f} steps/s   (best of {res['repeats']} blocks of "
+        f"{res['steps']} steps)",
+        f"  naive       {res['naive_steps_per_s']:9.2f} steps/s   (best of {res['naive_steps']} "
+        f"single steps)",
+        f"  speedup     {res['speedup']:9.1f} x",
+        f"  min bytes   {mib:9.1f} MiB/step",
+        f"  effective   {res['effective_bandwidth_GBps']:9.2f} GB/s = {res['bandwidth_ratio']:.3f} of "
+        f"copy bandwidth {res['copy_bandwidth_GBps']:.1f} GB/s (read + write, "
+        f"{res['copy_bytes'] >> 20} MiB tensor copy, {res['torch_threads']} threads; by threads: "
+        f"{_by_threads(res, 'copy_bandwidth_GBps_by_threads')} GB/s)",
+        f"  naive       {res['naive_bandwidth_ratio']:.5f} of copy bandwidth",
+        "",
+        f"vectorised: {res['vectorised']}",
+        f"naive: {res['naive']}",
+        f"min bytes: {res['bytes_model']}",
+    ]
+    return "\n".join(lines)
+
+
+def _by_threads(res: dict, field: str) -> str:
+    return ", ".join(f"{c}: {v:.1f}" for c, v in res[field].items())

@@ -1,0 +1,150 @@
+"""``drift bench``: report structure and internal consistency, and the naive loop it times.
+
+No timing is asserted: rates depend on the machine and its load.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from drift.bench import bench, format_bench, min_bytes_per_step, naive_step
+from drift.cli import main
+from drift.config import ConfigError, preset
+from drift.simulate import Simulation
+
+# A small copy buffer keeps the tests fast; its bandwidth (partly in cache) means nothing here.
+SMALL_COPY = 8 << 20
+FIELDS = ("preset", "layers", "preset_layers", "device", "torch_threads", "steps", "repeats",
+          "naive_steps", "steps_per_s", "naive_steps_per_s", "speedup", "min_bytes_per_step",
+          "min_bytes_breakdown", "copy_bandwidth_GBps", "copy_bytes", "effective_bandwidth_GBps",
+          "bandwidth_ratio", "naive_bandwidth_ratio", "vectorised", "naive", "bytes_model")
+# The report derives every ratio from the same floats; only the GB/s unit conversion
+# (x / 1e9 * 1e9) and reassociation can move the last bits.
+REL = 1e-12
+
+
+def check_report(res: dict) -> None:
+    for name in FIELDS:
+        assert name in res, f"report lacks {name!r}"
+    for name in ("steps_per_s", "naive_steps_per_s", "speedup", "min_bytes_per_step",
+                 "copy_bandwidth_GBps", "effective_bandwidth_GBps", "bandwidth_ratio",
+                 "naive_bandwidth_ratio"):
+        assert isinstance(res[name], (int, float)) and math.isfinite(res[name]) and res[name] > 0, name
+    copy_bps = res["copy_bandwidth_GBps"] * 1e9
+    assert math.isclose(res["bandwidth_ratio"], res["steps_per_s"] * res["min_bytes_per_step"] / copy_bps,
+                        rel_tol=REL)
+    assert math.isclose(res["naive_bandwidth_ratio"],
+                        res["naive_steps_per_s"] * res["min_bytes_per_step"] / copy_bps, rel_tol=REL)
+    assert math.isclose(res["effective_bandwidth_GBps"],
+                        res["steps_per_s"] * res["min_bytes_per_step"] / 1e9, rel_tol=REL)
+    assert math.isclose(res["speedup"], res["steps_per_s"] / res["naive_steps_per_s"], rel_tol=REL)
+    assert res["min_bytes_per_step"] == sum(res["min_bytes_breakdown"].values())
+    assert len(res["steps_per_s_blocks"]) == res["repeats"]
+    assert res["steps_per_s"] == max(res["steps_per_s_blocks"])
+    assert str(res["torch_threads"]) in res["probe_steps_per_s_by_threads"]
+    assert res["copy_bandwidth_GBps"] >= res["copy_bandwidth_GBps_by_threads"][str(res["torch_threads"])]
+    assert json.loads(json.dumps(res)) == res  # JSON-ready as returned
+
+
+def test_report_on_ci_small_is_consistent():
+    cfg = preset("ci-small")
+    threads = torch.get_num_threads()
+    res = bench(cfg, steps=2, naive_steps=1, repeats=2, copy_bytes=SMALL_COPY)
+    check_report(res)
+    assert torch.get_num_threads() == threads  # restored after probing
+    assert res["preset"] == "ci-small" and res["layers"] == res["preset_layers"] == cfg.num_layers
+    assert res["min_bytes_per_step"] == min_bytes_per_step(cfg)["total"]
+    text = format_bench(res)
+    assert f"{res['layers']} of {res['preset_layers']} GDN layers" in text
+    assert f"{res['bandwidth_ratio']:.3f} of copy bandwidth" in text
+
+
+def test_fewer_layers_of_the_deployment_preset():
+    res = bench(preset("qwen3.5-397b-tp16"), layers=1, steps=1, naive_steps=1, repeats=1,
+                copy_bytes=SMALL_COPY, threads=1)
+    check_report(res)
+    assert (res["layers"], res["preset_layers"], res["torch_threads"]) == (1, 45, 1)
+    assert list(res["probe_steps_per_s_by_threads"]) == ["1"]
+
+
+def test_min_bytes_counts_each_part_once():
+    # ci-small: 4 active requests, 2 layers, 4 value heads, K = V = 64, D = 4, bf16 states
+    # and conv, C = 2*64 + 4*64 = 384 channels, conv kernel 4.
+    parts = min_bytes_per_step(preset("ci-small"))
+    state = 4 * 64 * 64 * 2  # one request's state in one layer
+    assert parts["state_read"] == 4 * 2 * state
+    assert parts["intermediates_write"] == 4 * 2 * 4 * state
+    assert parts["commit_copy"] == 4 * 2 * 2 * state
+    assert parts["conv_inputs"] == 4 * 2 * (4 * 384 * 2 + 2 * 3 * 384 * 2)
+    assert parts["gating_inputs"] == 4 * 2 * 2 * 4 * 4 * 4
+    assert parts["outputs"] == 4 * 2 * 4 * 4 * 64 * 4
+    assert parts["params"] == 2 * (384 * 4 + 2 * 4) * 4
+    assert parts["total"] == sum(v for k, v in parts.items() if k != "total")
+    fp32 = min_bytes_per_step(preset("ci-small").with_profile("fp32"))
+    assert fp32["state_read"] == 2 * parts["state_read"]
+
+
+@pytest.mark.parametrize("field,kwargs", [("steps", {"steps": 0}), ("naive_steps", {"naive_steps": -1}),
+                                          ("layers", {"layers": 0}), ("threads", {"threads": 0})])
+def test_bad_arguments_name_the_field(field, kwargs):
+    with pytest.raises(ConfigError, match=f"bench {field}="):
+        bench(preset("ci-small"), **kwargs)
+
+
+def test_cli_json_and_usage_error(capsys):
+    rc = main(["bench", "--preset", "ci-small", "--bench-steps", "1", "--naive-steps", "1",
+               "--repeats", "1", "--threads", "1", "--json"])
+    assert rc == 0
+    check_report(json.loads(capsys.readouterr().out))
+    assert main(["bench", "--preset", "ci-small", "--bench-steps", "0"]) == 2
+
+
+class _Outputs:
+    """Observer keeping the last step's outputs and tracked steps."""
+
+    def on_start(self, sim):
+        pass
+
+    def on_step(self, view):
+        self.out, self.track = view.out.clone(), view.track.copy()
+
+    def flush(self):
+        pass
+
+    def on_end(self):
+        pass
+
+
+def test_naive_step_does_the_vectorised_step():
+    """From identical pools, one naive step leaves the pool as the simulator's step does."""
+    cfg = preset("ci-small")
+    obs = _Outputs()
+    vec = Simulation(cfg, observers=[obs], check_untouched=False)
+    nai = Simulation(cfg, check_untouched=False)
+    vec.run(steps=1)
+    nai.run(steps=1)  # both at step 1, where rows 1 and 2 cross a track boundary
+    vec.run(steps=1)
+    out = naive_step(nai, nai.stream.chunk(1), 0)
+    assert (obs.track >= 0).any(), "the compared step must exercise the tracking path"
+    # Conv windows, rollback and tracked conv copies are pure copies: bit-identical.
+    assert torch.equal(vec.pool.conv.view(torch.int16), nai.pool.conv.view(torch.int16))
+    a, b = vec.pool.temporal.float(), nai.pool.temporal.float()
+    both_nan = a.isnan() & b.isnan()  # the dummy slot
+    assert torch.equal(a.isnan(), b.isnan())
+    # Both verify in float32 from the same bf16 state (summation order, rsqrt vs sqrt and the
+    # gating's float64 differ at ~K * 2^-24 relative), then round to bf16: a stored value
+    # differs by at most one bf16 ulp (<= 2^-7 |x|), and only for values that land within
+    # that float32 noise of a rounding boundary (a ~1e-4 fraction; 1% allowed).
+    diff = (a - b).abs()[~both_nan]
+    scale = torch.maximum(a.abs(), b.abs())[~both_nan]
+    assert (diff <= 2.0**-7 * scale).all(), float((diff / scale.clamp_min(1e-30)).max())
+    assert (diff > 0).float().mean() < 0.01
+    R = cfg.num_requests  # padded rows read the NaN dummy slot: outputs meaningless
+    o_vec, o_nai = obs.out[:, :R], out[:, :R]
+    # Outputs of the same float32 recurrence from the same state: float32 noise of 128-term
+    # dot products (~128 * 2^-24 ~ 1e-5 of the output scale).
+    assert torch.allclose(o_vec, o_nai, rtol=0, atol=1e-5 * float(o_vec.abs().max()))
