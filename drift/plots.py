@@ -108,3 +108,18 @@ def nightly_plots(report: dict, out: Path) -> list[Path]:
     save(_heads_figure(plt, modes, "store rounding: round to nearest vs stochastic vs fp32 state", False),
          "rounding_modes.png")
     return written
+
+
+def run_plot(report: dict, out: Path) -> Optional[Path]:
+    """drift_vs_step.png for one ``drift run`` report (None when it has no drift curves)."""
+    if _curves(report, "rel_err") is None:
+        return None
+    plt = _plt()
+    cfg = report["config"]
+    fig = _heads_figure(plt, [(f"{cfg['name']} seed {cfg['seed']}", report, {"color": COLORS[0]})],
+                        f"drift vs step with the bound envelope ({report['run']['update']}, "
+                        f"{cfg['ssm_dtype']} state, {cfg['store_rounding']} store)", True)
+    path = out / "drift_vs_step.png"
+    fig.savefig(path, dpi=110, metadata=METADATA)
+    plt.close(fig)
+    return path

@@ -78,43 +78,52 @@ def summary_markdown(rep) -> str:
 
 
 def write_report(rep, directory: str | Path) -> list[Path]:
-    """Write report.json and report.md under ``directory`` (atomically); returns the paths."""
+    """Write report.json, report.md and drift_vs_step.png under ``directory`` (atomically)."""
+    from .plots import run_plot
+
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "report.json", out / "report.md"]
-    atomic_write_json(paths[0], rep.to_dict())
-    atomic_write_text(paths[1], summary_markdown(rep))
-    return paths
+    data = rep.to_dict()
+    atomic_write_json(paths[0], data)
+    plot = run_plot(data, out)
+    md = summary_markdown(rep) + ("\n![drift vs step](drift_vs_step.png)\n" if plot else "")
+    atomic_write_text(paths[1], md)
+    return paths + ([plot] if plot else [])
+
+
+class _Lines:
+    """A file for tqdm in logs: each refresh becomes its own line instead of a carriage return."""
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        text = text.replace("\r", "").strip()
+        if text:
+            self.stream.write(text + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
 
 
 def progress_printer(label: str, stream: TextIO = sys.stderr) -> Callable[[int, int], None]:
-    """A progress callback: a tqdm bar on a terminal, plain periodic lines otherwise (CI logs)."""
-    if stream.isatty():
-        from tqdm import tqdm
+    """A progress callback (rate and ETA from tqdm): a live bar on a terminal, a plain line at
+    most every 10 s otherwise (CI logs)."""
+    from tqdm import tqdm
 
-        bar = tqdm(total=None, desc=label, unit="step", file=stream, dynamic_ncols=True)
+    tty = stream.isatty()
+    bars: list = []
 
-        def update(done: int, total: int) -> None:
-            if bar.total != total:
-                bar.total = total
-            bar.update(done - bar.n)
-            if done >= total:
-                bar.close()
-        return update
-
-    t0 = time.perf_counter()
-    state = {"next": 0.0}
-
-    def plain(done: int, total: int) -> None:
-        now = time.perf_counter() - t0
-        if done < total and now < state["next"]:
-            return
-        state["next"] = now + 10.0  # a line every 10 s at most
-        rate = done / now if now > 0 else 0.0
-        eta = (total - done) / rate if rate > 0 else float("nan")
-        print(f"{label}: step {done}/{total} ({100 * done / total:.0f}%), {rate:.1f} steps/s, "
-              f"ETA {eta:.0f} s", file=stream, flush=True)
-    return plain
+    def update(done: int, total: int) -> None:
+        if not bars:
+            bars.append(tqdm(total=total, desc=label, unit="step", file=stream if tty else _Lines(stream),
+                             dynamic_ncols=tty, ascii=not tty, mininterval=0.1 if tty else 10.0))
+        bar = bars[0]
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.close()
+    return update
 
 
 # ---------------------------------------------------------------------- nightly

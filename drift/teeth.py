@@ -97,22 +97,27 @@ def tradeoff_markdown(rows: Sequence[dict], cfg: Config) -> str:
     return "\n".join(lines)
 
 
-def _config(args) -> Config:
-    return preset(args.preset, steps=args.steps or TEETH_STEPS)
-
-
-def tradeoff_main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="drift tradeoff", description="Both-directions trade-off of the built-ins.")
+def _parse(prog: str, description: str, argv, extra=None):
+    """(args, config) from the common options; config None after printing a config error."""
+    ap = argparse.ArgumentParser(prog=prog, description=description)
     ap.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS))
     ap.add_argument("--steps", type=int, help=f"decode steps (default {TEETH_STEPS})")
+    if extra:
+        extra(ap)
     fmt = ap.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="a JSON list of objects")
     fmt.add_argument("--markdown", action="store_true", help="the Markdown table (the default output)")
     args = ap.parse_args(argv)
     try:
-        cfg = _config(args)
+        return args, preset(args.preset, steps=args.steps or TEETH_STEPS)
     except ConfigError as exc:
-        print(f"drift tradeoff: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return args, None
+
+
+def tradeoff_main(argv: Optional[Sequence[str]] = None) -> int:
+    args, cfg = _parse("drift tradeoff", "Both-directions trade-off of the built-ins.", argv)
+    if cfg is None:
         return 2
     rows = tradeoff(cfg)
     print(json.dumps(rows, indent=2) if args.json else tradeoff_markdown(rows, cfg))
@@ -120,18 +125,10 @@ def tradeoff_main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def mutants_main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="drift mutants", description="Mutation score of the PR-gating checks.")
-    ap.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS))
-    ap.add_argument("--steps", type=int, help=f"decode steps (default {TEETH_STEPS})")
-    ap.add_argument("--mutant", action="append", choices=sorted(MUTANTS), help="only these (repeatable)")
-    fmt = ap.add_mutually_exclusive_group()
-    fmt.add_argument("--json", action="store_true")
-    fmt.add_argument("--markdown", action="store_true", help="the Markdown table (the default output)")
-    args = ap.parse_args(argv)
-    try:
-        cfg = _config(args)
-    except ConfigError as exc:
-        print(f"drift mutants: error: {exc}", file=sys.stderr)
+    args, cfg = _parse("drift mutants", "Mutation score of the PR-gating checks.", argv,
+                       lambda ap: ap.add_argument("--mutant", action="append", choices=sorted(MUTANTS),
+                                                  help="only these (repeatable)"))
+    if cfg is None:
         return 2
     rows = catalogue(cfg, args.mutant)
     print(json.dumps(rows, indent=2) if args.json else mutants_markdown(rows, cfg))

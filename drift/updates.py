@@ -34,34 +34,10 @@ def _common(self, last_correct_step_indices):
     return dst, src, last, caches.conv[0], caches.temporal, caches.intermediate_ssm
 
 
-def guarded(self, last_correct_step_indices, mamba_track_indices, mamba_steps_to_track, model=None):
-    """sglang #31659: precision guard with ``.item()``; boolean-mask tracking."""
-    k = sgl_kernels()
-    dst, src, last, conv, ssm, inter = _common(self, last_correct_step_indices)
-    all_step0 = (last == 0).all().item()  # host-device sync on every decode step
-    if not all_step0:
-        k.move_intermediate_cache(ssm, inter, dst, src, last)
-    D = inter.shape[2]
-    if mamba_track_indices is not None:
-        track = mamba_track_indices.to(torch.int64)
-        steps = mamba_steps_to_track.to(torch.int64)
-        k.move_intermediate_cache(ssm, inter, track, src, steps)
-        mask = steps >= 0
-        track_sel = track[mask]  # boolean-mask indexing: a sync
-        if track_sel.numel() > 0:
-            conv[:, track_sel] = conv[:, dst[mask]]
-    if dst.numel() > 0:
-        k.conv_state_rollback(conv, dst, last, D)
-    if mamba_track_indices is not None and mamba_track_indices.numel() > 0:
-        k.conv_state_rollback(conv, mamba_track_indices.to(torch.int64),
-                              mamba_steps_to_track.to(torch.int64), D)
-
-
-def sync_free(self, last_correct_step_indices, mamba_track_indices, mamba_steps_to_track, model=None):
-    """sglang #32130: guard removed; tracking still selects rows with a boolean mask."""
-    k = sgl_kernels()
-    dst, src, last, conv, ssm, inter = _common(self, last_correct_step_indices)
-    k.move_intermediate_cache(ssm, inter, dst, src, last)
+def _masked_tracking_and_rollback(k, conv, ssm, inter, dst, src, last, mamba_track_indices,
+                                  mamba_steps_to_track):
+    """Tracking and conv rollback as in sglang #31659 and #32130: the tracked rows are selected
+    with a boolean mask (indexing by a mask is a nonzero: a sync on every step with tracking on)."""
     D = inter.shape[2]
     if mamba_track_indices is not None:
         track = mamba_track_indices.to(torch.int64)
@@ -77,6 +53,26 @@ def sync_free(self, last_correct_step_indices, mamba_track_indices, mamba_steps_
     if mamba_track_indices is not None and mamba_track_indices.numel() > 0:
         k.conv_state_rollback(conv, mamba_track_indices.to(torch.int64),
                               mamba_steps_to_track.to(torch.int64), D)
+
+
+def guarded(self, last_correct_step_indices, mamba_track_indices, mamba_steps_to_track, model=None):
+    """sglang #31659: precision guard with ``.item()``; boolean-mask tracking."""
+    k = sgl_kernels()
+    dst, src, last, conv, ssm, inter = _common(self, last_correct_step_indices)
+    all_step0 = (last == 0).all().item()  # host-device sync on every decode step
+    if not all_step0:
+        k.move_intermediate_cache(ssm, inter, dst, src, last)
+    _masked_tracking_and_rollback(k, conv, ssm, inter, dst, src, last, mamba_track_indices,
+                                  mamba_steps_to_track)
+
+
+def sync_free(self, last_correct_step_indices, mamba_track_indices, mamba_steps_to_track, model=None):
+    """sglang #32130: guard removed; tracking still selects rows with a boolean mask."""
+    k = sgl_kernels()
+    dst, src, last, conv, ssm, inter = _common(self, last_correct_step_indices)
+    k.move_intermediate_cache(ssm, inter, dst, src, last)
+    _masked_tracking_and_rollback(k, conv, ssm, inter, dst, src, last, mamba_track_indices,
+                                  mamba_steps_to_track)
 
 
 def device_select(self, last_correct_step_indices, mamba_track_indices, mamba_steps_to_track,

@@ -64,6 +64,8 @@ def test_report_of_a_passing_run(tmp_path):
     assert main(RUN + ["--update", "device_select", "--report", str(tmp_path)]) == EXIT_PASS
     rep = json.loads((tmp_path / "report.json").read_text())
     assert rep["verdict"] == "pass" and all(c["passed"] for c in rep["checks"])
+    assert (tmp_path / "drift_vs_step.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "drift_vs_step.png" in (tmp_path / "report.md").read_text()
 
 
 @pytest.mark.parametrize("args, words", [

@@ -320,8 +320,8 @@ def _lines(fn, needle: str) -> set[int]:
 
 
 ITEM_LINE = _lines(updates.guarded, ".item()")
-GUARDED_MASK = _lines(updates.guarded, "[mask]")
-SYNC_FREE_MASK = _lines(updates.sync_free, "[mask]")
+# guarded and sync_free share the boolean-mask tracking path of their SGLang versions.
+GUARDED_MASK = SYNC_FREE_MASK = _lines(updates._masked_tracking_and_rollback, "[mask]")
 
 
 def _in_updates(ev) -> bool:
