@@ -184,12 +184,14 @@ def _hash32(idx: torch.Tensor, key: int) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
-def store_state(dst: torch.Tensor, h: torch.Tensor, rounding: str = "rne", key: int = 0) -> None:
+def store_state(dst: torch.Tensor, h: torch.Tensor, rounding: str = "rne", key: int = 0,
+                offset: int = 0) -> None:
     """Store float32 ``h`` into ``dst`` (its dtype, any strides) with the given rounding.
 
     ``rne``: round to nearest even (a plain cast). ``truncate``: toward zero (bf16 only).
     ``stochastic``: up with probability equal to the dropped fraction (bf16 only), the
-    random bits a hash of (element index, key), so the result is device independent.
+    random bits a hash of (element index + ``offset``, key): device independent, and
+    independent of how a caller chunks a larger tensor when it passes each chunk's offset.
     """
     if rounding == "rne" or dst.dtype == torch.float32 and h.dtype == torch.float32:
         dst.copy_(h)
@@ -200,7 +202,7 @@ def store_state(dst: torch.Tensor, h: torch.Tensor, rounding: str = "rne", key: 
     if rounding == "truncate":
         dst.copy_(bits.bitwise_and(_MASK_HI16).view(torch.float32))
     elif rounding == "stochastic":
-        idx = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64).view(bits.shape)
+        idx = torch.arange(offset, offset + bits.numel(), device=bits.device, dtype=torch.int64).view(bits.shape)
         noise = (_hash32(idx, key) & 0xFFFF).to(torch.int32)
         # Adding to the magnitude bits then truncating rounds |h| up with probability
         # (dropped bits) / 2^16, for either sign (sign-magnitude encoding).
@@ -209,12 +211,13 @@ def store_state(dst: torch.Tensor, h: torch.Tensor, rounding: str = "rne", key: 
         raise ValueError(f"store rounding {rounding!r} is not known; allowed: rne, stochastic, truncate")
 
 
-def round_to(h: torch.Tensor, dtype: torch.dtype, rounding: str = "rne", key: int = 0) -> torch.Tensor:
+def round_to(h: torch.Tensor, dtype: torch.dtype, rounding: str = "rne", key: int = 0,
+             offset: int = 0) -> torch.Tensor:
     """``h`` rounded to ``dtype`` and back to h's dtype (a store followed by a reload)."""
     if dtype == h.dtype:
         return h
     tmp = torch.empty(h.shape, dtype=dtype, device=h.device)
-    store_state(tmp, h, rounding, key)
+    store_state(tmp, h, rounding, key, offset)
     return tmp.to(h.dtype)
 
 
@@ -270,7 +273,7 @@ def gdn_verify(state_kv: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: 
             _gdn_token(h, qt[t, l0:l1].view(B, K), kt[t, l0:l1].view(B, K), vt[t, l0:l1].view(B, V),
                        dect[t, l0:l1].view(B), bt[t, l0:l1].view(B), out[t, l0:l1].view(B, V))
             store_state(inter_kv[l0:l1, :, t], h.view(l1 - l0, N, HV, K, V), rounding,
-                        key * 1_000_003 + t * 4099 + l0)
+                        key * 1_000_003 + t * 4099, offset=l0 * N * HV * K * V)
     return out.permute(1, 2, 0, 3, 4).contiguous()
 
 
@@ -325,7 +328,7 @@ def gdn_decode(state_kv: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: 
                        bt[l0:l1, :, t].reshape(B), o_t)
             out[l0:l1, :, t] = o_t.view(l1 - l0, N, HV, V)
             if sdt != cd:
-                h.copy_(round_to(h, sdt, rounding, key * 1_000_003 + t * 4099 + l0))
+                h.copy_(round_to(h, sdt, rounding, key * 1_000_003 + t * 4099, offset=l0 * N * HV * K * V))
             if norms_out is not None:
                 norms_out[l0:l1, :, t] = h.square().sum((-1, -2)).view(l1 - l0, N, HV).to(norms_out.dtype)
             for mask, cap_out in cap_masks.get(t, ()):

@@ -512,3 +512,24 @@ def test_move_intermediate_cache_rejects_bad_shapes():
                                         torch.tensor([0]))
     with pytest.raises(ValueError, match="expects"):
         kernels.move_intermediate_cache(ssm[0], inter, torch.tensor([1]), torch.tensor([0]), torch.tensor([0]))
+
+
+def test_stochastic_rounding_does_not_depend_on_kernel_chunking(monkeypatch):
+    """The random bits hash the element's global index: a performance setting (how many layers
+    a kernel call processes at once) must not change which way a value rounds."""
+    from drift import kernels as kmod
+    from drift.config import preset
+    from drift.simulate import Simulation
+
+    def final_bits(chunk_bytes):
+        monkeypatch.setattr(kmod, "STATE_CHUNK_BYTES", chunk_bytes)
+        sim = Simulation(preset("ci-small", store_rounding="stochastic"), "device_select", check_untouched=False)
+        sim.run(8)
+        return sim.pool.temporal.clone().view(torch.int16)
+
+    whole, per_layer = final_bits(4 << 20), final_bits(1)  # 1 byte: one layer per chunk
+    assert torch.equal(whole, per_layer)
+    # Negative control: a different step key does change the rounding.
+    a = torch.full((4096,), 1.0 + 2.0**-10)
+    assert not torch.equal(kmod.round_to(a, torch.bfloat16, "stochastic", key=1),
+                           kmod.round_to(a, torch.bfloat16, "stochastic", key=2))
