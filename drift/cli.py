@@ -99,7 +99,10 @@ def _batch_list(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="drift", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="drift", description="Precision-drift and host-sync regression suite "
+                                 "for the MTP state update of hybrid linear-attention models.",
+                                 epilog="Exit codes: 0 every check passed, 1 a check failed, 2 usage, config, "
+                                        "golden, load or device error.")
     sub = ap.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="simulate MTP decode through an update and check it (the main job)")
