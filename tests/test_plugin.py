@@ -20,9 +20,22 @@ from drift.verify_kernels import load_kernel, npu_op_adapter
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 METHOD = "AscendHybridLinearAttnBackend.update_mamba_state_after_mtp_verify"
 GOOD = f"{FIXTURES / 'ascend_backend.py'}:{METHOD}"
-BROKEN = f"{FIXTURES / 'ascend_backend_broken.py'}:{METHOD}"
 FAKE_OP = f"npu-op:{FIXTURES / 'fake_npu_op.py'}:recurrent_gated_delta_rule"
 BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def broken(tmp_path_factory):
+    """A copy of the good fixture broken the way a refactor might: the working slot's conv
+    window is rolled back before it is copied into the track slot."""
+    src = (FIXTURES / "ascend_backend.py").read_text()
+    rollback = "        conv_state_rollback(conv_states, dst, last_steps, draft_token_num)\n"
+    anchor = "        draft_token_num = intermediate.shape[2]\n"
+    assert src.count(rollback) == 1 and src.count(anchor) == 1
+    bad = src.replace(rollback, "").replace(anchor, anchor + rollback)
+    path = tmp_path_factory.mktemp("broken") / "ascend_backend_broken.py"
+    path.write_text(bad)
+    return f"{path}:{METHOD}"
 
 
 def by_name(rep):
@@ -35,8 +48,8 @@ def test_sglang_style_method_passes_every_check():
     assert by_name(rep)["host syncs"].passed and by_name(rep)["golden"].verdict == "PASS"
 
 
-def test_broken_copy_of_it_fails_tracked_snapshots():
-    rep = run_checked(preset("ci-small"), BROKEN, steps=256)
+def test_broken_copy_of_it_fails_tracked_snapshots(broken):
+    rep = run_checked(preset("ci-small"), broken, steps=256)
     checks = by_name(rep)
     assert not checks["tracked snapshots"].passed
     assert "conv window" in checks["tracked snapshots"].detail
@@ -49,12 +62,12 @@ def _pytest(*args, cwd):
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=1200)
 
 
-def test_engine_ci_runs_the_gate_with_its_own_update(tmp_path):
+def test_engine_ci_runs_the_gate_with_its_own_update(tmp_path, broken):
     """What an engine's CI does: pytest --pyargs drift from its own repository."""
     ok = _pytest("--pyargs", "drift", "--drift-update", GOOD, "--drift-steps", "256", cwd=tmp_path)
     assert ok.returncode == 0, ok.stdout[-3000:]
     assert "3 passed" in ok.stdout and "skipped" in ok.stdout  # precision + 2 sync tests; cuda/npu skip
-    bad = _pytest("--pyargs", "drift", "--drift-update", BROKEN, "--drift-steps", "256",
+    bad = _pytest("--pyargs", "drift", "--drift-update", broken, "--drift-steps", "256",
                   "-k", "precision", cwd=tmp_path)
     assert bad.returncode == 1 and "tracked snapshots" in bad.stdout
 
