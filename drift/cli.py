@@ -15,6 +15,7 @@ from .config import DEFAULT_PRESET, PATTERNS, PRESETS, PROFILES, ROUNDINGS, Conf
 from .devices import DeviceUnavailable, resolve_device
 from .golden import GoldenError
 from .loader import LoadError
+from .simulate import UpdateRaised
 from .costmodel import BATCH_SIZES, DEFAULT_STEPS
 from .updates import BUILTINS, DEFAULT_UPDATE
 
@@ -177,6 +178,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ConfigError, LoadError, DeviceUnavailable, GoldenError) as exc:
         print(f"drift: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except UpdateRaised as exc:
+        print(f"drift: FAIL: {exc}", file=sys.stderr)
+        return EXIT_FAIL
 
 
 if __name__ == "__main__":  # pragma: no cover

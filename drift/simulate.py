@@ -36,6 +36,10 @@ MODES = ("mtp", "sequential")
 VerifyKernel = Callable[..., torch.Tensor]  # the signature of drift.kernels.gdn_verify
 
 
+class UpdateRaised(RuntimeError):
+    """The update under test raised an exception (reported as a failed run, not a crash)."""
+
+
 class StopRun(Exception):
     """Raised by an observer to end the run early (a fatal finding such as NaN)."""
 
@@ -317,7 +321,11 @@ class Simulation:
                 self.guard.before()
             track_idx = pool.row_track_slots if cfg.track_interval > 0 else None
             track_steps = trk if cfg.track_interval > 0 else None
-            self.update(self.harness, last, track_idx, track_steps)
+            try:
+                self.update(self.harness, last, track_idx, track_steps)
+            except Exception as exc:
+                raise UpdateRaised(f"the update under test ({self.update.spec}) raised {exc!r} at decode "
+                                   f"step {self.step}") from exc
             if self.guard is not None:
                 self.guard.after(s, touched[s])
         else:

@@ -89,3 +89,11 @@ def test_bad_arguments_exit_2(capsys):
         with pytest.raises(SystemExit) as exc:
             main(args)
         assert exc.value.code == EXIT_USAGE
+
+
+def test_an_update_that_raises_fails_the_run_with_its_message(tmp_path, capsys):
+    plugin = tmp_path / "raises.py"
+    plugin.write_text("def update(self, last, track, steps):\n    raise ValueError('boom')\n")
+    assert main(RUN + ["--update", f"{plugin}:update"]) == EXIT_FAIL
+    err = capsys.readouterr().err
+    assert "raised ValueError('boom') at decode step 0" in err
