@@ -33,7 +33,7 @@ from .config import PRESETS, Config, ConfigError, preset
 from .devices import DeviceUnavailable, resolve_device
 from .fileio import atomic_write_json
 from .loader import LoadError
-from .simulate import Simulation
+from .simulate import Simulation, UpdateRaised
 
 STORE_MODES = ("rne", "stochastic", "fp32", "sequential")
 DEFAULT_PRESETS = ("qwen3.5-397b-tp16",)
@@ -296,6 +296,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except (ConfigError, LoadError) as exc:
             print(f"drift nightly: error in {e.key}: {exc}", file=sys.stderr)
             return 2
+        except UpdateRaised as exc:
+            print(f"drift nightly: FAIL in {e.key}: {exc}", file=sys.stderr)
+            return 1
         results[e.key], timings[e.key] = res, secs
         atomic_write_json(done_file, {"result": res, "seconds": secs})
         print(f"{e.key}: {res['verdict'].upper()}", file=sys.stderr)
