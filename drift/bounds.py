@@ -25,14 +25,13 @@ a correct implementation with a stated margin.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import numpy as np
 
-from .checks import Check, CheckResult, locate
+from .checks import Check, CheckResult
 from .compare import MetricsChunk
-from .metrics import DriftCurves, growth_exponent, norm_floor, rel_err, ulp_err
+from .metrics import DriftCurves, growth_exponent, rel_err, ulp_err
 
 # Variance of one store rounding in units of ulp^2: uniform error on [-ulp/2, ulp/2] for
 # round-to-nearest (1/12); p(1-p) ulp^2 with p uniform for stochastic rounding (1/6).

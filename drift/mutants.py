@@ -10,7 +10,6 @@ spec is accepted.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Callable, Optional
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import sys
-import time
 from pathlib import Path
 from typing import Callable, Optional, TextIO
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import platform
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -113,7 +112,7 @@ class SnapshotCatcher:
     def on_step(self, view) -> None:
         if view.step < self.after:
             return
-        sim, twin, pool, cfg = self.sim, self.comparison.twin, self.sim.pool, self.sim.cfg
+        twin, pool, cfg = self.comparison.twin, self.sim.pool, self.sim.cfg
         Km1 = cfg.conv_kernel - 1
         for r in np.nonzero(view.track >= 0)[0]:
             if int(r) in self.rows:

@@ -14,7 +14,6 @@ pasted into docs/bounds.md.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from drift.cli import main
 from drift.config import preset

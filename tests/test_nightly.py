@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import signal
 import subprocess
 import sys

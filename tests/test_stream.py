@@ -181,7 +181,7 @@ def test_input_stream_is_independent_of_chunking():
 def test_verify_windows_are_true_tokens_then_perturbed_drafts():
     cfg = small_cfg()
     s = InputStream(cfg, CPU)
-    R, D, N = cfg.num_requests, cfg.num_draft_tokens, cfg.num_rows
+    R, D = cfg.num_requests, cfg.num_draft_tokens
     pos0 = s.pos.copy()
     ch = s.chunk(40)
     tok = TrueTokens(cfg)
