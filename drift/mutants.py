@@ -17,6 +17,7 @@ import torch
 
 from . import kernels
 from .loader import sgl_kernels
+from .updates import guarded
 
 BF16 = torch.bfloat16
 
@@ -158,7 +159,7 @@ def _kernel_padded_alias(state_kv, slots, q, k, v, g, beta, inter_kv, rounding="
 _TRACK = {"track_interval": 16}
 MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("item_guard", "sync", "update", "precision guard (last_steps == 0).all().item() skips the commit",
-           "sglang #31659", None),  # filled below with the built-in
+           "sglang #31659", guarded),
     Mutant("any_branch", "sync", "update", "commit only `if bool((last >= 0).any())`", "", _update(_commit_any_branch)),
     Mutant("mask_slots", "sync", "update", "select committed rows with a boolean mask (dst[last >= 0])",
            "sglang #32130 tracking path", _update(_commit_mask_slots)),
@@ -185,16 +186,6 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("padded_alias_row0", "semantics", "kernel", "padded graph rows alias request 0's scratch slot",
            "sglang #26906 / #27202", _kernel_padded_alias),
 ]}
-
-
-def _fill_builtin() -> None:
-    from .updates import guarded
-
-    m = MUTANTS["item_guard"]
-    MUTANTS["item_guard"] = Mutant(m.name, m.direction, m.kind, m.description, m.thread, guarded)
-
-
-_fill_builtin()
 
 
 def get(name: str) -> Mutant:

@@ -26,14 +26,12 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from . import checkpoint
-from .bounds import BoundCheck, GrowthCheck
-from .checks import CheckResult, core_checks, untouched_result
-from .compare import Comparison
 from .config import PRESETS, Config, ConfigError, preset
 from .devices import DeviceUnavailable, resolve_device
 from .fileio import atomic_write_json
 from .loader import LoadError
-from .simulate import Simulation, UpdateRaised
+from .runner import CheckedRun
+from .simulate import UpdateRaised
 
 STORE_MODES = ("rne", "stochastic", "fp32", "sequential")
 DEFAULT_PRESETS = ("qwen3.5-397b-tp16",)
@@ -126,42 +124,29 @@ def run_entry(entry: Entry, device: str, ckpt_dir: Optional[Path] = None,
     """Run one entry (resuming from its checkpoint when asked); returns (result, seconds)."""
     cfg = entry.config(device)
     mode = "sequential" if entry.mode == "sequential" else "mtp"
-    bound = BoundCheck()
-    checks = core_checks() + [bound]
-    comparison = Comparison(checks)
-    sim = Simulation(cfg, None if mode == "sequential" else entry.impl, mode=mode, observers=[comparison])
+    run = CheckedRun(cfg, None if mode == "sequential" else entry.impl, mode)
     path = ckpt_dir / f"{entry.key}.pt" if ckpt_dir is not None else None
     state = checkpoint.load(path) if (resume and path is not None and path.exists()) else None
     if state is not None and state.get("entry") != entry.key:
         raise RuntimeError(f"checkpoint {path} belongs to {state.get('entry')!r}, not {entry.key!r}; delete it")
-
     prior = float(state.get("elapsed", 0.0)) if state else 0.0
     t0 = time.perf_counter()
 
     def save(done: int, snapshot: dict) -> None:
         checkpoint.save(path, {"entry": entry.key, "elapsed": prior + time.perf_counter() - t0, **snapshot})
 
-    info = sim.run(progress=progress, resume_state=state, checkpoint=save if path is not None else None,
+    info = run.run(progress=progress, resume_state=state, checkpoint=save if path is not None else None,
                    checkpoint_every=every)
     seconds = prior + time.perf_counter() - t0
-    results = [c.result() for c in checks] + [GrowthCheck(bound).result()]
-    syncs = None
-    if mode == "mtp":
-        from .syncs import sync_check
-
-        results.append(untouched_result(info.untouched_violation, info.steps))
-        sc = sync_check(cfg, sim.update)
-        results.append(sc)
-        syncs = sc.worst
-    if info.stopped_early:
-        results.append(CheckResult("run completed", False, None, None, "", f"stopped early: {info.stopped_early}"))
+    results = run.results(info)
+    syncs = next((r.worst for r in results if r.name == "host syncs"), None)
     full = preset(entry.preset)
     cut = (f"{full.num_layers} -> {cfg.num_layers} GDN layers on {device}" if cfg.num_layers < full.num_layers else "")
     gated = [r for r in results if r.extra.get("kind") != "info" and r.applicable]
     return {
         "entry": asdict(entry), "key": entry.key, "config": cfg.to_dict(), "cut": cut,
         "verdict": "pass" if all(r.passed for r in gated) else "fail",
-        "steps": info.steps, "reference": comparison.reference_description(),
+        "steps": info.steps, "reference": run.comparison.reference_description(),
         "syncs_per_step": syncs, "checks": [r.to_dict() for r in results],
     }, seconds
 

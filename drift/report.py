@@ -141,7 +141,7 @@ def nightly_markdown(rep: dict) -> str:
     lines = [f"# drift nightly: {rep['verdict'].upper()}", ""]
     cuts = sorted({e["cut"] for e in entries.values() if e.get("cut")})
     lines += [f"- {len(entries)} entries; device {rep.get('device', '?')}; shard {rep.get('shard', '1/1')}",
-              f"- versions: " + ", ".join(f"{k} {v}" for k, v in (rep.get("versions") or {}).items())]
+              "- versions: " + ", ".join(f"{k} {v}" for k, v in (rep.get("versions") or {}).items())]
     lines += [f"- cut to fit the night: {c}" for c in cuts]
     lines += ["", "## Verdict per implementation and mode", ""]
     rows = []

@@ -54,44 +54,70 @@ def versions() -> dict:
             "python": platform.python_version()}
 
 
+class CheckedRun:
+    """A simulation wired to its checks: the float64 twin (golden-validated), the semantic
+    checks, the drift bound and growth exponent (unless ``checks`` replaces them), optional
+    MTP-vs-sequential shadow. ``run`` then ``results`` / ``report``.
+
+    golden: as for :class:`Comparison`. vs_sequential: also run the stream through sequential
+    decode in lockstep and report the divergence. start / env2_start: resume every row from a
+    :class:`ResumePoint` with the bound envelope it carries there.
+    """
+
+    def __init__(self, cfg: Config, update="sync_free", mode: str = "mtp",
+                 checks: Optional[Sequence[Check]] = None, verify_kernel=None, golden=None,
+                 vs_sequential: bool = False, start: Optional[ResumePoint] = None,
+                 env2_start: Optional[np.ndarray] = None, observers: Sequence = ()):
+        self.cfg, self.mode = cfg, mode
+        self.bound: Optional[BoundCheck] = None
+        self.post = []
+        if checks is None:
+            self.bound = BoundCheck(initial_env2=env2_start)
+            checks = core_checks() + [self.bound]
+            self.post = [GrowthCheck(self.bound)]
+        self.checks = list(checks)
+        self.comparison = Comparison(self.checks, golden=golden)
+        self.shadows = [SequentialShadow()] if vs_sequential else []
+        self.sim = Simulation(cfg, update, mode=mode, observers=[self.comparison, *self.shadows, *observers],
+                              verify_kernel=verify_kernel, start=start)
+
+    def run(self, steps: Optional[int] = None, **kwargs) -> RunInfo:
+        """``Simulation.run`` (progress, resume_state, checkpoint, checkpoint_every pass through)."""
+        info = self.sim.run(steps, **kwargs)
+        if self.sim.update is not None:
+            info.meta["update_spec"] = self.sim.update.spec
+            info.meta["update_source"] = self.sim.update.source
+        return info
+
+    def results(self, info: RunInfo, sync_scan: bool = True) -> list[CheckResult]:
+        """One result per check; in MTP mode also the slot guard and (sync_scan) the host-sync scan."""
+        results = ([c.result() for c in self.checks] + [p.result() for p in self.post]
+                   + [s.result() for s in self.shadows])
+        if self.mode == "mtp":
+            results.append(untouched_result(info.untouched_violation, info.steps))
+            if sync_scan:
+                from .syncs import sync_check
+
+                results.append(sync_check(self.cfg, self.sim.update))
+        if info.stopped_early:
+            results.append(CheckResult("run completed", False, None, None, "", f"stopped early: {info.stopped_early}"))
+        return results
+
+    def report(self, info: RunInfo, sync_scan: bool = True) -> RunReport:
+        return RunReport(self.cfg, info, self.results(info, sync_scan), self.comparison.reference_description())
+
+
 def run_checked(cfg: Config, update="sync_free", mode: str = "mtp", steps: Optional[int] = None,
                 checks: Optional[Sequence[Check]] = None,
                 progress: Optional[Callable[[int, int], None]] = None,
                 verify_kernel=None, golden=None, vs_sequential: bool = False,
                 start: Optional[ResumePoint] = None, env2_start: Optional[np.ndarray] = None,
                 observers: Sequence = (), sync_scan: bool = True) -> RunReport:
-    """Run ``cfg`` through ``update`` and apply ``checks`` (default: the semantic checks, the
-    drift bound and the growth exponent).
-
-    golden: as for :class:`Comparison`. vs_sequential: also run the stream through
-    sequential decode in lockstep and report the divergence. start / env2_start: resume
-    every row from a :class:`ResumePoint` with the bound envelope it carries there.
-    sync_scan: also run the update on the virtual accelerator and fail on any host sync.
-    """
-    post = []
-    if checks is None:
-        bound = BoundCheck(initial_env2=env2_start)
-        checks = core_checks() + [bound]
-        post = [GrowthCheck(bound)]
-    checks = list(checks)
-    comparison = Comparison(checks, golden=golden)
-    shadows = [SequentialShadow()] if vs_sequential else []
-    sim = Simulation(cfg, update, mode=mode, observers=[comparison, *shadows, *observers],
-                     verify_kernel=verify_kernel, start=start)
-    info = sim.run(steps, progress=progress)
-    if sim.update is not None:
-        info.meta["update_spec"] = sim.update.spec
-        info.meta["update_source"] = sim.update.source
-    results = [c.result() for c in checks] + [p.result() for p in post] + [s.result() for s in shadows]
-    if mode == "mtp":
-        results.append(untouched_result(info.untouched_violation, info.steps))
-        if sync_scan:
-            from .syncs import sync_check
-
-            results.append(sync_check(cfg, sim.update))
-    if info.stopped_early:
-        results.append(CheckResult("run completed", False, None, None, "", f"stopped early: {info.stopped_early}"))
-    return RunReport(cfg, info, results, comparison.reference_description())
+    """Run ``cfg`` through ``update`` under every check (see :class:`CheckedRun`) and report.
+    sync_scan: also run the update on the virtual accelerator and fail on any host sync."""
+    run = CheckedRun(cfg, update, mode, checks, verify_kernel, golden, vs_sequential, start, env2_start,
+                     observers)
+    return run.report(run.run(steps, progress=progress), sync_scan)
 
 
 class SnapshotCatcher:
@@ -167,13 +193,10 @@ def capture_snapshots(cfg: Config, update="sync_free", after_step: int = 256,
     the prefix-cache entry a later request with the same prefix would load (cache hit)."""
     if cfg.track_interval <= 0:
         raise ValueError("capture_snapshots needs tracking on (track_interval > 0)")
-    bound = BoundCheck()
-    checks = core_checks() + [bound]
-    comparison = Comparison(checks)
-    catcher = SnapshotCatcher(comparison, bound, after_step)
-    comparison.consumers.append(catcher)
-    sim = Simulation(cfg, update, observers=[comparison, catcher])
-    info = sim.run(steps)
-    results = [c.result() for c in checks] + [untouched_result(info.untouched_violation, info.steps)]
+    run = CheckedRun(cfg, update)
+    catcher = SnapshotCatcher(run.comparison, run.bound, after_step)
+    run.comparison.consumers.append(catcher)
+    run.sim.observers.append(catcher)
+    info = run.run(steps)
     point, env2 = catcher.resume_point()
-    return RunReport(cfg, info, results, comparison.reference_description()), point, env2
+    return run.report(info, sync_scan=False), point, env2
