@@ -16,6 +16,7 @@ import torch
 
 from .devices import supports_float64
 from .golden import Golden, load_golden
+from .pool import as_bits
 from .reference import F64, Float64Twin
 from .checkpoint import restore, saveable
 from .simulate import StopRun
@@ -212,9 +213,8 @@ class Comparison:
         tslots = pool.row_track_slots[rows_t]
         got = pool.ssm_kv[:, tslots]  # [L, n, HV, K, V] in the state dtype
         held = pool.inter_kv[:, rows_t, torch.from_numpy(view.track[rows]).to(sim.device)]
-        bits = lambda t: t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
         rows_d = torch.from_numpy(rows).to(dev)
-        buf["trk_bits_bad"][i].index_copy_(0, rows_d, (bits(got) != bits(held)).sum((0, 2, 3, 4)).to(dev, F64))
+        buf["trk_bits_bad"][i].index_copy_(0, rows_d, (as_bits(got) != as_bits(held)).sum((0, 2, 3, 4)).to(dev, F64))
         got64 = got.to(dev, F64)
         ref = twin.track_state[:, rows_d]
         buf["trk_err2"][i][:, rows_d] = (got64 - ref).square().sum((-1, -2))

@@ -109,9 +109,12 @@ class StatePool:
 
     def bits(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Integer views of (temporal, conv) for bit-exact comparisons (NaN-safe)."""
-        def as_int(t: torch.Tensor) -> torch.Tensor:
-            return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
-        return as_int(self.temporal), as_int(self.conv)
+        return as_bits(self.temporal), as_bits(self.conv)
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """Same-width integer view of a 2- or 4-byte float tensor (any strides): NaN-safe bit compares."""
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
 class _ForwardMetadata:
