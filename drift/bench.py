@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from . import kernels, naive
+from . import kernels, naive, native
 from .config import Config, ConfigError
 from .simulate import Simulation
 from .stream import StepChunk
@@ -35,8 +35,9 @@ WARMUP_STEPS = 2
 PROBE_STEPS = 3  # single steps timed per candidate thread count, to pick the count
 
 VECTORISED = ("drift.simulate.Simulation, no observers, check_untouched=False, update "
-              f"{UPDATE!r} through drift's portable kernels; one timed block = Simulation.run(steps), "
-              "input-stream generation included")
+              f"{UPDATE!r} through drift's portable kernels (on the CPU: GDN verify by drift.native's "
+              "C kernel when it builds, row copies with host-read indices in the update kernels); "
+              "one timed block = Simulation.run(steps), input-stream generation included")
 NAIVE = ("drift.bench.naive_step: per layer, batch row (padded rows included, as in the "
          "simulator), value head and verify token: drift.naive.conv_verify (per token and tap), "
          "naive.qkv_heads, naive.gating (Python floats), naive.gdn_token in float32 with the "
@@ -188,6 +189,7 @@ def bench(cfg: Config, layers: Optional[int] = None, steps: int = 20, naive_step
         "layers": cfg.num_layers,
         "preset_layers": preset_layers,
         "device": str(dev),
+        "verify_kernel": native.status() if dev.type == "cpu" else f"torch ops on {dev.type}",
         "torch_threads": chosen,
         "probe_steps_per_s_by_threads": {str(c): 1.0 / t for c, t in probes.items()},
         "copy_bandwidth_GBps_by_threads": {str(c): b / 1e9 for c, b in copies.items()},
@@ -239,6 +241,7 @@ def format_bench(res: dict) -> str:
         f"{res['ssm_dtype']} states, {res['device']}, {res['torch_threads']} threads (probe steps/s "
         f"by threads: {_by_threads(res, 'probe_steps_per_s_by_threads')}), "
         f"load avg {res['load_avg_1min']:.2f}",
+        f"  GDN verify: {res['verify_kernel']}",
         f"  vectorised  {res['steps_per_s']:9.2f} steps/s   (best of {res['repeats']} blocks of "
         f"{res['steps']} steps)",
         f"  naive       {res['naive_steps_per_s']:9.2f} steps/s   (best of {res['naive_steps']} "

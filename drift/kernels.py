@@ -19,8 +19,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import native
+
 STATE_CHUNK_BYTES = 4 << 20  # fp32 working set per kernel chunk (fits L2/L3 with room)
+# On plain CPU tensors an index tensor already lives in host memory: reading it is no
+# device sync, so the kernels copy whole rows with host-known indices (each byte moved
+# once) instead of the device path's gather/scatter. Everywhere else (an accelerator, or
+# drift's virtual sync-detection device) the device path runs. Tests switch this off to
+# check the device path on the CPU too.
+HOST_INDEX_PATHS = True
+# gdn_verify on the CPU runs drift.native's C kernel when it can be built (same arithmetic,
+# two passes over each state per token instead of five tensor ops). Tests switch it off to
+# compare it with the torch-op path.
+USE_NATIVE = True
 _MASK_HI16 = -65536  # int32 0xFFFF0000: keeps sign, exponent and the 7 bf16 mantissa bits
+
+
+def _host_indexed(*tensors: torch.Tensor) -> bool:
+    """Whether the host-index row paths apply: every tensor a plain CPU tensor."""
+    return HOST_INDEX_PATHS and all(type(t) is torch.Tensor and t.device.type == "cpu" for t in tensors)
 
 
 # ------------------------------------------------------------------ gating, norms
@@ -137,7 +154,9 @@ def conv_state_rollback(conv_states: torch.Tensor, state_indices: torch.Tensor,
     For every i with ``0 <= step_indices[i] < draft_token_num``: ``shift = (D-1) - step``;
     if shift > 0, ``buf[:, shift:] = buf[:, :W-shift]`` for slot ``state_indices[i]`` in
     every layer (the first ``shift`` rows keep stale values). Rows with step < 0 are left
-    untouched. Works through any strides of ``conv_states`` ``[L, S, W, C]``; no host sync.
+    untouched. Works through any strides of ``conv_states`` ``[L, S, W, C]``; no host sync
+    (on plain CPU tensors the indices are read on the host, which is no sync there:
+    :data:`HOST_INDEX_PATHS`).
     """
     if conv_states.ndim != 4:
         raise ValueError(f"conv_states must be [L, slots, W, C], got shape {tuple(conv_states.shape)}")
@@ -145,6 +164,13 @@ def conv_state_rollback(conv_states: torch.Tensor, state_indices: torch.Tensor,
         raise ValueError("state_indices and step_indices must be 1-D of equal length, got "
                          f"{tuple(state_indices.shape)} and {tuple(step_indices.shape)}")
     W = conv_states.shape[2]
+    if _host_indexed(conv_states, state_indices, step_indices):
+        for slot, st in zip(state_indices.tolist(), step_indices.tolist()):
+            shift = (draft_token_num - 1) - st
+            if 0 <= st < draft_token_num and shift > 0:
+                win = conv_states[:, slot]
+                win[:, shift:] = win[:, :W - shift].clone()  # the ranges overlap
+        return conv_states
     dev = conv_states.device
     step = step_indices.to(device=dev, dtype=torch.int64)
     ok = (step >= 0) & (step < draft_token_num)
@@ -238,7 +264,7 @@ def _gdn_token(h: torch.Tensor, q, k, v, decay, beta, o_out) -> None:
     h.mul_(decay[:, None, None])
     kh = torch.bmm(k.unsqueeze(1), h)  # [B, 1, V]
     u = (v.unsqueeze(1) - kh).mul_(beta[:, None, None])
-    h.baddbmm_(k.unsqueeze(2), u)
+    h.addcmul_(k.unsqueeze(2), u)  # rank-1 update (elementwise: faster than a k=1 baddbmm)
     torch.bmm(q.unsqueeze(1), h, out=o_out.unsqueeze(1))
 
 
@@ -254,21 +280,34 @@ def gdn_verify(state_kv: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: 
     token, stored with ``rounding`` (``key`` seeds stochastic rounding).
     The state is loaded into ``compute_dtype`` and kept there across the D tokens.
     Returns outputs ``[L, N, D, HV, V]`` in compute_dtype.
+    On plain CPU tensors the C kernel of :mod:`drift.native` runs when it applies
+    (:func:`drift.native.supports`): the same float32 arithmetic in another summation order.
     """
     L, N, D, HV, K = q.shape
     V = v.shape[-1]
     cd = compute_dtype
+    if USE_NATIVE and _host_indexed(slots) and native.supports(state_kv, inter_kv, rounding, cd):
+        out = torch.empty(L, N, D, HV, V, dtype=cd)
+        f32 = (t.to(cd).contiguous() for t in (q, k, v, torch.exp(g.to(cd)), beta))
+        native.gdn_verify(state_kv, slots.tolist(), *f32, inter_kv, out)
+        return out
     slots = slots.to(torch.int64)
     # Token-major copies ([D, L, N, HV, ...]) so every per-token slice below is a plain view.
     qt, kt, vt, dect, bt = (_token_major(t, cd) for t in (q, k, v, torch.exp(g.to(cd)), beta))
     out = torch.empty(D, L, N, HV, V, dtype=cd, device=q.device)
     step = _layer_chunk((N, HV, K, V), torch.finfo(cd).bits // 8)
     h_buf = torch.empty(min(step, L) * N * HV, K, V, dtype=cd, device=q.device)
+    host_slots = slots.tolist() if _host_indexed(state_kv, slots) else None
     for l0 in range(0, L, step):
         l1 = min(L, l0 + step)
         B = (l1 - l0) * N * HV
         h = h_buf[:B]
-        h.copy_(state_kv[l0:l1].index_select(1, slots).view(B, K, V))
+        if host_slots is not None:  # one converting copy per row (index_select + cast is two passes)
+            hv = h.view(l1 - l0, N, HV, K, V)
+            for n, slot in enumerate(host_slots):
+                hv[:, n].copy_(state_kv[l0:l1, slot])
+        else:
+            h.copy_(state_kv[l0:l1].index_select(1, slots).view(B, K, V))
         for t in range(D):
             _gdn_token(h, qt[t, l0:l1].view(B, K), kt[t, l0:l1].view(B, K), vt[t, l0:l1].view(B, V),
                        dect[t, l0:l1].view(B), bt[t, l0:l1].view(B), out[t, l0:l1].view(B, V))
@@ -344,7 +383,8 @@ def move_intermediate_cache(ssm_states: torch.Tensor, intermediate_state_cache: 
                             last_steps: torch.Tensor) -> torch.Tensor:
     """``ssm[l, dst[i]] = inter[l, src[i], last_steps[i]]`` for every layer and every i with
     ``0 <= last_steps[i] < D``; other rows untouched. In place; honours the strides of
-    both views (a transposed ``[HV, V, K]`` view copies logically); no host sync.
+    both views (a transposed ``[HV, V, K]`` view copies logically); no host sync (on plain
+    CPU tensors: one row copy per committed row, indices read on the host, :data:`HOST_INDEX_PATHS`).
 
     ssm_states ``[L, S, HV, ., .]``; intermediate_state_cache ``[L, rows, D, HV, ., .]``.
     To stay sync free, skipped rows still write: each layer's first skipped destination
@@ -363,6 +403,11 @@ def move_intermediate_cache(ssm_states: torch.Tensor, intermediate_state_cache: 
                          f"{tuple(intermediate_state_cache.shape[3:])}")
     dev = ssm_states.device
     D = intermediate_state_cache.shape[2]
+    if _host_indexed(ssm_states, intermediate_state_cache, dst_indices, src_indices, last_steps):
+        for d, r, st in zip(dst_indices.tolist(), src_indices.tolist(), last_steps.tolist()):
+            if 0 <= st < D:
+                ssm_states[:, d].copy_(intermediate_state_cache[:, r, st])
+        return ssm_states
     step = last_steps.to(device=dev, dtype=torch.int64)
     ok = (step >= 0) & (step < D)
     dst = dst_indices.to(device=dev, dtype=torch.int64)

@@ -51,6 +51,13 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", f"{name}: {text}")
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    """Which GDN verify the CPU runs (the native C kernel, or why the torch-op path)."""
+    from drift import native
+
+    return f"drift: CPU GDN verify: {native.status()}"
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     asked = item.config.getoption("--drift-device").split(":")[0]
     for dev in DEVICE_MARKERS:

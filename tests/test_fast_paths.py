@@ -62,12 +62,22 @@ def test_move_intermediate_cache_is_the_definition(layout, ssm_dtype, steps):
         report = detect_syncs(kernels.move_intermediate_cache, got, pool.intermediate_ssm, dst, src, last)
         assert report.clean, report.events
         assert torch.equal(bits(got), bits(want))
-        # Slot-strided views do not flatten into rows: the generic path.
+        # Plain CPU tensors: the host-index row copies.
+        host = pool.temporal.clone()
+        kernels.move_intermediate_cache(host, pool.intermediate_ssm, dst, src, last)
+        assert torch.equal(bits(host), bits(want))
+        # Slot-strided views do not flatten into rows: the generic device path (virtual device)
+        # and the host path.
         wide = torch.zeros((got.shape[0], 2 * got.shape[1]) + tuple(got.shape[2:]), dtype=got.dtype)
-        strided = wide[:, ::2]
-        strided.copy_(pool.temporal)
-        kernels.move_intermediate_cache(strided, pool.intermediate_ssm, dst, src, last)
-        assert torch.equal(bits(strided), bits(want))
+        for run_on_host in (False, True):
+            strided = wide[:, ::2]
+            strided.copy_(pool.temporal)
+            if run_on_host:
+                kernels.move_intermediate_cache(strided, pool.intermediate_ssm, dst, src, last)
+            else:
+                assert detect_syncs(kernels.move_intermediate_cache, strided, pool.intermediate_ssm, dst,
+                                    src, last).clean
+            assert torch.equal(bits(strided), bits(want))
 
 
 @pytest.mark.parametrize("steps", list(STEPS))
@@ -86,7 +96,10 @@ def test_conv_state_rollback_is_the_definition(steps):
         random_bits_(conv, gen)
         want = conv.clone()
         naive.conv_state_rollback(want, slots, step, 4)
-        report = detect_syncs(kernels.conv_state_rollback, conv, slots, step, 4)
+        host = conv.clone()  # plain CPU tensors: the host-index path
+        kernels.conv_state_rollback(host, slots, step, 4)
+        assert torch.equal(bits(host), bits(want)), name
+        report = detect_syncs(kernels.conv_state_rollback, conv, slots, step, 4)  # the device path
         assert report.clean, report.events
         assert torch.equal(bits(conv), bits(want)), name
 
@@ -146,3 +159,27 @@ def test_gdn_verify_does_not_depend_on_the_layer_chunk(monkeypatch):
     for out, inter in runs[1:]:
         assert torch.equal(out, runs[0][0]) and torch.equal(bits(inter), bits(runs[0][1]))
     assert runs[0][0].shape == (L, N, D, HV, K) and runs[0][0].is_contiguous()
+
+
+def test_gdn_verify_host_and_device_gathers_agree(monkeypatch):
+    """The torch-op path gathers the committed states by host-read slots on plain CPU tensors
+    (one converting copy per row) and by index_select elsewhere: the same values, so the same
+    bits after. (The native kernel needs host slots; tests/test_native.py covers it.)"""
+    gen = torch.Generator().manual_seed(17)
+    L, S, N, D, HV, K = 3, 9, 4, 4, 2, 32
+    state = torch.randn(L, S, HV, K, K, generator=gen).to(torch.bfloat16)
+    state[:, 0] = float("nan")  # the dummy slot
+    q = F.normalize(torch.randn(L, N, D, HV, K, generator=gen), dim=-1) * K**-0.5
+    k = F.normalize(torch.randn(L, N, D, HV, K, generator=gen), dim=-1)
+    v = torch.randn(L, N, D, HV, K, generator=gen)
+    g, beta = -torch.rand(L, N, D, HV, generator=gen), torch.rand(L, N, D, HV, generator=gen)
+    slots = torch.tensor([4, 1, 4, 0], dtype=torch.int64)  # a repeated slot, and the padded row
+    monkeypatch.setattr(kernels, "USE_NATIVE", False)
+    runs = []
+    for host in (True, False):
+        monkeypatch.setattr(kernels, "HOST_INDEX_PATHS", host)
+        inter = torch.zeros(L, N, D, HV, K, K, dtype=torch.bfloat16)
+        runs.append((kernels.gdn_verify(state, slots, q, k, v, g, beta, inter), inter))
+    (out_h, inter_h), (out_d, inter_d) = runs
+    assert torch.equal(bits(out_h), bits(out_d)) and torch.equal(bits(inter_h), bits(inter_d))
+    assert torch.isnan(out_h[:, 3]).all() and not torch.isnan(out_h[:, :3]).any()  # dummy row only
