@@ -286,7 +286,7 @@ def gdn_verify(state_kv: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: 
     L, N, D, HV, K = q.shape
     V = v.shape[-1]
     cd = compute_dtype
-    if USE_NATIVE and _host_indexed(slots) and native.supports(state_kv, inter_kv, rounding, cd):
+    if uses_native(state_kv, slots, inter_kv, rounding, cd):
         out = torch.empty(L, N, D, HV, V, dtype=cd)
         f32 = (t.to(cd).contiguous() for t in (q, k, v, torch.exp(g.to(cd)), beta))
         native.gdn_verify(state_kv, slots.tolist(), *f32, inter_kv, out)
@@ -314,6 +314,12 @@ def gdn_verify(state_kv: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: 
             store_state(inter_kv[l0:l1, :, t], h.view(l1 - l0, N, HV, K, V), rounding,
                         key * 1_000_003 + t * 4099, offset=l0 * N * HV * K * V)
     return out.permute(1, 2, 0, 3, 4).contiguous()
+
+
+def uses_native(state_kv: torch.Tensor, slots: torch.Tensor, inter_kv: torch.Tensor, rounding: str = "rne",
+                compute_dtype: torch.dtype = torch.float32) -> bool:
+    """Whether :func:`gdn_verify` with these arguments runs :mod:`drift.native`'s C kernel."""
+    return USE_NATIVE and _host_indexed(slots) and native.supports(state_kv, inter_kv, rounding, compute_dtype)
 
 
 def _token_major(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -46,7 +46,7 @@ def summary_text(rep) -> str:
     run, cfg = d["run"], d["config"]
     head = (f"drift run: preset {cfg['name']}, update {run['update']}, {run['steps']} steps "
             f"({run['mode']}), device {run['device']}, {cfg['ssm_dtype']} state, "
-            f"{cfg['store_rounding']} store, kernels: {run['kernels']}\n"
+            f"{cfg['store_rounding']} store, kernels: {run['kernels']}, GDN verify: {run.get('verify_kernel', 'not recorded')}\n"
             f"reference: {d['reference']}; {run['wall_s']:.1f} s "
             f"({run['steps_per_s']} steps/s)")
     body = table(CHECK_HEADER, check_rows(rep.checks))
@@ -64,7 +64,7 @@ def summary_markdown(rep) -> str:
         f"- preset `{cfg['name']}`, seed {cfg['seed']}, {run['steps']} decode steps ({run['mode']})",
         f"- update under test: `{run['update']}`" + (f" ({run.get('update_source')})" if run.get("update_source") else ""),
         f"- state: {cfg['ssm_dtype']} ({cfg['layout']} layout), store rounding {cfg['store_rounding']}; "
-        f"kernels: {run['kernels']}; device {run['device']}",
+        f"kernels: {run['kernels']}; GDN verify: {run.get('verify_kernel', 'not recorded')}; device {run['device']}",
         f"- reference: {d['reference']}",
         f"- wall time {run['wall_s']:.1f} s ({run['steps_per_s']} steps/s)",
         "",

@@ -40,6 +40,7 @@ class RunReport:
             "run": {"steps": info.steps, "wall_s": round(info.wall_s, 3),
                     "steps_per_s": round(info.steps / info.wall_s, 2) if info.wall_s > 0 else None,
                     "mode": info.mode, "update": info.update, "kernels": info.kernels,
+                    "verify_kernel": info.verify_kernel,
                     "device": info.device, "stopped_early": info.stopped_early, **info.meta},
             "reference": self.reference,
             "checks": [c.to_dict() for c in self.checks],

@@ -136,6 +136,7 @@ class RunInfo:
     kernels: str
     device: str
     stopped_early: Optional[str] = None
+    verify_kernel: str = ""
     untouched_violation: Optional[dict] = None
     meta: dict = field(default_factory=dict)
 
@@ -249,7 +250,18 @@ class Simulation:
             steps=done, wall_s=time.perf_counter() - t0, mode=self.mode,
             update=self.update.name if self.update else "(sequential decode)",
             kernels=kernels_in_use(), device=str(self.device), stopped_early=stopped,
+            verify_kernel=self._verify_description(),
             untouched_violation=self.guard.first if self.guard else None)
+
+    def _verify_description(self) -> str:
+        """Which GDN verify ran: the portable kernel (native C or torch ops) or a plugged one."""
+        fn = self.verify_kernel
+        if fn is not kernels.gdn_verify:
+            return getattr(fn, "__qualname__", repr(fn))
+        pool = self.pool
+        if kernels.uses_native(pool.ssm_kv, pool.row_slots, pool.inter_kv, self.cfg.store_rounding):
+            return "portable, native C kernel (CPU)"
+        return "portable, torch ops"
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:

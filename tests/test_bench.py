@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from drift import native
 from drift.bench import bench, format_bench, min_bytes_per_step, naive_step
 from drift.cli import main
 from drift.config import ConfigError, preset
@@ -18,7 +19,7 @@ from drift.simulate import Simulation
 
 # A small copy buffer keeps the tests fast; its bandwidth (partly in cache) means nothing here.
 SMALL_COPY = 8 << 20
-FIELDS = ("preset", "layers", "preset_layers", "device", "torch_threads", "steps", "repeats",
+FIELDS = ("preset", "layers", "preset_layers", "device", "verify_kernel", "torch_threads", "steps", "repeats",
           "naive_steps", "steps_per_s", "naive_steps_per_s", "speedup", "min_bytes_per_step",
           "min_bytes_breakdown", "copy_bandwidth_GBps", "copy_bytes", "effective_bandwidth_GBps",
           "bandwidth_ratio", "naive_bandwidth_ratio", "vectorised", "naive", "bytes_model")
@@ -61,6 +62,7 @@ def test_report_on_ci_small_is_consistent():
     text = format_bench(res)
     assert f"{res['layers']} of {res['preset_layers']} GDN layers" in text
     assert f"{res['bandwidth_ratio']:.3f} of copy bandwidth" in text
+    assert res["verify_kernel"] == native.status() and f"GDN verify: {native.status()}" in text
 
 
 def test_fewer_layers_of_the_deployment_preset():

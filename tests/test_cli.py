@@ -12,6 +12,7 @@ import json
 import pytest
 
 from conftest import bad_spec
+from drift import native
 from drift.cli import EXIT_FAIL, EXIT_PASS, EXIT_USAGE, main
 
 RUN = ["run", "--steps", "40", "--quiet"]
@@ -64,6 +65,9 @@ def test_report_of_a_passing_run(tmp_path):
     assert main(RUN + ["--update", "device_select", "--report", str(tmp_path)]) == EXIT_PASS
     rep = json.loads((tmp_path / "report.json").read_text())
     assert rep["verdict"] == "pass" and all(c["passed"] for c in rep["checks"])
+    # ci-small's npu-layout bf16 states with RNE stores are what the native kernel takes.
+    want = "portable, native C kernel (CPU)" if native.available() else "portable, torch ops"
+    assert rep["run"]["verify_kernel"] == want and f"GDN verify: {want}" in (tmp_path / "report.md").read_text()
     assert (tmp_path / "drift_vs_step.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "drift_vs_step.png" in (tmp_path / "report.md").read_text()
 

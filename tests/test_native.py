@@ -179,7 +179,9 @@ def test_without_a_compiler_the_status_says_why_and_the_torch_path_runs(tmp_path
 
 def test_the_build_is_cached_by_content(tmp_path):
     first = _fresh_status(tmp_path)
-    assert first.startswith("native C kernel") and "torch's OpenMP threads" in first
+    assert first.startswith("native C kernel")
+    if any("libgomp" in p for p in native._openmp_runtimes()):  # torch runs on libgomp: shared
+        assert "torch's OpenMP threads" in first
     libs = sorted(p.name for p in tmp_path.glob("gdn_verify-*.so"))
     assert len(libs) == 1 and libs[0] in first
     assert _fresh_status(tmp_path) == first  # the second process loads the same file

@@ -22,9 +22,6 @@
 #include <omp.h>
 #endif
 
-#ifndef JB
-#define JB 64 /* columns per register block */
-#endif
 
 static inline float bf16_load(uint16_t b) {
     uint32_t u = (uint32_t)b << 16;
@@ -86,83 +83,40 @@ static void gdn_heads(int64_t b0, int64_t b1, int64_t N, int64_t D, int64_t HV, 
             const float *restrict vt = v + tok * V;
             float *restrict ot = out + tok * V;
             const float d = dec[tok], bt = beta[tok];
-            /* Pass 1: decay, and k^T h of the decayed state. Columns in blocks of JB whose
-             * accumulators stay in registers while the K rows stream past. */
-            for (int64_t j0 = 0; j0 < V; j0 += JB) {
-                const int64_t nb = V - j0 < JB ? V - j0 : JB;
-                if (nb == JB) {
-                    float a[JB] = {0};
-                    for (int64_t i = 0; i < K; ++i) {
-                        float *restrict hi = h + i * V + j0;
-                        const float ki = kt[i];
-                        for (int64_t j = 0; j < JB; ++j) {
-                            const float x = hi[j] * d;
-                            hi[j] = x;
-                            a[j] += ki * x;
-                        }
-                    }
-                    for (int64_t j = 0; j < JB; ++j) u[j0 + j] = (vt[j0 + j] - a[j]) * bt;
-                } else {
-                    for (int64_t j = 0; j < nb; ++j) acc[j] = 0.0f;
-                    for (int64_t i = 0; i < K; ++i) {
-                        float *restrict hi = h + i * V + j0;
-                        const float ki = kt[i];
-                        for (int64_t j = 0; j < nb; ++j) {
-                            const float x = hi[j] * d;
-                            hi[j] = x;
-                            acc[j] += ki * x;
-                        }
-                    }
-                    for (int64_t j = 0; j < nb; ++j) u[j0 + j] = (vt[j0 + j] - acc[j]) * bt;
+            /* Pass 1: decay, and k^T h of the decayed state. */
+            for (int64_t j = 0; j < V; ++j) acc[j] = 0.0f;
+            for (int64_t i = 0; i < K; ++i) {
+                float *restrict hi = h + i * V;
+                const float ki = kt[i];
+                for (int64_t j = 0; j < V; ++j) {
+                    const float x = hi[j] * d;
+                    hi[j] = x;
+                    acc[j] += ki * x;
                 }
             }
-            /* Pass 2: rank-1 update, q^T h, and the store of the state after token t. */
+            for (int64_t j = 0; j < V; ++j) {
+                u[j] = (vt[j] - acc[j]) * bt;
+                acc[j] = 0.0f;
+            }
+            /* Pass 2: rank-1 update, q^T h, and the state after token t staged in the
+             * scratch's dtype. */
             const int64_t dst = l * is_l + n * is_n + t * is_t + hv * is_h;
-            for (int64_t j0 = 0; j0 < V; j0 += JB) {
-                const int64_t nb = V - j0 < JB ? V - j0 : JB;
-                if (nb == JB) {
-                    float a[JB] = {0}, uj[JB];
-                    for (int64_t j = 0; j < JB; ++j) uj[j] = u[j0 + j];
-                    for (int64_t i = 0; i < K; ++i) {
-                        float *restrict hi = h + i * V + j0;
-                        const float ki = kt[i], qi = qt[i];
-                        if (idt == 1) {
-                            uint16_t *restrict o16 = (uint16_t *)stage + i * V + j0;
-                            for (int64_t j = 0; j < JB; ++j) {
-                                const float x = hi[j] + ki * uj[j];
-                                hi[j] = x;
-                                a[j] += qi * x;
-                                o16[j] = bf16_store(x);
-                            }
-                        } else {
-                            float *restrict o32 = (float *)stage + i * V + j0;
-                            for (int64_t j = 0; j < JB; ++j) {
-                                const float x = hi[j] + ki * uj[j];
-                                hi[j] = x;
-                                a[j] += qi * x;
-                                o32[j] = x;
-                            }
-                        }
-                    }
-                    for (int64_t j = 0; j < JB; ++j) ot[j0 + j] = a[j];
-                } else {
-                    for (int64_t j = 0; j < nb; ++j) acc[j] = 0.0f;
-                    for (int64_t i = 0; i < K; ++i) {
-                        float *restrict hi = h + i * V + j0;
-                        const float ki = kt[i], qi = qt[i];
-                        for (int64_t j = 0; j < nb; ++j) {
-                            const float x = hi[j] + ki * u[j0 + j];
-                            hi[j] = x;
-                            acc[j] += qi * x;
-                            if (idt == 1)
-                                ((uint16_t *)stage)[i * V + j0 + j] = bf16_store(x);
-                            else
-                                ((float *)stage)[i * V + j0 + j] = x;
-                        }
-                    }
-                    for (int64_t j = 0; j < nb; ++j) ot[j0 + j] = acc[j];
+            for (int64_t i = 0; i < K; ++i) {
+                float *restrict hi = h + i * V;
+                const float ki = kt[i], qi = qt[i];
+                uint16_t *restrict s16 = (uint16_t *)stage + i * V;
+                float *restrict s32 = (float *)stage + i * V;
+                for (int64_t j = 0; j < V; ++j) {
+                    const float x = hi[j] + ki * u[j];
+                    hi[j] = x;
+                    acc[j] += qi * x;
+                    if (idt == 1)
+                        s16[j] = bf16_store(x);
+                    else
+                        s32[j] = x;
                 }
             }
+            for (int64_t j = 0; j < V; ++j) ot[j] = acc[j];
             stream_out((char *)inter + dst * (int64_t)esize, stage, (size_t)KV * esize);
         }
     }
