@@ -165,9 +165,12 @@ def conv_state_rollback(conv_states: torch.Tensor, state_indices: torch.Tensor,
                          f"{tuple(state_indices.shape)} and {tuple(step_indices.shape)}")
     W = conv_states.shape[2]
     if _host_indexed(conv_states, state_indices, step_indices):
+        S = conv_states.shape[1]
         for slot, st in zip(state_indices.tolist(), step_indices.tolist()):
             shift = (draft_token_num - 1) - st
             if 0 <= st < draft_token_num and shift > 0:
+                if not 0 <= slot < S:  # Python indexing would wrap a negative one
+                    raise IndexError(f"conv_state_rollback: slot {slot} out of range (of {S})")
                 win = conv_states[:, slot]
                 win[:, shift:] = win[:, :W - shift].clone()  # the ranges overlap
         return conv_states
@@ -410,8 +413,12 @@ def move_intermediate_cache(ssm_states: torch.Tensor, intermediate_state_cache: 
     dev = ssm_states.device
     D = intermediate_state_cache.shape[2]
     if _host_indexed(ssm_states, intermediate_state_cache, dst_indices, src_indices, last_steps):
+        S, rows = ssm_states.shape[1], intermediate_state_cache.shape[1]
         for d, r, st in zip(dst_indices.tolist(), src_indices.tolist(), last_steps.tolist()):
             if 0 <= st < D:
+                if not (0 <= d < S and 0 <= r < rows):  # Python indexing would wrap a negative one
+                    raise IndexError(f"move_intermediate_cache: destination slot {d} (of {S}) or "
+                                     f"source row {r} (of {rows}) out of range")
                 ssm_states[:, d].copy_(intermediate_state_cache[:, r, st])
         return ssm_states
     step = last_steps.to(device=dev, dtype=torch.int64)

@@ -188,10 +188,15 @@ def gdn_verify(state_kv: torch.Tensor, slots: list[int], q: torch.Tensor, k: tor
         if t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError("native gdn_verify takes dense float32 q, k, v, decay, beta and out")
     S = state_kv.shape[1]
+    # The C kernel trusts these (it reads and writes through raw pointers): check them all.
     if (tuple(state_kv.shape[2:]) != (HV, K, V) or tuple(inter_kv.shape) != (L, N, D, HV, K, V)
+            or k.shape != q.shape or v.shape != out.shape or tuple(v.shape) != (L, N, D, HV, V)
+            or decay.shape != beta.shape or tuple(decay.shape) != (L, N, D, HV)
             or len(slots) != N or any(not 0 <= s < S for s in slots)):
         raise ValueError(f"native gdn_verify: inconsistent shapes: state {tuple(state_kv.shape)}, scratch "
-                         f"{tuple(inter_kv.shape)}, q {tuple(q.shape)}, {len(slots)} slots in [0, {S})")
+                         f"{tuple(inter_kv.shape)}, q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"out {tuple(out.shape)}, decay {tuple(decay.shape)}, beta {tuple(beta.shape)}, "
+                         f"{len(slots)} slots in [0, {S})")
     slot_t = torch.tensor(slots, dtype=torch.int64)
     B = L * N * HV
     nthreads = max(1, min(torch.get_num_threads(), B))

@@ -183,3 +183,18 @@ def test_gdn_verify_host_and_device_gathers_agree(monkeypatch):
     (out_h, inter_h), (out_d, inter_d) = runs
     assert torch.equal(bits(out_h), bits(out_d)) and torch.equal(bits(inter_h), bits(inter_d))
     assert torch.isnan(out_h[:, 3]).all() and not torch.isnan(out_h[:, :3]).any()  # dummy row only
+
+
+@pytest.mark.parametrize("host", [True, False])
+def test_update_kernels_refuse_out_of_range_slots(monkeypatch, host):
+    """A negative slot must not wrap around to the last slot (Python indexing would): both
+    paths raise (the device path through torch's index check)."""
+    monkeypatch.setattr(kernels, "HOST_INDEX_PATHS", host)
+    pool = pool_for("npu", "bfloat16")
+    S = pool.temporal.shape[1]
+    one = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731
+    for bad in (-1, S):
+        with pytest.raises(IndexError):
+            kernels.move_intermediate_cache(pool.temporal, pool.intermediate_ssm, one(bad), one(0), one(1))
+        with pytest.raises(IndexError):
+            kernels.conv_state_rollback(pool.conv, one(bad), one(0), 4)

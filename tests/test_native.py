@@ -154,6 +154,10 @@ def test_native_rejects_inconsistent_shapes():
         native.gdn_verify(state, [4, 1, 6, 99], *f32, inter[:, :4], out)  # slot 99 is not in the pool
     with pytest.raises(ValueError, match="inconsistent shapes"):
         native.gdn_verify(state, SLOTS, *f32, inter[:, :3], out)
+    with pytest.raises(ValueError, match="inconsistent shapes"):  # v too short: would read past it
+        native.gdn_verify(state, SLOTS, f32[0], f32[1], f32[2][..., :-1].contiguous(), *f32[3:], inter[:, :4], out)
+    with pytest.raises(ValueError, match="inconsistent shapes"):
+        native.gdn_verify(state, SLOTS, *f32[:3], f32[3][:, :, :2].contiguous(), f32[4], inter[:, :4], out)
     with pytest.raises(ValueError, match="dense float32"):
         native.gdn_verify(state, SLOTS, *f32[:4], beta.double(), inter[:, :4], out)
 
