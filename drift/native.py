@@ -11,9 +11,11 @@ as a torch cast of the same float32 value.
 It is compiled with the system C compiler (``$CC``, else ``cc``/``gcc``/``clang``) the first
 time it is needed, into ``$DRIFT_CACHE_DIR`` (default ``~/.cache/drift``), keyed by a hash of
 source, compiler and CPU, written atomically, and loaded with :mod:`ctypes` (no torch or
-Python headers, no pybind). Heads are split over ``torch.get_num_threads()`` OpenMP threads,
-torch's own where the runtime is shared (see :func:`_load`). When no compiler is found or the build fails,
-:func:`status` says why and the torch-op path runs; ``DRIFT_NATIVE=0`` turns it off.
+Python headers, no pybind); an unwritable cache directory falls back to one under the
+system temporary directory. Heads are split over ``torch.get_num_threads()`` OpenMP
+threads, torch's own where the runtime is shared (see :func:`_load`). When no compiler is
+found or the build fails, :func:`status` says why and the torch-op path runs;
+``DRIFT_NATIVE=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -73,11 +75,18 @@ def _build(cc: str, flags: list[str]) -> Path:
     """Compile :data:`SOURCE` (cached by content, compiler, flags and CPU); returns the library path."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256(SOURCE.read_bytes() + "\0".join([version, _cpu_id(), *flags]).encode()).hexdigest()[:16]
-    lib = cache_dir() / f"gdn_verify-{key}.so"
-    if lib.exists():
-        return lib
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".gdn_verify-", suffix=".so", dir=lib.parent)
+    for folder in (cache_dir(), Path(tempfile.gettempdir()) / f"drift-cache-{os.getuid() if hasattr(os, 'getuid') else 0}"):
+        lib = folder / f"gdn_verify-{key}.so"
+        if lib.exists():
+            return lib
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".gdn_verify-", suffix=".so", dir=folder)
+            break
+        except OSError as exc:
+            unwritable = exc
+    else:
+        raise RuntimeError(f"no writable cache directory (set DRIFT_CACHE_DIR): {unwritable}")
     os.close(fd)
     try:
         res = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
@@ -182,6 +191,8 @@ def gdn_verify(state_kv: torch.Tensor, slots: list[int], q: torch.Tensor, k: tor
     out ``[L, N, D, HV, V]``, decay (= exp(g)) and beta ``[L, N, D, HV]``: dense float32.
     """
     lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the native GDN verify kernel is {status()}")
     L, N, D, HV, K = q.shape
     V = v.shape[-1]
     for t in (q, k, v, decay, beta, out):

@@ -181,6 +181,15 @@ def test_without_a_compiler_the_status_says_why_and_the_torch_path_runs(tmp_path
     assert "DRIFT_NATIVE=0" in _fresh_status(tmp_path, DRIFT_NATIVE="0")
 
 
+def test_an_unwritable_cache_directory_falls_back_to_the_temporary_directory(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    (tmp_path / "tmp").mkdir()  # TMPDIR must exist for tempfile to use it
+    status = _fresh_status(tmp_path, DRIFT_CACHE_DIR=str(blocker / "cache"), TMPDIR=str(tmp_path / "tmp"))
+    assert status.startswith("native C kernel"), status
+    assert list((tmp_path / "tmp").glob("drift-cache-*/gdn_verify-*.so"))
+
+
 def test_the_build_is_cached_by_content(tmp_path):
     first = _fresh_status(tmp_path)
     assert first.startswith("native C kernel")
