@@ -147,7 +147,7 @@ def run_entry(entry: Entry, device: str, ckpt_dir: Optional[Path] = None,
         "entry": asdict(entry), "key": entry.key, "config": cfg.to_dict(), "cut": cut,
         "verdict": "pass" if all(r.passed for r in gated) else "fail",
         "steps": info.steps, "reference": run.comparison.reference_description(),
-        "syncs_per_step": syncs, "checks": [r.to_dict() for r in results],
+        "verify_kernel": info.verify_kernel, "syncs_per_step": syncs, "checks": [r.to_dict() for r in results],
     }, seconds
 
 

@@ -143,6 +143,8 @@ def nightly_markdown(rep: dict) -> str:
     lines += [f"- {len(entries)} entries; device {rep.get('device', '?')}; shard {rep.get('shard', '1/1')}",
               "- versions: " + ", ".join(f"{k} {v}" for k, v in (rep.get("versions") or {}).items())]
     lines += [f"- cut to fit the night: {c}" for c in cuts]
+    verify = sorted({e.get("verify_kernel") or "not recorded" for e in entries.values()})
+    lines.append("- GDN verify: " + "; ".join(verify))
     lines += ["", "## Verdict per implementation and mode", ""]
     rows = []
     for key, e in entries.items():

@@ -256,6 +256,8 @@ class Simulation:
     def _verify_description(self) -> str:
         """Which GDN verify ran: the portable kernel (native C or torch ops) or a plugged one."""
         fn = self.verify_kernel
+        if self.mode != "mtp":
+            return "none (sequential decode)"
         if fn is not kernels.gdn_verify:
             return getattr(fn, "__qualname__", repr(fn))
         pool = self.pool

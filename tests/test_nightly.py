@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from drift import nightly
+from drift import native, nightly
 
 PNG = b"\x89PNG\r\n\x1a\n"
 ARGS = ["--preset", "ci-small", "--impl", "device_select", "--quiet"]
@@ -52,6 +52,13 @@ def test_short_run_writes_every_report_file(short_report):
     md = (short_report / "report.md").read_text()
     for section in ("Verdict per implementation and mode", "Worst heads", "Growth exponents", "Trade-off"):
         assert section in md
+    # Which GDN verify each entry ran: the native kernel takes the bf16 RNE deployment store
+    # (when it builds); stochastic stores need the torch-op path; sequential decode has none.
+    verify = {e["entry"]["mode"]: e["verify_kernel"] for e in rep["entries"].values()}
+    native_or_not = "portable, native C kernel (CPU)" if native.available() else "portable, torch ops"
+    assert verify["rne"] == native_or_not and verify["stochastic"] == "portable, torch ops"
+    assert verify["sequential"] == "none (sequential decode)"
+    assert "- GDN verify: " + "; ".join(sorted(set(verify.values()))) in md
     import matplotlib.image as mpimg
 
     for name in ("drift_vs_step.png", "mtp_vs_sequential.png", "rounding_modes.png"):
