@@ -1,17 +1,19 @@
 /* drift native CPU kernel: GDN verify (NPU semantics) for float32 compute and
  * round-to-nearest-even stores. It computes what drift.kernels.gdn_verify's torch-op
  * path computes, per head with the state kept in a float32 scratch buffer across the
- * D verify tokens (two passes over the state per token instead of five tensor ops).
+ * D verify tokens: two passes over the state per token instead of five tensor ops, then
+ * one copy of the stored state (bf16: half its size) out to the scratch.
  * Built and loaded by drift/native.py; no torch or Python headers.
  *
- * Heads are flattened b = (l * N + n) * HV + hv; a call processes b in [b0, b1).
+ * Heads are flattened b = (l * N + n) * HV + hv; drift_gdn_verify splits [0, B) over
+ * OpenMP threads, each running gdn_heads on its range [b0, b1).
  * state : committed states, element (l, slot, hv, i, j) at
  *         l*ss_l + slot*ss_s + hv*ss_h + i*V + j (each head's [K, V] block dense);
  * inter : scratch, element (l, n, t, hv, i, j) at l*is_l + n*is_n + t*is_t + hv*is_h + i*V + j;
  * sdt / idt: element type of state / inter, 0 = float32, 1 = bfloat16;
  * q, k  : float32 dense [L, N, D, HV, K]; v, out: float32 dense [L, N, D, HV, V];
  * dec, beta: float32 dense [L, N, D, HV] (dec = exp(g), computed by the caller);
- * work  : float32 scratch of 2*K*V + 2*V elements owned by this call.
+ * work  : float32 scratch of 2*K*V + 2*V elements per thread.
  */
 #include <stdint.h>
 #include <string.h>
