@@ -72,6 +72,25 @@ def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(x, dtype=torch.float64), e - 8)
 
 
+def gdn_state_bound(t, K: int, h_norm, v_norm, u: float = U32):
+    """Frobenius error bound of a fp state after t gated delta-rule tokens computed with unit
+    roundoff u (tests/test_kernels.py docstring): t (K + 6) u (||h|| + ||v||)."""
+    return t * (K + 6) * u * (h_norm + v_norm)
+
+
+def verify_bounds(ref_inter: torch.Tensor, v: torch.Tensor):
+    """For a float32 GDN verify of n rows against its float64 result ``ref_inter [L, n, D, HV, K, V]``
+    (v ``[L, n, D, HV, V]``): the state bound after each token ``[L, n, D, HV]`` (gdn_state_bound
+    with the largest ||h||, ||v|| over the tokens) and the output bound
+    ``K^-1/2 (state bound + K u32 ||h||)`` (||q|| <= K^-1/2)."""
+    K = ref_inter.shape[-2]
+    h_norm = ref_inter.norm(dim=(-1, -2)).amax(2, keepdim=True)  # max over tokens [L, n, 1, HV]
+    v_norm = v.double().norm(dim=-1).amax(2, keepdim=True)
+    t = torch.arange(1, ref_inter.shape[2] + 1, dtype=torch.float64)[None, None, :, None]
+    state = gdn_state_bound(t, K, h_norm, v_norm)
+    return state, K ** -0.5 * (state + K * U32 * h_norm)
+
+
 def rel_fro(a: torch.Tensor, b: torch.Tensor, dims=(-1, -2)) -> torch.Tensor:
     """||a - b||_F / ||b||_F over ``dims`` (float64)."""
     a, b = a.to(torch.float64), b.to(torch.float64)

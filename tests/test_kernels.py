@@ -30,7 +30,7 @@ import math
 import pytest
 import torch
 
-from conftest import U32, U64, bf16_ulp, rel_fro, same_bits
+from conftest import U32, U64, bf16_ulp, gdn_state_bound, rel_fro, same_bits, verify_bounds
 from drift import kernels, naive
 
 L, N, D, HK, HV, K, V, KC = 2, 3, 4, 2, 4, 16, 8, 4
@@ -245,8 +245,8 @@ def _gdn_case(state_dtype=torch.bfloat16, inter_dtype=torch.bfloat16):
 
 
 def state_bound(t, h_norm, v_norm, u=U32):
-    """Frobenius error bound after t fp tokens (module docstring): t (K + 6) u (||h|| + ||v||)."""
-    return t * (K + 6) * u * (h_norm + v_norm)
+    """:func:`conftest.gdn_state_bound` at this module's K."""
+    return gdn_state_bound(t, K, h_norm, v_norm, u)
 
 
 def _naive_rows(state_kv, q, k, v, g, beta, **kw):
@@ -267,10 +267,7 @@ def test_gdn_verify_matches_float64(state_dtype, inter_dtype):
     assert torch.isnan(inter_kv[:, N]).all()  # the spare scratch row is untouched
     n = N - 1
     ref_inter, ref_out = _naive_rows(state_kv, q, k, v, g, beta)  # float64, kept state exact
-    h_norm = ref_inter.norm(dim=(-1, -2)).amax(2, keepdim=True)  # max over tokens [L, n, 1, HV]
-    v_norm = v[:, :n].double().norm(dim=-1).amax(2, keepdim=True)
-    t = torch.arange(1, D + 1, dtype=torch.float64)[None, None, :, None]
-    bound = state_bound(t, h_norm, v_norm)
+    bound, out_bound = verify_bounds(ref_inter, v[:, :n])
     got = inter_kv[:, :n].double()
     if inter_dtype == torch.float32:
         assert ((got - ref_inter).norm(dim=(-1, -2)) <= bound).all()
@@ -282,7 +279,6 @@ def test_gdn_verify_matches_float64(state_dtype, inter_dtype):
         assert (diff <= bf16_ulp(torch.maximum(got.abs(), ref_b.abs()))).all()
         assert (diff > 0).double().mean() < 0.01
     # Outputs use the fp32 state kept on chip, not the stored one: same bound either way.
-    out_bound = K ** -0.5 * (bound + K * U32 * h_norm)
     assert ((out[:, :n].double() - ref_out).norm(dim=-1) <= out_bound).all()
     assert torch.isnan(out[:, n:]).all()  # the padded row computed from the NaN dummy: visible
 
