@@ -189,7 +189,8 @@ def bench(cfg: Config, layers: Optional[int] = None, steps: int = 20, naive_step
         "layers": cfg.num_layers,
         "preset_layers": preset_layers,
         "device": str(dev),
-        "verify_kernel": native.status() if dev.type == "cpu" else f"torch ops on {dev.type}",
+        "verify_kernel": sim.verify_description(),
+        "native_kernel": native.status() if dev.type == "cpu" else "not used off the CPU",
         "torch_threads": chosen,
         "probe_steps_per_s_by_threads": {str(c): 1.0 / t for c, t in probes.items()},
         "copy_bandwidth_GBps_by_threads": {str(c): b / 1e9 for c, b in copies.items()},
@@ -241,7 +242,7 @@ def format_bench(res: dict) -> str:
         f"{res['ssm_dtype']} states, {res['device']}, {res['torch_threads']} threads (probe steps/s "
         f"by threads: {_by_threads(res, 'probe_steps_per_s_by_threads')}), "
         f"load avg {res['load_avg_1min']:.2f}",
-        f"  GDN verify: {res['verify_kernel']}",
+        f"  GDN verify: {res['verify_kernel']}; native kernel status: {res['native_kernel']}",
         f"  vectorised  {res['steps_per_s']:9.2f} steps/s   (best of {res['repeats']} blocks of "
         f"{res['steps']} steps)",
         f"  naive       {res['naive_steps_per_s']:9.2f} steps/s   (best of {res['naive_steps']} "

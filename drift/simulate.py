@@ -250,10 +250,10 @@ class Simulation:
             steps=done, wall_s=time.perf_counter() - t0, mode=self.mode,
             update=self.update.name if self.update else "(sequential decode)",
             kernels=kernels_in_use(), device=str(self.device), stopped_early=stopped,
-            verify_kernel=self._verify_description(),
+            verify_kernel=self.verify_description(),
             untouched_violation=self.guard.first if self.guard else None)
 
-    def _verify_description(self) -> str:
+    def verify_description(self) -> str:
         """Which GDN verify ran: the portable kernel (native C or torch ops) or a plugged one."""
         fn = self.verify_kernel
         if self.mode != "mtp":
