@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .errors import DataError
 from .fileio import atomic_write_bytes
 
 _ND = "__ndarray__"
@@ -74,6 +75,9 @@ def load(path: str | os.PathLike) -> dict:
     """Read a checkpoint written by :func:`save` (no pickle: weights_only)."""
     path = Path(path)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise RuntimeError(f"checkpoint {path} cannot be read ({exc}); delete it to start the run over") from exc
+        raise DataError(f"checkpoint {path} cannot be read ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from exc
+    if not isinstance(state, dict):
+        raise DataError(f"checkpoint {path} holds a {type(state).__name__}, not a drift checkpoint")
+    return state

@@ -1,92 +1,119 @@
-"""Command line: ``drift run`` (the main job), ``bench``, ``bench-update``, ``nightly``, ``report merge``,
-``tradeoff``, ``mutants``, ``regen-golden``.
+"""The ``drift`` command: one parser, every sub-command registered in :data:`COMMANDS`.
 
-Exit codes: 0 every check passed; 1 a check failed; 2 usage, config, load or device error.
+  drift run            simulate MTP decode through an update and check it (the main job)
+  drift bench          simulator steps/s and bandwidth vs a naive loop and memcpy
+  drift bench-update   ops, bytes and host syncs per step of each update (cost model)
+  drift nightly        the long-horizon drift matrix with checkpoints and a report
+  drift report merge   combine the reports of nightly shards
+  drift tradeoff       syncs, bytes, drift and verdicts per built-in update
+  drift mutants        mutation score of the PR-gating checks
+  drift regen-golden   regenerate golden trajectories (deliberately: review the diff)
+
+Exit codes (:mod:`drift.errors`): 0 every check passed; 1 a check failed; 2 usage, config,
+load, data or device error -- every bad input is rejected before any work starts.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from typing import Optional, Sequence
+import tempfile
+from pathlib import Path
+from typing import Callable, Optional, Sequence
 
-from .config import DEFAULT_PRESET, PATTERNS, PRESETS, PROFILES, ROUNDINGS, ConfigError, preset
-from .devices import DeviceUnavailable, resolve_device
-from .golden import GoldenError
-from .loader import LoadError
-from .simulate import UpdateRaised
-from .costmodel import BATCH_SIZES, DEFAULT_STEPS
-from .updates import BUILTINS, DEFAULT_UPDATE
+from .config import Config, preset
+from .devices import resolve_device
+from .errors import EXIT_FAIL, EXIT_PASS, ConfigError, DriftError, UpdateRaised
+from .options import add_options, positive_int
+from .plug.loader import load_kernel, load_update
+from .plug.mutants import MUTANTS
+from .plug.updates import BUILTINS
 
-EXIT_PASS, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
-
-
-def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default=DEFAULT_PRESET, help=f"one of: {', '.join(PRESETS)} (default {DEFAULT_PRESET})")
-    p.add_argument("--steps", type=int, help="decode steps (default: the preset's)")
-    p.add_argument("--seed", type=int, help="stream seed (default: the preset's)")
-    p.add_argument("--device", default=None, help="cpu (default), cuda or npu")
-    p.add_argument("--profile", choices=sorted(PROFILES), help="state-store profile (default: the preset's: npu)")
-    p.add_argument("--rounding", choices=ROUNDINGS, help="store rounding of the state (default rne)")
-    p.add_argument("--pattern", choices=PATTERNS, help="acceptance pattern (default: the preset's)")
+PROG = "drift"
+CONFIG_OPTIONS = ("preset", "steps", "seed", "device", "profile", "rounding", "pattern")
 
 
-def config_from_args(args: argparse.Namespace):
+# ------------------------------------------------------------------ helpers
+def config_from_args(args: argparse.Namespace, **defaults) -> Config:
+    """The preset named by ``--preset`` with every config option given on the command line."""
     cfg = preset(args.preset)
-    if args.profile:
+    if getattr(args, "profile", None):
         cfg = cfg.with_profile(args.profile)
-    changes = {k: v for k, v in (("steps", args.steps), ("seed", args.seed), ("device", args.device),
-                                 ("store_rounding", args.rounding), ("pattern", args.pattern)) if v is not None}
-    return cfg.replace(**changes) if changes else cfg
+    fields = {"steps": "steps", "seed": "seed", "device": "device", "rounding": "store_rounding",
+              "pattern": "pattern"}
+    changes = {**defaults, **{f: getattr(args, a) for a, f in fields.items() if getattr(args, a, None) is not None}}
+    cfg = cfg.replace(**changes) if changes else cfg
+    resolve_device(cfg.device)
+    return cfg
+
+
+def writable_dir(path: Path, option: str) -> Path:
+    """Create ``path`` and prove a file can be written there, before any work starts."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".drift-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ConfigError(f"{option} {path}: cannot write there ({exc.strerror or exc}); pass a writable "
+                          "directory") from None
+    return path
+
+
+def _output_format(p: argparse.ArgumentParser) -> None:
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="print JSON")
+    fmt.add_argument("--markdown", action="store_true", help="print the Markdown table (the default)")
+
+
+# ---------------------------------------------------------------------- run
+def add_run(p: argparse.ArgumentParser) -> None:
+    add_options(p.add_argument, CONFIG_OPTIONS + ("update", "kernel", "mode"))
+    p.add_argument("--vs-sequential", action="store_true",
+                   help="also decode the stream sequentially in lockstep and report the MTP-vs-sequential divergence")
+    p.add_argument("--report", type=Path, metavar="DIR", help="write report.json, report.md and drift_vs_step.png here")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .report import progress_printer, summary_text, write_report
+    from .jobs.report import progress_printer, summary_text, write_report
     from .runner import run_checked
 
     cfg = config_from_args(args)
-    resolve_device(cfg.device)
-    progress = None if args.quiet else progress_printer(f"drift run {cfg.name}")
-    from .verify_kernels import load_kernel
-
+    report_dir = writable_dir(args.report, "--report") if args.report else None
+    update = load_update(args.update) if args.mode == "mtp" else None
     kernel = load_kernel(args.kernel)
-    rep = run_checked(cfg, args.update, mode=args.mode, progress=progress, vs_sequential=args.vs_sequential,
+    progress = None if args.quiet else progress_printer(f"drift run {cfg.name}")
+    rep = run_checked(cfg, update, mode=args.mode, progress=progress, vs_sequential=args.vs_sequential,
                       verify_kernel=kernel)
     print(summary_text(rep))
-    if args.report:
-        for path in write_report(rep, args.report):
+    if report_dir is not None:
+        for path in write_report(rep, report_dir):
             print(f"wrote {path}")
     return EXIT_PASS if rep.passed else EXIT_FAIL
 
 
+# -------------------------------------------------------------------- bench
+def add_bench(p: argparse.ArgumentParser) -> None:
+    add_options(p.add_argument, CONFIG_OPTIONS, defaults={"preset": "qwen3.5-397b-tp16"})
+    p.add_argument("--layers", type=positive_int, help="simulate only this many layers (default: all)")
+    p.add_argument("--bench-steps", type=positive_int, default=20, help="timed steps per block of the vectorised simulator")
+    p.add_argument("--naive-steps", type=positive_int, default=2, help="timed steps of the naive loop")
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed blocks of --bench-steps steps (best kept)")
+    p.add_argument("--threads", type=positive_int, help="CPU threads (default: the faster of 1 and torch's default, probed)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import bench, format_bench
+    from .jobs.bench import bench, format_bench
 
     cfg = config_from_args(args)
-    resolve_device(cfg.device)
     res = bench(cfg, layers=args.layers, steps=args.bench_steps, naive_steps=args.naive_steps,
                 repeats=args.repeats, threads=args.threads)
     print(json.dumps(res, indent=2) if args.json else format_bench(res))
     return EXIT_PASS
-
-
-def cmd_bench_update(args: argparse.Namespace) -> int:
-    from .costmodel import format_table, measure, to_json
-
-    cfg = preset(args.preset)
-    if args.device:
-        cfg = cfg.replace(device=args.device)
-    resolve_device(cfg.device)
-    rows = measure(cfg, updates=args.update or tuple(BUILTINS), batch_sizes=args.batches, steps=args.steps)
-    print(to_json(rows) if args.json else format_table(rows))
-    return EXIT_PASS
-
-
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
-    return int(text)
 
 
 def _batch_list(text: str) -> list[int]:
@@ -99,88 +126,189 @@ def _batch_list(text: str) -> list[int]:
     return out
 
 
+def add_bench_update(p: argparse.ArgumentParser) -> None:
+    from .syncs.costmodel import BATCH_SIZES, DEFAULT_STEPS
+
+    add_options(p.add_argument, ("preset", "device", "update"), repeat=("update",))
+    p.add_argument("--batches", type=_batch_list, default=list(BATCH_SIZES),
+                   help="comma-separated active-request counts (default 1,2,4,...,256)")
+    p.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS, help=f"decode steps averaged (default {DEFAULT_STEPS})")
+    p.add_argument("--json", action="store_true", help="print JSON (a list of objects)")
+
+
+def cmd_bench_update(args: argparse.Namespace) -> int:
+    from .syncs.costmodel import format_table, measure, to_json
+
+    cfg = config_from_args(argparse.Namespace(preset=args.preset, device=args.device))
+    updates = [load_update(u) for u in (args.update or BUILTINS)]
+    rows = measure(cfg, updates=updates, batch_sizes=args.batches, steps=args.steps)
+    print(to_json(rows) if args.json else format_table(rows))
+    return EXIT_PASS
+
+
+# ------------------------------------------------------------------ nightly
+def add_nightly(p: argparse.ArgumentParser) -> None:
+    from .jobs.nightly import (CPU_LAYERS, DEFAULT_CHECKPOINT_EVERY, DEFAULT_PRESETS, DEFAULT_STEPS,
+                               DEFAULT_UPDATES, TREND_FACTOR, VARIANTS)
+
+    add_options(p.add_argument, ("preset", "seed", "update"), repeat=("preset", "seed", "update"))
+    add_options(p.add_argument, ("steps", "device"), defaults={"steps": DEFAULT_STEPS})
+    p.add_argument("--variant", action="append", default=[], choices=VARIANTS,
+                   help=f"store variant (repeatable; default: all of {', '.join(VARIANTS)})")
+    p.add_argument("--layers", default="auto", help=f"auto ({CPU_LAYERS} on cpu, all elsewhere), all, or N")
+    p.add_argument("--report", type=Path, default=Path("nightly-report"), metavar="DIR", help="report directory")
+    p.add_argument("--checkpoint-every", type=positive_int, default=DEFAULT_CHECKPOINT_EVERY, metavar="N")
+    p.add_argument("--resume", action="store_true", help="continue from checkpoints and finished entries")
+    p.add_argument("--shard", help="run shard K of N (K/N), e.g. 2/4")
+    p.add_argument("--baseline", type=Path, help="previous report.json: flag heads whose error grew")
+    p.add_argument("--trend-factor", type=float, default=TREND_FACTOR)
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(nightly_defaults=(DEFAULT_PRESETS, DEFAULT_UPDATES))
+
+
+def cmd_nightly(args: argparse.Namespace) -> int:
+    from .jobs.nightly import VARIANTS, build_matrix, layers_for, parse_shard, read_report, run_nightly, shard
+    from .jobs.report import progress_printer
+
+    presets, updates = args.nightly_defaults
+    resolve_device(args.device)
+    layers = layers_for(args.device, args.layers)
+    updates = args.update or list(updates)
+    for spec in updates:
+        load_update(spec)  # a bad spec is an error now, not after hours
+    entries = build_matrix(args.preset or presets, args.seed or [0], updates, args.variant or VARIANTS,
+                           args.steps, layers)
+    k, n = parse_shard(args.shard)
+    mine = shard(entries, k, n)
+    baseline = read_report(args.baseline) if args.baseline else None
+    if not args.trend_factor > 0:
+        raise ConfigError(f"--trend-factor {args.trend_factor} is invalid; allowed: a number > 0")
+    out = writable_dir(args.report, "--report")
+    print(f"drift nightly: {len(mine)} of {len(entries)} entries (shard {k}/{n}), {args.steps} steps each, "
+          f"device {args.device}" + (f", at most {layers} layers per preset" if layers else ""), file=sys.stderr)
+    report, written = run_nightly(entries, mine, f"{k}/{n}", args.device, out, args.checkpoint_every, args.resume,
+                                  baseline, args.trend_factor, None if args.quiet else progress_printer)
+    for path in written:
+        print(f"wrote {path}")
+    if report["trend"]:
+        print(f"drift nightly: {len(report['trend'])} head(s) regressed past {args.trend_factor}x the baseline",
+              file=sys.stderr)
+    return EXIT_PASS if report["verdict"] == "pass" else EXIT_FAIL
+
+
+def add_report(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="report_command", required=True, metavar="{merge}")
+    m = sub.add_parser("merge", help="combine shard reports into one", description="Combine nightly shard reports.")
+    m.add_argument("dirs", nargs="+", type=Path, help="--report directories of the shards")
+    m.add_argument("-o", "--out", type=Path, required=True, help="output directory")
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from .jobs.nightly import merge
+
+    out = writable_dir(args.out, "--out")
+    rep = merge(args.dirs, out)
+    print(f"merged {len(rep['entries'])} entries into {out}")
+    return EXIT_PASS if rep["verdict"] == "pass" else EXIT_FAIL
+
+
+# -------------------------------------------------------------------- teeth
+def _teeth_config(args: argparse.Namespace) -> Config:
+    from .jobs.teeth import TEETH_STEPS
+
+    return preset(args.preset, steps=args.steps or TEETH_STEPS)
+
+
+def add_tradeoff(p: argparse.ArgumentParser) -> None:
+    from .jobs.teeth import TEETH_STEPS
+
+    add_options(p.add_argument, ("preset", "steps"), defaults={"steps": TEETH_STEPS})
+    _output_format(p)
+
+
+def cmd_tradeoff(args: argparse.Namespace) -> int:
+    from .jobs.teeth import tradeoff, tradeoff_markdown
+
+    cfg = _teeth_config(args)
+    rows = tradeoff(cfg)
+    print(json.dumps(rows, indent=2) if args.json else tradeoff_markdown(rows, cfg))
+    return EXIT_PASS
+
+
+def add_mutants(p: argparse.ArgumentParser) -> None:
+    from .jobs.teeth import TEETH_STEPS
+
+    add_options(p.add_argument, ("preset", "steps"), defaults={"steps": TEETH_STEPS})
+    p.add_argument("--mutant", action="append", choices=sorted(MUTANTS), help="only these (repeatable)")
+    _output_format(p)
+
+
+def cmd_mutants(args: argparse.Namespace) -> int:
+    from .jobs.teeth import catalogue, mutants_markdown
+
+    cfg = _teeth_config(args)
+    rows = catalogue(cfg, args.mutant)
+    print(json.dumps(rows, indent=2) if args.json else mutants_markdown(rows, cfg))
+    return EXIT_PASS if all(r["caught"] for r in rows) else EXIT_FAIL
+
+
+# ------------------------------------------------------------------- golden
+def add_regen_golden(p: argparse.ArgumentParser) -> None:
+    from .check.golden import GOLDEN_PRESETS
+
+    add_options(p.add_argument, ("preset",), repeat=("preset",))
+    add_options(p.add_argument, ("seed",))
+    p.set_defaults(golden_presets=GOLDEN_PRESETS)
+    p.add_argument("--force", action="store_true", help="overwrite golden data that changed")
+    p.add_argument("--golden-dir", type=Path, metavar="DIR",
+                   help="golden directory (default: $DRIFT_GOLDEN_DIR, else the one drift reads)")
+
+
+def cmd_regen_golden(args: argparse.Namespace) -> int:
+    from .check.golden import golden_dir, regenerate
+
+    directory = writable_dir(args.golden_dir or golden_dir(), "--golden-dir")
+    return regenerate(args.preset or args.golden_presets, args.seed, args.force, directory)
+
+
+# ---------------------------------------------------------------- registry
+COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
+    "run": ("simulate MTP decode through an update and check it (the main job)", add_run, cmd_run),
+    "bench": ("simulated steps/s and bandwidth vs a naive loop and memcpy", add_bench, cmd_bench),
+    "bench-update": ("cost model of the update: ops, bytes and host syncs per step", add_bench_update,
+                     cmd_bench_update),
+    "nightly": ("long-horizon drift matrix with checkpoints and a report", add_nightly, cmd_nightly),
+    "report": ("report tools: drift report merge SHARD_DIRS... -o OUT", add_report, cmd_report),
+    "tradeoff": ("syncs, bytes, drift and verdicts per built-in update", add_tradeoff, cmd_tradeoff),
+    "mutants": ("mutation score of the PR-gating checks", add_mutants, cmd_mutants),
+    "regen-golden": ("regenerate golden trajectories (review the printed diff)", add_regen_golden,
+                     cmd_regen_golden),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="drift", description="Precision-drift and host-sync regression suite "
+    ap = argparse.ArgumentParser(prog=PROG, description="Precision-drift and host-sync regression suite "
                                  "for the MTP state update of hybrid linear-attention models.",
                                  epilog="Exit codes: 0 every check passed, 1 a check failed, 2 usage, config, "
-                                        "golden, load or device error.")
-    sub = ap.add_subparsers(dest="command", required=True)
-
-    run = sub.add_parser("run", help="simulate MTP decode through an update and check it (the main job)")
-    _add_config_args(run)
-    run.add_argument("--update", default=DEFAULT_UPDATE,
-                     help="built-in (guarded, sync_free, device_select), module:qualname or file.py:qualname "
-                          f"(default {DEFAULT_UPDATE})")
-    run.add_argument("--kernel", default=None, metavar="SPEC",
-                     help="verify kernel under test: portable (default), npu, npu-op:<spec>, mutant:<name>, "
-                          "module:qualname or file.py:qualname")
-    run.add_argument("--mode", choices=("mtp", "sequential"), default="mtp",
-                     help="mtp (default) or sequential non-MTP decode of the same stream")
-    run.add_argument("--vs-sequential", action="store_true",
-                     help="also decode the stream sequentially in lockstep and report the MTP-vs-sequential divergence")
-    run.add_argument("--report", metavar="DIR", help="write report.json and report.md here")
-    run.add_argument("--quiet", action="store_true", help="no progress output")
-    run.set_defaults(func=cmd_run)
-
-    b = sub.add_parser("bench", help="simulated steps/s and bandwidth vs a naive loop and memcpy")
-    _add_config_args(b)
-    b.set_defaults(preset="qwen3.5-397b-tp16")
-    b.add_argument("--layers", type=int, default=None, help="simulate only this many layers (default: all)")
-    b.add_argument("--bench-steps", type=int, default=20, help="timed steps per block of the vectorised simulator")
-    b.add_argument("--naive-steps", type=int, default=2, help="timed steps of the naive loop")
-    b.add_argument("--repeats", type=int, default=3, help="timed blocks of --bench-steps steps (best kept)")
-    b.add_argument("--threads", type=int, default=None,
-                   help="CPU threads (default: the faster of 1 and torch's default, probed)")
-    b.add_argument("--json", action="store_true", help="print JSON")
-    b.set_defaults(func=cmd_bench)
-
-    bu = sub.add_parser("bench-update", help="cost model of the update: ops, bytes (from shapes) and host "
-                                             "syncs per step, per implementation and batch size")
-    bu.add_argument("--preset", default=DEFAULT_PRESET, help=f"one of: {', '.join(PRESETS)} (default {DEFAULT_PRESET})")
-    bu.add_argument("--device", default=None, help="cpu (default); cuda or npu adds device latency")
-    bu.add_argument("--update", action="append", help="implementation (repeatable; default: the built-ins)")
-    bu.add_argument("--batches", type=_batch_list, default=list(BATCH_SIZES),
-                    help="comma-separated active-request counts (default 1,2,4,...,256)")
-    bu.add_argument("--steps", type=_positive, default=DEFAULT_STEPS,
-                    help=f"decode steps averaged (default {DEFAULT_STEPS})")
-    bu.add_argument("--json", action="store_true", help="print JSON (a list of objects)")
-    bu.set_defaults(func=cmd_bench_update)
-    sub.add_parser("nightly", help="long-horizon drift matrix with checkpoints and a report (see drift nightly --help)")
-    sub.add_parser("report", help="report tools: drift report merge SHARD_DIRS... -o OUT")
-    sub.add_parser("tradeoff", help="syncs, bytes, drift and verdicts per built-in (see drift tradeoff --help)")
-    sub.add_parser("mutants", help="mutation score of the PR-gating checks (see drift mutants --help)")
-    sub.add_parser("regen-golden", help="regenerate golden trajectories (same as scripts/regen_golden.py; "
-                                        "see drift regen-golden --help)")
+                                        "load, data or device error.")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
+    for name, (text, add, run) in COMMANDS.items():
+        p = sub.add_parser(name, help=text, description=text[:1].upper() + text[1:] + ".")
+        add(p)
+        p.set_defaults(func=run)
     return ap
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["regen-golden"]:
-        from .golden import regen_main
-        return regen_main(argv[1:])
-    if argv[:1] == ["nightly"]:
-        from .nightly import main as nightly_main
-        return nightly_main(argv[1:])
-    if argv[:1] == ["report"]:
-        from .nightly import report_main
-        return report_main(argv[1:])
-    if argv[:1] == ["tradeoff"]:
-        from .teeth import tradeoff_main
-        return tradeoff_main(argv[1:])
-    if argv[:1] == ["mutants"]:
-        from .teeth import mutants_main
-        return mutants_main(argv[1:])
-    ap = build_parser()
-    args = ap.parse_args(argv)
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
     try:
         return args.func(args)
-    except (ConfigError, LoadError, DeviceUnavailable, GoldenError) as exc:
-        print(f"drift: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
     except UpdateRaised as exc:
-        print(f"drift: FAIL: {exc}", file=sys.stderr)
-        return EXIT_FAIL
+        print(f"{PROG} {args.command}: FAIL: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except DriftError as exc:
+        print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from .errors import ConfigError
+
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
@@ -42,10 +44,6 @@ PROFILES: dict[str, dict[str, str]] = {
 # drift.stream keys its generators with the seed masked to 32 bits: a larger seed would
 # silently replay the stream of seed % 2^32 under a different stream_hash.
 SEED_MAX = 2**32 - 1
-
-
-class ConfigError(ValueError):
-    """A config field has a value outside what it allows."""
 
 
 @dataclass(frozen=True)

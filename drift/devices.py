@@ -6,9 +6,7 @@ import importlib
 
 import torch
 
-
-class DeviceUnavailable(RuntimeError):
-    """The requested accelerator is not present on this machine."""
+from .errors import DeviceUnavailable
 
 
 def npu_available() -> bool:

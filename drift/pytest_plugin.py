@@ -8,10 +8,11 @@ An engine's CI runs drift's PR-gating checks against its own code::
 
 Options:
   --drift-device D      cpu (default), cuda or npu: where the simulation runs
-  --drift-update SPEC   an implementation under test (repeatable; default: device_select)
+  --drift-update SPEC   an implementation under test (repeatable; default: sglang-0.5.23)
   --drift-kernel SPEC   the verify kernel under test (default: drift's portable kernel)
   --drift-preset P      the preset (default ci-small)
   --drift-steps N       decode steps (default: the preset's)
+  --drift-seed S        the stream's seed (default: the preset's)
   --drift-force-regen   regenerate golden data a test asks for, then fail that test so the
                         change is reviewed (as pytest-regressions' --force-regen)
 
@@ -23,25 +24,27 @@ from __future__ import annotations
 
 import pytest
 
+from drift.check.golden import GOLDEN_PRESETS, load_golden, regenerate
+from drift.config import preset
+from drift.devices import resolve_device
+from drift.errors import DeviceUnavailable
+from drift.options import DEFAULTS, add_options, dest
+from drift.plug.loader import load_kernel
+from drift.sim import native
+
 DEVICE_MARKERS = ("cuda", "npu")
 MARKERS = {
     "nightly": "long-horizon drift runs (excluded by default; run with pytest -m nightly -n auto)",
     "cuda": "needs a CUDA device (select with --drift-device cuda)",
     "npu": "needs an Ascend NPU through torch_npu (select with --drift-device npu)",
 }
-DEFAULT_GATE_UPDATE = "device_select"
+PREFIX = "drift-"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("drift", "drift precision-drift suite")
-    group.addoption("--drift-device", default="cpu", help="cpu (default), cuda or npu")
-    group.addoption("--drift-update", action="append", default=[], metavar="SPEC",
-                    help="update under test: built-in, mutant:<name>, module:qualname or file.py:qualname "
-                         f"(repeatable; default {DEFAULT_GATE_UPDATE})")
-    group.addoption("--drift-kernel", default=None, metavar="SPEC",
-                    help="verify kernel under test: portable (default), npu, npu-op:<spec>, mutant:<name>, <spec>")
-    group.addoption("--drift-preset", default="ci-small", help="preset (default ci-small)")
-    group.addoption("--drift-steps", type=int, default=None, help="decode steps (default: the preset's)")
+    add_options(group.addoption, ("device", "update", "kernel", "preset", "steps", "seed"), prefix=PREFIX,
+                repeat=("update",))
     group.addoption("--drift-force-regen", action="store_true", default=False,
                     help="regenerate golden trajectories used by the tests (then fail them for review)")
 
@@ -53,8 +56,6 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_report_header(config: pytest.Config) -> str:
     """Which GDN verify the CPU runs (the native C kernel, or why the torch-op path)."""
-    from drift import native
-
     return f"drift: CPU GDN verify: {native.status()}"
 
 
@@ -65,8 +66,6 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             continue
         if asked != dev:
             pytest.skip(f"needs the {dev} device, which this run did not ask for (--drift-device {dev})")
-        from drift.devices import DeviceUnavailable, resolve_device
-
         try:
             resolve_device(item.config.getoption("--drift-device"))
         except DeviceUnavailable as exc:
@@ -75,43 +74,37 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "drift_update" in metafunc.fixturenames:
-        specs = metafunc.config.getoption("--drift-update") or [DEFAULT_GATE_UPDATE]
+        specs = metafunc.config.getoption(dest(PREFIX, "update")) or [DEFAULTS["update"]]
         metafunc.parametrize("drift_update", specs, ids=[s.rsplit(":", 1)[-1][:60] for s in specs])
 
 
 @pytest.fixture
 def drift_device(request: pytest.FixtureRequest) -> str:
-    return request.config.getoption("--drift-device")
+    return request.config.getoption(dest(PREFIX, "device"))
 
 
 @pytest.fixture
 def drift_config(request: pytest.FixtureRequest, drift_device: str):
     """The preset chosen by --drift-preset/--drift-steps, on --drift-device."""
-    from drift.config import preset
-
-    cfg = preset(request.config.getoption("--drift-preset"), device=drift_device)
-    steps = request.config.getoption("--drift-steps")
-    return cfg.replace(steps=steps) if steps else cfg
+    opt = request.config.getoption
+    cfg = preset(opt(dest(PREFIX, "preset")), device=drift_device)
+    changes = {k: opt(dest(PREFIX, k)) for k in ("steps", "seed") if opt(dest(PREFIX, k)) is not None}
+    return cfg.replace(**changes) if changes else cfg
 
 
 @pytest.fixture
 def drift_kernel(request: pytest.FixtureRequest):
-    """The verify kernel under test (--drift-kernel), or None for drift's portable kernel."""
-    from drift.verify_kernels import load_kernel
-
-    spec = request.config.getoption("--drift-kernel")
-    return None if spec is None else load_kernel(spec)
+    """The verify kernel under test (--drift-kernel; drift's portable kernel by default)."""
+    return load_kernel(request.config.getoption(dest(PREFIX, "kernel")))
 
 
 @pytest.fixture
 def drift_golden(request: pytest.FixtureRequest):
-    """``drift_golden(cfg)`` -> the loaded :class:`drift.golden.Golden` for ``cfg``.
+    """``drift_golden(cfg)`` -> the loaded :class:`drift.check.golden.Golden` for ``cfg``.
 
     Fails (never skips) when the golden is missing or broken. With --drift-force-regen it
     regenerates it first and fails the test, naming what changed.
     """
-    from drift.golden import GOLDEN_PRESETS, load_golden, regenerate
-
     def get(cfg):
         if request.config.getoption("--drift-force-regen"):
             import io
@@ -123,7 +116,7 @@ def drift_golden(request: pytest.FixtureRequest):
         golden, note = load_golden(cfg)
         if golden is None:
             pytest.fail(f"no golden data for {cfg.name} seed {cfg.seed} ({note}); PR-gating presets "
-                        f"{GOLDEN_PRESETS} must have it: python scripts/regen_golden.py --preset {cfg.name}")
+                        f"{GOLDEN_PRESETS} must have it: drift regen-golden --preset {cfg.name}")
         return golden
 
     return get

@@ -9,12 +9,17 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from .bounds import BoundCheck, GrowthCheck
-from .checks import Check, CheckResult, core_checks, untouched_result
-from .compare import Comparison, SequentialShadow
+from .check.bounds import BoundCheck, GrowthCheck
+from .check.checks import Check, core_checks, untouched_result
+from .check.compare import Comparison
+from .check.result import CheckResult
+from .check.shadow import SequentialShadow
 from .config import Config
-from .reference import F64
+from .plug.updates import DEFAULT_UPDATE
+from .sim.twin import F64
 from .simulate import ResumePoint, RunInfo, Simulation
+from .syncs.scan import sync_check
+from .version import __version__
 
 
 @dataclass
@@ -29,7 +34,7 @@ class RunReport:
 
     @property
     def passed(self) -> bool:
-        return all(c.passed for c in self.checks) and self.info.stopped_early is None
+        return not any(c.failed for c in self.checks) and self.info.stopped_early is None
 
     def to_dict(self) -> dict:
         info = self.info
@@ -50,7 +55,6 @@ class RunReport:
 
 
 def versions() -> dict:
-    from . import __version__
     return {"drift": __version__, "torch": torch.__version__, "numpy": np.__version__,
             "python": platform.python_version()}
 
@@ -65,7 +69,7 @@ class CheckedRun:
     :class:`ResumePoint` with the bound envelope it carries there.
     """
 
-    def __init__(self, cfg: Config, update="sync_free", mode: str = "mtp",
+    def __init__(self, cfg: Config, update=DEFAULT_UPDATE, mode: str = "mtp",
                  checks: Optional[Sequence[Check]] = None, verify_kernel=None, golden=None,
                  vs_sequential: bool = False, start: Optional[ResumePoint] = None,
                  env2_start: Optional[np.ndarray] = None, observers: Sequence = ()):
@@ -97,8 +101,6 @@ class CheckedRun:
         if self.mode == "mtp":
             results.append(untouched_result(info.untouched_violation, info.steps))
             if sync_scan:
-                from .syncs import sync_check
-
                 results.append(sync_check(self.cfg, self.sim.update))
         if info.stopped_early:
             results.append(CheckResult("run completed", False, None, None, "", f"stopped early: {info.stopped_early}"))
@@ -108,7 +110,7 @@ class CheckedRun:
         return RunReport(self.cfg, info, self.results(info, sync_scan), self.comparison.reference_description())
 
 
-def run_checked(cfg: Config, update="sync_free", mode: str = "mtp", steps: Optional[int] = None,
+def run_checked(cfg: Config, update=DEFAULT_UPDATE, mode: str = "mtp", steps: Optional[int] = None,
                 checks: Optional[Sequence[Check]] = None,
                 progress: Optional[Callable[[int, int], None]] = None,
                 verify_kernel=None, golden=None, vs_sequential: bool = False,
@@ -188,7 +190,7 @@ class SnapshotCatcher:
         return point, env2
 
 
-def capture_snapshots(cfg: Config, update="sync_free", after_step: int = 256,
+def capture_snapshots(cfg: Config, update=DEFAULT_UPDATE, after_step: int = 256,
                       steps: Optional[int] = None) -> tuple[RunReport, ResumePoint, np.ndarray]:
     """Run ``cfg`` (checked) and capture every row's first tracked snapshot after ``after_step``:
     the prefix-cache entry a later request with the same prefix would load (cache hit)."""

@@ -23,23 +23,20 @@ from typing import Callable, Optional, Protocol, Sequence
 import numpy as np
 import torch
 
-from . import kernels
 from .checkpoint import restore, saveable
 from .config import Config
 from .devices import resolve_device
-from .loader import Update, kernels_in_use, load_update
-from .pool import STALE, Harness, StatePool
-from .reference import prefill
-from .stream import InputStream
+from .errors import UpdateRaised
+from .plug.loader import Update, load_update
+from .plug.shim import kernels_in_use
+from .plug.updates import DEFAULT_UPDATE
+from .sim import kernels
+from .sim.kernels import VerifyKernel
+from .sim.pool import STALE, Harness, StatePool
+from .sim.stream import InputStream
+from .sim.twin import prefill
 
 MODES = ("mtp", "sequential")
-VerifyKernel = Callable[..., torch.Tensor]  # the signature of drift.kernels.gdn_verify
-
-
-class UpdateRaised(RuntimeError):
-    """The update under test raised an exception (reported as a failed run, not a crash)."""
-
-
 class StopRun(Exception):
     """Raised by an observer to end the run early (a fatal finding such as NaN)."""
 
@@ -144,11 +141,11 @@ class RunInfo:
 class Simulation:
     """MTP (or sequential) decode of ``cfg`` through the update under test.
 
-    update: a spec string, an :class:`~drift.loader.Update` or a callable (mtp mode).
-    verify_kernel: replaces :func:`drift.kernels.gdn_verify` (same signature).
+    update: a spec string, an :class:`~drift.plug.loader.Update` or a callable (mtp mode).
+    verify_kernel: replaces :func:`drift.sim.kernels.gdn_verify` (same signature).
     """
 
-    def __init__(self, cfg: Config, update: str | Update | Callable | None = "sync_free",
+    def __init__(self, cfg: Config, update: str | Update | Callable | None = DEFAULT_UPDATE,
                  mode: str = "mtp", observers: Sequence[Observer] = (),
                  verify_kernel: Optional[VerifyKernel] = None, check_untouched: bool = True,
                  device: Optional[torch.device] = None, start: Optional[ResumePoint] = None):
@@ -159,7 +156,7 @@ class Simulation:
         self.device = device if device is not None else resolve_device(cfg.device)
         self.update = None
         if mode == "mtp":
-            self.update = update if isinstance(update, Update) else load_update(update or "sync_free")
+            self.update = update if isinstance(update, Update) else load_update(update or DEFAULT_UPDATE)
         self.verify_kernel = verify_kernel or kernels.gdn_verify
         self.stream = InputStream(cfg, self.device)
         self.params = self.stream.params.to(self.device)

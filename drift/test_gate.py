@@ -1,6 +1,6 @@
 """drift's PR gate for the code under test: ``pytest --pyargs drift [--drift-update SPEC ...]``.
 
-Every implementation named with --drift-update (default: the built-in device_select) gets
+Every implementation named with --drift-update (default: the built-in sglang-0.5.23) gets
 the full PR-gating checks on --drift-preset (default ci-small): precision against golden
 over the preset's horizon, and freedom from host syncs with tracking on and off. Tests
 marked ``cuda`` / ``npu`` run the same on that device when --drift-device asks for it.
@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 
 from drift.runner import run_checked
-from drift.syncs import SyncDetector, sync_check
+from drift.syncs.detector import SyncDetector
+from drift.syncs.scan import sync_check
 
 
 def _failures(rep) -> str:
-    return "; ".join(f"{c.name}: {c.detail} ({c.where})" for c in rep.checks
-                     if not c.passed and c.extra.get("kind") != "info") or "none"
+    return "; ".join(f"{c.name}: {c.detail} ({c.where})" for c in rep.checks if c.failed) or "none"
 
 
 def test_update_keeps_precision(drift_config, drift_update, drift_kernel, drift_golden):

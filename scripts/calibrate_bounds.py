@@ -32,7 +32,7 @@ def one(args: tuple[str, str, int, int]) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from drift.bounds import BoundCheck
+    from drift.check.bounds import BoundCheck
     from drift.config import preset
     from drift.runner import run_checked
 
@@ -41,7 +41,7 @@ def one(args: tuple[str, str, int, int]) -> dict:
     cfg = preset(preset_name, seed=seed, store_rounding=spec["rounding"])
     bound = BoundCheck(constant=1.0)
     t0 = time.perf_counter()
-    run_checked(cfg, "device_select", mode=spec["mode"], steps=steps, checks=[bound], golden=False)
+    run_checked(cfg, "sglang-0.5.23", mode=spec["mode"], steps=steps, checks=[bound], golden=False)
     s = bound.summary()
     return {"case": case, "preset": preset_name, "seed": seed, "steps": steps,
             "worst_ratio": max(max(r) for r in s["worst_ratio_per_head"]),
@@ -65,7 +65,7 @@ def main() -> int:
             rows.append(r)
             print(f"{r['case']:16s} seed {r['seed']:2d}: worst ratio {r['worst_ratio']:.4f} ({r['seconds']} s)",
                   flush=True)
-    from drift.bounds import BOUND_MARGIN
+    from drift.check.bounds import BOUND_MARGIN
     from drift.fileio import atomic_write_json
 
     worst = max(r["worst_ratio"] for r in rows)

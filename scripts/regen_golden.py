@@ -1,19 +1,18 @@
-#!/usr/bin/env python3
-"""Regenerate golden trajectories (deliberately; review the printed diff before committing).
+"""Regenerate golden trajectories deliberately (the same as ``drift regen-golden``).
 
     python scripts/regen_golden.py                      # all PR-gating presets
     python scripts/regen_golden.py --preset ci-small --force
 
-Same as ``drift regen-golden``. Refuses to overwrite changed data without --force; writes
-atomically; unchanged data leaves every file untouched.
+Refuses to overwrite changed data without --force; writes the new file under a
+content-addressed name, swaps the manifest atomically, prints a diff summary to review.
 """
 
+import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from drift.golden import regen_main  # noqa: E402
+from drift.cli import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(regen_main())
+    sys.exit(main(["regen-golden", *sys.argv[1:]]))

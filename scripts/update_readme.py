@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT))
 
 from drift.config import preset  # noqa: E402
 from drift.fileio import atomic_write_text  # noqa: E402
-from drift.teeth import TEETH_STEPS, catalogue, mutants_markdown, tradeoff, tradeoff_markdown  # noqa: E402
+from drift.jobs.teeth import TEETH_STEPS, catalogue, mutants_markdown, tradeoff, tradeoff_markdown  # noqa: E402
 
 
 def replace_section(text: str, name: str, body: str) -> str:

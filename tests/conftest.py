@@ -15,8 +15,10 @@ import pytest
 import torch
 
 from drift import preset
-from drift.checks import CheckResult, core_checks
-from drift.loader import sgl_kernels
+from drift.check.checks import core_checks
+from drift.check.result import CheckResult
+from drift.plug.shim import sgl_kernels
+from drift.plug.updates import DEFAULT_UPDATE
 from drift.runner import run_checked
 from drift.simulate import Simulation
 
@@ -117,7 +119,7 @@ class StepHook:
         pass
 
 
-def run_sim(cfg, update="sync_free", on_step: Optional[Callable] = None, **kwargs) -> Simulation:
+def run_sim(cfg, update=DEFAULT_UPDATE, on_step: Optional[Callable] = None, **kwargs) -> Simulation:
     """Build and run a simulation; ``on_step(sim, view)`` sees every step."""
     observers = [StepHook(on_step)] if on_step is not None else []
     sim = Simulation(cfg, update, observers=observers, **kwargs)
@@ -125,7 +127,7 @@ def run_sim(cfg, update="sync_free", on_step: Optional[Callable] = None, **kwarg
     return sim
 
 
-def pool_digests(cfg, update="sync_free", **kwargs) -> list[str]:
+def pool_digests(cfg, update=DEFAULT_UPDATE, **kwargs) -> list[str]:
     """Per step: digest of the whole pool (committed states, conv windows, scratch) and
     the step's outputs."""
     out: list[str] = []
@@ -148,7 +150,7 @@ def committed_by_position(cfg, **kwargs) -> dict:
     return states
 
 
-def checks_of(cfg, update="sync_free", **kwargs) -> dict[str, CheckResult]:
+def checks_of(cfg, update=DEFAULT_UPDATE, **kwargs) -> dict[str, CheckResult]:
     """``run_checked`` with the semantic core checks (issue 2; not the drift bound, which is
     calibrated on the presets' shapes, not on these small configs; nor the host-sync scan,
     which tests/test_syncs.py covers) as a dict check name -> result, plus the report under

@@ -11,10 +11,11 @@ import math
 import pytest
 import torch
 
-from drift import native
-from drift.bench import bench, format_bench, min_bytes_per_step, naive_step
+from drift.sim import native
+from drift.jobs.bench import bench, format_bench, min_bytes_per_step, naive_step
 from drift.cli import main
-from drift.config import ConfigError, preset
+from drift.config import preset
+from drift.errors import ConfigError
 from drift.simulate import Simulation
 
 # A small copy buffer keeps the tests fast; its bandwidth (partly in cache) means nothing here.
@@ -108,7 +109,9 @@ def test_cli_json_and_usage_error(capsys):
                "--repeats", "1", "--threads", "1", "--json"])
     assert rc == 0
     check_report(json.loads(capsys.readouterr().out))
-    assert main(["bench", "--preset", "ci-small", "--bench-steps", "0"]) == 2
+    with pytest.raises(SystemExit) as exc:  # rejected by the parser: exit 2 before any work
+        main(["bench", "--preset", "ci-small", "--bench-steps", "0"])
+    assert exc.value.code == 2
 
 
 class _Outputs:

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from conftest import bad_spec, checks_of, small_cfg
-from drift.checks import SEMANTIC_TOL, Check, StateCheck, TrackCheck, untouched_result
-from drift.compare import PER_HEAD, PER_ROW, MetricsChunk
-from drift.metrics import rel_err
+from drift.check.checks import SEMANTIC_TOL, Check, StateCheck, TrackCheck, untouched_result
+from drift.check.compare import PER_HEAD, PER_ROW, MetricsChunk
+from drift.check.metrics import rel_err
 
 CORE = ("finite states", "committed state", "outputs", "conv windows", "tracked snapshots",
         "untouched slots")
@@ -27,7 +27,7 @@ STEPS = 200
 
 @pytest.fixture(scope="module")
 def good():
-    return checks_of(small_cfg(STEPS), "sync_free")
+    return checks_of(small_cfg(STEPS), "sglang-32130")
 
 
 def test_correct_update_passes_every_core_check(good):
@@ -102,12 +102,12 @@ def test_nan_commit_stops_the_run_and_fails():
 
 def test_wrong_outputs_fail_the_output_check_only(good):
     """A verify kernel whose outputs are 1.5x too large (states untouched) fails 'outputs'."""
-    from drift.kernels import gdn_verify
+    from drift.sim.kernels import gdn_verify
 
     def scaled(*args, **kwargs):
         return gdn_verify(*args, **kwargs) * 1.5
 
-    res = checks_of(small_cfg(STEPS), "sync_free", verify_kernel=scaled)
+    res = checks_of(small_cfg(STEPS), "sglang-32130", verify_kernel=scaled)
     assert not res["outputs"].passed
     # |1.5 (o + e) - o| / |o| = 0.5 up to 1.5 |e| / |o|, where e is the correct run's own
     # rounding error (its 'outputs' worst, same stream and steps).

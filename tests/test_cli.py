@@ -12,33 +12,35 @@ import json
 import pytest
 
 from conftest import bad_spec
-from drift import native
-from drift.cli import EXIT_FAIL, EXIT_PASS, EXIT_USAGE, main
+from drift.sim import native
+from drift.cli import main
+from drift.errors import EXIT_FAIL, EXIT_PASS, EXIT_USAGE
 
 RUN = ["run", "--steps", "40", "--quiet"]
 
 
-def test_passing_run_exits_0_and_prints_the_table(capsys):
-    assert main(RUN + ["--update", "device_select"]) == EXIT_PASS
+def test_default_run_passes_and_prints_the_table(capsys):
+    """``drift run`` with no update runs the released sglang-0.5.23 and passes every check."""
+    assert main(RUN) == EXIT_PASS
     out = capsys.readouterr().out
-    assert "update device_select, 40 steps (mtp)" in out and "PASS: every check passed" in out
+    assert "update sglang-0.5.23, 40 steps (mtp)" in out and "PASS: every check passed" in out
     for name in ("finite states", "committed state", "outputs", "conv windows", "tracked snapshots",
                  "untouched slots", "drift bound", "host syncs"):
         assert name in out
 
 
-def test_default_update_fails_only_on_its_tracking_sync(capsys):
-    """The default (sync_free, sglang #32130) is precise but syncs on its boolean-mask tracking
-    path: the quick start's run exits 1 naming that line, every other check passing."""
-    assert main(RUN) == EXIT_FAIL
+def test_sglang_32130_fails_only_on_its_tracking_sync(capsys):
+    """sglang #32130 is precise but syncs on its boolean-mask tracking path: the README's second
+    run exits 1 naming that line, every other check passing."""
+    assert main(RUN + ["--update", "sglang-32130"]) == EXIT_FAIL
     out = capsys.readouterr().out
     assert out.rstrip().endswith("FAIL: host syncs")
-    assert "drift/updates.py" in out and "Tensor.__getitem__" in out
+    assert "drift/plug/parts.py:" in out and "Tensor.__getitem__" in out and "track_boolean_mask" in out
 
 
 @pytest.mark.parametrize("args", [["--mode", "sequential"],
-                                  ["--update", "device_select", "--profile", "fp32", "--pattern", "all-D"],
-                                  ["--update", "device_select", "--rounding", "stochastic", "--seed", "3"]])
+                                  ["--update", "sglang-0.5.23", "--profile", "fp32", "--pattern", "all-D"],
+                                  ["--update", "sglang-0.5.23", "--rounding", "stochastic", "--seed", "3"]])
 def test_other_correct_configurations_exit_0(args):
     assert main(RUN + args) == EXIT_PASS
 
@@ -62,7 +64,7 @@ def test_report_files_even_for_a_nan_run(tmp_path, capsys):
 
 
 def test_report_of_a_passing_run(tmp_path):
-    assert main(RUN + ["--update", "device_select", "--report", str(tmp_path)]) == EXIT_PASS
+    assert main(RUN + ["--update", "sglang-0.5.23", "--report", str(tmp_path)]) == EXIT_PASS
     rep = json.loads((tmp_path / "report.json").read_text())
     assert rep["verdict"] == "pass" and all(c["passed"] for c in rep["checks"])
     # ci-small's npu-layout bf16 states with RNE stores are what the native kernel takes.
@@ -73,9 +75,6 @@ def test_report_of_a_passing_run(tmp_path):
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--preset", "nope"], "preset='nope' is not known; allowed: ci-small"),
-    (["--steps", "0"], "steps=0 is invalid; allowed: an integer >= 1"),
-    (["--seed", "-1"], "seed=-1 is invalid"),
     (["--update", "/nonexistent/upd.py:fn"], "not found"),
     (["--update", "sync_fre"], "not a built-in"),
     (["--update", f"{bad_spec('nope')}"], "has no attribute 'nope'"),
@@ -85,14 +84,42 @@ def test_report_of_a_passing_run(tmp_path):
 def test_usage_config_load_and_device_errors_exit_2(cpu_only, capsys, args, words):
     assert main(RUN + args) == EXIT_USAGE
     err = capsys.readouterr().err
-    assert err.startswith("drift: error: ") and words in err
+    assert err.startswith("drift run: error: ") and words in err
 
 
-def test_bad_arguments_exit_2(capsys):
-    for args in (["run", "--steps", "many"], ["run", "--profile", "tpu"], ["fly"]):
-        with pytest.raises(SystemExit) as exc:
-            main(args)
-        assert exc.value.code == EXIT_USAGE
+@pytest.mark.parametrize("args, words", [
+    (["run", "--steps", "many"], "'many' is not an integer >= 1"),
+    (["run", "--steps", "0"], "'0' is not an integer >= 1"),
+    (["run", "--seed", "-1"], "seed '-1' is invalid"),
+    (["run", "--preset", "nope"], "preset 'nope' is not known; allowed: ci-small"),
+    (["run", "--profile", "tpu"], "profile 'tpu' is not known"),
+    (["run", "--device", "tpu"], "device 'tpu' is not known"),
+    (["fly"], "invalid choice: 'fly'"),
+    (["tradeoff", "--steps", "0"], "'0' is not an integer >= 1"),  # it used to run 1,024 steps silently
+    (["mutants", "--steps", "-3"], "'-3' is not an integer >= 1"),
+    (["bench", "--layers", "0"], "'0' is not an integer >= 1"),
+    (["bench-update", "--batches", "0,2"], "is not a comma-separated list of batch sizes >= 1"),
+])
+def test_bad_arguments_exit_2(capsys, args, words):
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert exc.value.code == EXIT_USAGE and words in capsys.readouterr().err
+
+
+def test_unwritable_report_dir_is_rejected_before_the_run(capsys):
+    """--report /proc/x used to run the whole simulation, then die with a traceback (exit 1)."""
+    assert main(RUN + ["--report", "/proc/drift-report"]) == EXIT_USAGE
+    captured = capsys.readouterr()
+    assert "drift run: error: --report /proc/drift-report: cannot write there" in captured.err
+    assert "drift run: preset" not in captured.out  # no simulation ran
+
+
+@pytest.mark.parametrize("command", ["run", "nightly", "tradeoff", "mutants", "regen-golden", "bench",
+                                     "bench-update", "report"])
+def test_every_command_calls_itself_by_its_name(capsys, command):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    assert capsys.readouterr().out.startswith(f"usage: drift {command} ")
 
 
 def test_an_update_that_raises_fails_the_run_with_its_message(tmp_path, capsys):

@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from drift.config import PRESETS, PROFILES, Config, ConfigError, preset
+from drift.config import PRESETS, PROFILES, Config, preset
+from drift.errors import ConfigError
 
 BASE = preset("ci-small")
 
@@ -119,7 +120,7 @@ def test_qwen_preset_has_the_real_per_rank_shapes():
 
 def test_stagnation_preset_is_adversarial():
     c = PRESETS["stagnation"]
-    assert all(0.998 <= d < 1 for d in c.decays)  # above bf16's stagnation threshold (REFERENCE 3)
+    assert all(0.998 <= d < 1 for d in c.decays)  # above bf16's stagnation threshold (docs/bounds.md)
     assert 0 < c.key_rank <= c.head_k_dim // 8
 
 

@@ -11,8 +11,8 @@ import pytest
 
 from drift.cli import main
 from drift.config import preset
-from drift.costmodel import BYTES_MODEL, CostRow, format_table, measure, to_json
-from drift.updates import BUILTINS
+from drift.syncs.costmodel import BYTES_MODEL, CostRow, format_table, measure, to_json
+from drift.plug.updates import BUILTINS
 
 CI = preset("ci-small")
 BATCHES = (1, 4, 16)
@@ -35,7 +35,7 @@ def test_one_row_per_update_and_batch(rows):
 
 def test_sync_relations(rows):
     for b in BATCHES:
-        g, s, d = (rows[(u, b)] for u in ("guarded", "sync_free", "device_select"))
+        g, s, d = (rows[(u, b)] for u in ("sglang-31659", "sglang-32130", "sglang-0.5.23"))
         assert d.syncs_per_step == 0.0
         assert g.syncs_per_step >= 1.0
         # Tracking is on: sync_free builds its boolean mask every step.
@@ -49,9 +49,9 @@ def test_sync_relations(rows):
 def test_device_select_cost_is_data_independent(rows):
     """No data-dependent control flow: the same ops every step at every batch size, and bytes
     growing with the batch (every tensor it touches grows with rows and slots)."""
-    ops = {rows[("device_select", b)].ops_per_step for b in BATCHES}
+    ops = {rows[("sglang-0.5.23", b)].ops_per_step for b in BATCHES}
     assert len(ops) == 1 and float(next(iter(ops))).is_integer()
-    moved = [rows[("device_select", b)].bytes_per_step for b in BATCHES]
+    moved = [rows[("sglang-0.5.23", b)].bytes_per_step for b in BATCHES]
     assert moved == sorted(moved) and len(set(moved)) == len(moved)
 
 
@@ -62,7 +62,7 @@ def test_unconditional_copy_costs_bytes(rows):
     window more per step (gather + scatter: 2 * L * W * C * 2 B = 18 KiB on ci-small), far
     more than the index tensors ([N] int64) its torch.where reads beyond sync_free's masks."""
     for b in BATCHES:
-        assert rows[("device_select", b)].bytes_per_step > rows[("sync_free", b)].bytes_per_step
+        assert rows[("sglang-0.5.23", b)].bytes_per_step > rows[("sglang-32130", b)].bytes_per_step
 
 
 def test_shape_only_counts_equal_real_data_counts():
@@ -95,5 +95,5 @@ def test_cli_bench_update_rejects_bad_batches(capsys):
 
 @pytest.mark.cuda
 def test_cuda_latency_is_measured():
-    [row] = measure(CI.replace(device="cuda"), updates=["device_select"], batch_sizes=(4,), steps=4)
+    [row] = measure(CI.replace(device="cuda"), updates=["sglang-0.5.23"], batch_sizes=(4,), steps=4)
     assert row.latency_us is not None and row.latency_us > 0 and row.latency_device.startswith("cuda")

@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from drift import kernels, naive
+from drift.sim import kernels, naive
 from drift.config import preset
-from drift.pool import StatePool
-from drift.syncs import detect_syncs
+from drift.sim.pool import StatePool
+from drift.syncs.detector import detect_syncs
 
 STEPS = {  # last_steps of the 5 batch rows (D = 4): -1 skips, D is out of range (skips too)
     "mixed": [3, 0, -1, 2, -1],

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from drift import golden as gmod
+from drift.check import golden as gmod
 from drift.config import preset
-from drift.golden import (GOLDEN_PRESETS, GoldenError, golden_dir, load_golden, regenerate,
+from drift.check.golden import (GOLDEN_PRESETS, GoldenError, golden_dir, load_golden, regenerate,
                           _golden_step)
 from drift.runner import run_checked
-from drift.stream import StreamParams, TrueTokens
+from drift.sim.stream import StreamParams, TrueTokens
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_STEPS = 40  # a golden horizon of 40 decode steps: ~200 positions, generated in a second
@@ -43,7 +43,7 @@ def test_every_pr_gating_preset_has_golden_within_budget():
 
 def test_golden_generator_matches_a_scalar_transcription():
     """The vectorised golden step against naive per-head scalar math for a few tokens."""
-    from drift import naive
+    from drift.sim import naive
 
     cfg = preset("ci-small", num_layers=1, head_k_dim=8, head_v_dim=8, num_requests=1)
     prm_t = StreamParams.generate(cfg)
@@ -106,14 +106,14 @@ def test_broken_golden_fails_naming_file_and_fix(tiny_golden, damage):
     assert "regen" in msg and ("manifest.json" in msg or npz.name in msg or "preset" in msg)
     # The run fails too; it never quietly falls back.
     with pytest.raises(GoldenError):
-        run_checked(cfg, "device_select", steps=5, sync_scan=False)
+        run_checked(cfg, "sglang-0.5.23", steps=5, sync_scan=False)
 
 
 def test_no_golden_falls_back_to_twin_and_says_so(tiny_golden):
     cfg = preset("ci-small", seed=5)  # no entry for seed 5
     g, note = load_golden(cfg)
     assert g is None and "seed 5" in note
-    rep = run_checked(cfg, "device_select", steps=20, sync_scan=False)
+    rep = run_checked(cfg, "sglang-0.5.23", steps=20, sync_scan=False)
     assert "falling back to the twin" in rep.reference
     golden_row = next(c for c in rep.checks if c.name == "golden")
     assert golden_row.verdict == "n/a" and "no golden" in golden_row.detail
@@ -121,7 +121,7 @@ def test_no_golden_falls_back_to_twin_and_says_so(tiny_golden):
 
 def test_run_past_the_golden_horizon_says_so(tiny_golden):
     cfg = preset("ci-small", pattern="all-D")
-    rep = run_checked(cfg, "device_select", steps=TINY_STEPS + 20, sync_scan=False)
+    rep = run_checked(cfg, "sglang-0.5.23", steps=TINY_STEPS + 20, sync_scan=False)
     golden_row = next(c for c in rep.checks if c.name == "golden")
     assert golden_row.passed and golden_row.verdict == "PASS"
     assert "past golden position" in rep.reference and "twin alone" in rep.reference
@@ -136,9 +136,9 @@ def test_a_stale_golden_is_caught_by_the_run(tiny_golden, monkeypatch):
         return StreamParams(p.A_log + 0.01, p.dt_bias, p.conv_weight)  # a 1% change of every decay
 
     monkeypatch.setattr(StreamParams, "generate", staticmethod(shifted))
-    rep = run_checked(preset("ci-small"), "device_select", steps=20, sync_scan=False)
+    rep = run_checked(preset("ci-small"), "sglang-0.5.23", steps=20, sync_scan=False)
     golden_row = next(c for c in rep.checks if c.name == "golden")
-    assert not golden_row.passed and "regen_golden.py" in golden_row.detail
+    assert not golden_row.passed and "drift regen-golden --preset ci-small --force" in golden_row.detail
 
 
 def test_regeneration_refuses_without_force_and_is_reproducible(tmp_path):

@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from conftest import U32, U64, bf16_ulp, gdn_state_bound, rel_fro, same_bits, verify_bounds
-from drift import kernels, naive
+from drift.sim import kernels, naive
 
 L, N, D, HK, HV, K, V, KC = 2, 3, 4, 2, 4, 16, 8, 4
 C = 2 * HK * K + HV * V
@@ -105,7 +105,7 @@ def test_conv_verify_matches_naive(strided):
     ref = naive.conv_verify(conv_naive, SLOTS, x, weight)  # float64
     assert out.dtype == torch.float32 and out.shape == (L, N, D, C)
     # Rolled buffers are pure data movement: bit-identical to the naive loop, and equal
-    # to the definition [old[D:], x_0 .. x_{D-1}] (REFERENCE section 2).
+    # to the definition [old[D:], x_0 .. x_{D-1}] (docs/semantics.md §3).
     assert same_bits(conv.contiguous(), conv_naive)
     for n, s in enumerate(SLOTS):
         assert same_bits(conv[:, s], torch.cat([before[:, s, D:], x[:, n]], dim=1))
@@ -419,7 +419,7 @@ def test_rollback_on_a_contiguous_copy_is_caught(layout):
 
 @pytest.mark.parametrize("step", list(range(D)))
 def test_verify_then_rollback_leaves_the_window_ending_at_the_accepted_token(step):
-    """The semantic pin (REFERENCE section 2): after verify and a rollback to ``step``, the
+    """The semantic pin (docs/semantics.md §3): after verify and a rollback to ``step``, the
     last Kc-1 rows are the inputs up to and including draft token ``step``."""
     conv, x, weight = _conv_case(strided=True)
     before = conv.clone()
@@ -513,13 +513,13 @@ def test_move_intermediate_cache_rejects_bad_shapes():
 def test_stochastic_rounding_does_not_depend_on_kernel_chunking(monkeypatch):
     """The random bits hash the element's global index: a performance setting (how many layers
     a kernel call processes at once) must not change which way a value rounds."""
-    from drift import kernels as kmod
+    from drift.sim import kernels as kmod
     from drift.config import preset
     from drift.simulate import Simulation
 
     def final_bits(chunk_bytes):
         monkeypatch.setattr(kmod, "STATE_CHUNK_BYTES", chunk_bytes)
-        sim = Simulation(preset("ci-small", store_rounding="stochastic"), "device_select", check_untouched=False)
+        sim = Simulation(preset("ci-small", store_rounding="stochastic"), "sglang-0.5.23", check_untouched=False)
         sim.run(8)
         return sim.pool.temporal.clone().view(torch.int16)
 

@@ -11,10 +11,12 @@ import textwrap
 import pytest
 
 from conftest import checks_of, small_cfg
-from drift import kernels
-from drift.loader import SHIM_MODULE, LoadError, kernels_in_use, load_update, sgl_kernels
-from drift.pool import Harness
-from drift.updates import BUILTINS
+from drift.sim import kernels
+from drift.errors import LoadError
+from drift.plug.loader import load_update
+from drift.plug.shim import SHIM_MODULE, kernels_in_use, sgl_kernels
+from drift.sim.pool import Harness
+from drift.plug.updates import BUILTINS
 
 SHIM_NAMES = ("sgl_kernel_npu", "sgl_kernel_npu.mamba", SHIM_MODULE)
 
@@ -80,7 +82,7 @@ def _unload_sgl(monkeypatch):
 def _run_and_check_calls(spec):
     upd = load_update(spec)
     res = checks_of(small_cfg(STEPS), upd)
-    assert res["report"].passed, [c for c in res["report"].checks if not c.passed]
+    assert res["report"].passed, [c for c in res["report"].checks if c.failed]
     calls = upd.fn.__globals__["CALLS"]
     assert len(calls) == STEPS
     for self_, model, req_pool_indices in calls:
@@ -91,7 +93,7 @@ def _run_and_check_calls(spec):
 def test_builtins_by_name():
     for name, fn in BUILTINS.items():
         upd = load_update(name)
-        assert upd.fn is fn and upd.name == name and upd.extra == ("model",)
+        assert upd.fn is fn and upd.name == name and upd.extra == ("model", "req_pool_indices")
 
 
 def test_load_by_file_path(plugin_file):
@@ -106,7 +108,6 @@ def test_load_by_module_path(tmp_path, monkeypatch):
     (pkg / "impl.py").write_text(PLUGIN)
     monkeypatch.syspath_prepend(str(tmp_path))
     _run_and_check_calls("drift_test_plugpkg.impl:update")
-    assert load_update("drift.updates:device_select").fn is BUILTINS["device_select"]
 
 
 def test_load_a_class_method_called_with_the_harness_as_self(plugin_file):
@@ -140,7 +141,7 @@ def _install_fake_sgl_kernel_npu(root, body, monkeypatch):
 
 def test_the_real_package_is_used_when_present(tmp_path, monkeypatch):
     _install_fake_sgl_kernel_npu(tmp_path, '''
-        from drift import kernels
+        from drift.sim import kernels
         CALLS = {"move": 0, "rollback": 0}
         def move_intermediate_cache(*args):
             CALLS["move"] += 1
@@ -151,7 +152,7 @@ def test_the_real_package_is_used_when_present(tmp_path, monkeypatch):
     ''', monkeypatch)
     mod = sgl_kernels()
     assert not getattr(mod, "__drift_shim__", False) and kernels_in_use() == "sgl_kernel_npu"
-    res = checks_of(small_cfg(STEPS), "sync_free")
+    res = checks_of(small_cfg(STEPS), "sglang-32130")
     assert res["report"].passed and res["report"].info.kernels == "sgl_kernel_npu"
     assert mod.CALLS["move"] >= STEPS and mod.CALLS["rollback"] >= STEPS
 
@@ -198,9 +199,10 @@ def test_load_errors_name_the_spec_and_what_was_expected(plugin_file, qualname, 
 @pytest.mark.parametrize("spec, expected", [
     ("/nonexistent/dir/upd.py:fn", r"file '/nonexistent/dir/upd.py' not found .*expected path/to/file.py:qualname"),
     ("no_such_module_for_drift:fn", r"importing module 'no_such_module_for_drift' raised ModuleNotFoundError"),
-    ("sync_fre", r"not a built-in \(guarded, sync_free, device_select\).*expected package.module:qualname "
-                 r"or path/to/file.py:qualname"),
-    ("drift.updates:", r"expected module:qualname or file.py:qualname"),
+    ("sglang-0.5.2", r"not a built-in \(sglang-31659, sglang-32130, sglang-0.5.23\).*expected "
+                     r"package.module:qualname or path/to/file.py:qualname"),
+    ("sync_free", r"'sync_free' was renamed: use 'sglang-32130'"),
+    ("drift.plug.updates:", r"expected module:qualname or file.py:qualname"),
 ])
 def test_load_errors_for_bad_targets(spec, expected):
     with pytest.raises(LoadError, match=expected) as exc:

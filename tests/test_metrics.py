@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from drift.bounds import KAPPA, KAPPA_COMPUTE
-from drift.compare import ulp2_sum
-from drift.kernels import _gdn_token, round_to
-from drift.metrics import DriftCurves, bin_center, growth_exponent, norm_floor, rel_err, step_bin, ulp_err
+from drift.check.bounds import KAPPA, KAPPA_COMPUTE
+from drift.check.compare import ulp2_sum
+from drift.sim.kernels import _gdn_token, round_to
+from drift.check.metrics import DriftCurves, bin_center, growth_exponent, norm_floor, rel_err, step_bin, ulp_err
 
 F64 = torch.float64
 

@@ -1,5 +1,5 @@
 """drift.naive: the definitions the kernels are tested against, pinned by hand-worked
-examples from REFERENCE sections 2-3 (so a wrong definition cannot make a wrong kernel pass)."""
+examples from docs/semantics.md §3 and §5 (so a wrong definition cannot make a wrong kernel pass)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from drift import naive
+from drift.sim import naive
 
 
 def test_gating_hand_values():
@@ -83,7 +83,7 @@ def test_move_intermediate_cache_hand_example():
 def test_gdn_decode_rounds_each_token_to_the_state_dtype():
     # One head, K = V = 1, h0 = 1, decay 1 - 2^-10, beta 0: each token multiplies by the
     # decay; in bf16 (ulp 2^-8 just below 1, half-ulp 2^-9) 1 - 2^-10 rounds back to 1,
-    # so the state stagnates (REFERENCE section 3); in float64 it decays.
+    # so the state stagnates (docs/bounds.md); in float64 it decays.
     one = torch.ones(1, 1, 3, 1, 1, dtype=torch.float64)
     g = torch.full((1, 1, 3, 1), math.log1p(-2.0 ** -10), dtype=torch.float64)
     beta = torch.zeros(1, 1, 3, 1, dtype=torch.float64)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import as_bits, bf16_ulp, same_bits, verify_bounds
-from drift import kernels, naive, native
+from drift.sim import kernels, naive, native
 
 pytestmark = pytest.mark.skipif(not native.enabled(), reason="DRIFT_NATIVE=0 turns the native kernel off")
 
@@ -154,7 +154,7 @@ def test_native_rejects_inconsistent_shapes():
 
 def _fresh_status(tmp_path, **env) -> str:
     """native.status() in a fresh interpreter with an empty cache and ``env``."""
-    code = "from drift import native; print(native.status())"
+    code = "from drift.sim import native; print(native.status())"
     full = {**os.environ, "DRIFT_CACHE_DIR": str(tmp_path), **env}
     res = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr

@@ -14,14 +14,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from drift import native, nightly
+from drift.cli import main
+from drift.jobs import nightly
+from drift.sim import native
 
 PNG = b"\x89PNG\r\n\x1a\n"
-ARGS = ["--preset", "ci-small", "--impl", "device_select", "--quiet"]
+ARGS = ["--preset", "ci-small", "--update", "sglang-0.5.23", "--quiet"]
 
 
 def run_nightly(out: Path, *extra: str) -> int:
-    return nightly.main([*ARGS, "--report", str(out), *extra])
+    return main(["nightly", *ARGS, "--report", str(out), *extra])
 
 
 def deterministic(report_dir: Path) -> dict:
@@ -42,7 +44,7 @@ def short_report(tmp_path_factory):
 def test_short_run_writes_every_report_file(short_report):
     rep = json.loads((short_report / "report.json").read_text())
     assert rep["verdict"] == "pass" and rep["kind"] == "drift-nightly"
-    assert set(e["entry"]["mode"] for e in rep["entries"].values()) == set(nightly.STORE_MODES)
+    assert set(e["entry"]["variant"] for e in rep["entries"].values()) == set(nightly.VARIANTS)
     for key, e in rep["entries"].items():
         bound = next(c for c in e["checks"] if c["name"] == "drift bound")
         curves = bound["bound"]["curves"]["rel_err"]
@@ -50,11 +52,11 @@ def test_short_run_writes_every_report_file(short_report):
         assert bound["bound"]["growth_exponent"] and "first_fail" not in bound
         assert e["steps"] == 160 and key in rep["timings"]
     md = (short_report / "report.md").read_text()
-    for section in ("Verdict per implementation and mode", "Worst heads", "Growth exponents", "Trade-off"):
+    for section in ("Verdict per update and variant", "Worst heads", "Growth exponents", "Trade-off"):
         assert section in md
     # Which GDN verify each entry ran: the native kernel takes the bf16 RNE deployment store
     # (when it builds); stochastic stores need the torch-op path; sequential decode has none.
-    verify = {e["entry"]["mode"]: e["verify_kernel"] for e in rep["entries"].values()}
+    verify = {e["entry"]["variant"]: e["verify_kernel"] for e in rep["entries"].values()}
     native_or_not = "portable, native C kernel (CPU)" if native.available() else "portable, torch ops"
     assert verify["rne"] == native_or_not and verify["stochastic"] == "portable, torch ops"
     assert verify["sequential"] == "none (sequential decode)"
@@ -70,27 +72,34 @@ def test_short_run_writes_every_report_file(short_report):
 
 
 def test_failing_entry_gives_nonzero_exit(tmp_path):
-    code = nightly.main(["--preset", "ci-small", "--impl", "sync_free", "--modes", "rne", "--steps", "40",
-                         "--report", str(tmp_path), "--quiet"])
-    assert code == 1  # sync_free syncs on its tracking path
+    code = main(["nightly", "--preset", "ci-small", "--update", "sglang-32130", "--variant", "rne", "--steps", "40",
+                 "--report", str(tmp_path), "--quiet"])
+    assert code == 1  # sglang-32130 syncs on its tracking path
     rep = json.loads((tmp_path / "report.json").read_text())
     assert rep["verdict"] == "fail"
     assert "host syncs" in (tmp_path / "report.md").read_text()
 
 
-def test_bad_arguments_exit_2(tmp_path):
-    assert nightly.main(["--shard", "3/2", "--report", str(tmp_path)]) == 2
-    assert nightly.main(["--modes", "rne,bogus", "--report", str(tmp_path)]) == 2
-    assert nightly.main(["--device", "npu", "--report", str(tmp_path)]) == 2
+def test_bad_arguments_exit_2(tmp_path, cpu_only, capsys):
+    assert main(["nightly", "--shard", "3/2", "--report", str(tmp_path)]) == 2
+    assert main(["nightly", "--device", "npu", "--report", str(tmp_path)]) == 2
+    assert main(["nightly", "--update", "sglang-0.5.2", "--report", str(tmp_path)]) == 2
+    assert main(["nightly", "--baseline", str(tmp_path / "none.json"), "--report", str(tmp_path)]) == 2
+    assert "none.json not found" in capsys.readouterr().err
+    for argv in (["--variant", "bogus"], ["--steps", "0"], ["--seed", "-1"], ["--checkpoint-every", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            main(["nightly", *argv, "--report", str(tmp_path)])
+        assert exc.value.code == 2, argv
+    assert not (tmp_path / "report.json").exists()  # rejected before any work
 
 
 def test_resume_after_kill_reproduces_the_uninterrupted_report(tmp_path):
     steps = "600"  # ci-small steps come in chunks of 256: checkpoints at 256 and 512
-    common = [*ARGS, "--modes", "rne", "--steps", steps, "--checkpoint-every", "200"]
+    common = [*ARGS, "--variant", "rne", "--steps", steps, "--checkpoint-every", "200"]
     killed = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, "-m", "drift", "nightly", *common, "--report", str(killed)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    ckpt = killed / "checkpoints" / "ci-small.seed0.device_select.rne.pt"
+    ckpt = killed / "checkpoints" / "ci-small.seed0.sglang-0.5.23.rne.pt"
     deadline = time.time() + 600
     while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
@@ -98,9 +107,9 @@ def test_resume_after_kill_reproduces_the_uninterrupted_report(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (killed / "report.json").exists()
-    assert nightly.main([*common, "--report", str(killed), "--resume"]) == 0
+    assert main(["nightly", *common, "--report", str(killed), "--resume"]) == 0
     whole = tmp_path / "whole"
-    assert nightly.main([*common, "--report", str(whole)]) == 0
+    assert main(["nightly", *common, "--report", str(whole)]) == 0
     assert deterministic(killed) == deterministic(whole)
 
 
@@ -109,7 +118,7 @@ def test_baseline_flags_an_injected_regression(short_report, tmp_path):
     same = nightly.assemble(rep["entries"], {}, {}, baseline=rep)
     assert same["trend"] == [] and same["verdict"] == "pass"
     better = copy.deepcopy(rep)  # a baseline whose errors were half of today's
-    key = next(k for k, e in better["entries"].items() if e["entry"]["mode"] == "rne")
+    key = next(k for k, e in better["entries"].items() if e["entry"]["variant"] == "rne")
     bound = next(c for c in better["entries"][key]["checks"] if c["name"] == "drift bound")
     mean = np.array(bound["bound"]["curves"]["rel_err"]["mean"])
     mean[..., 3] *= 0.5  # head 3 only
@@ -126,12 +135,35 @@ def test_shards_cover_the_matrix_and_merge(tmp_path):
     dirs = []
     for k in (1, 2):
         d = tmp_path / f"shard{k}"
-        assert run_nightly(d, "--steps", "24", "--modes", "rne,stochastic,fp32", "--shard", f"{k}/2") == 0
+        assert run_nightly(d, "--steps", "24", "--variant", "rne", "--variant", "stochastic", "--variant", "fp32",
+                           "--shard", f"{k}/2") == 0
         dirs.append(d)
     keys = [set(json.loads((d / "report.json").read_text())["entries"]) for d in dirs]
     assert keys[0] and keys[1] and not keys[0] & keys[1]
     out = tmp_path / "merged"
-    assert nightly.report_main(["merge", *map(str, dirs), "-o", str(out)]) == 0
+    assert main(["report", "merge", *map(str, dirs), "-o", str(out)]) == 0
     merged = json.loads((out / "report.json").read_text())
     assert set(merged["entries"]) == keys[0] | keys[1]
     assert (out / "drift_vs_step.png").read_bytes()[:8] == PNG
+
+
+def test_resume_over_a_damaged_checkpoint_falls_back_and_says_so(tmp_path, capsys):
+    """A damaged newest checkpoint is set aside (kept as *.damaged) and the entry resumes from
+    the one before it; with none left it starts over. Either way the report is the one an
+    uninterrupted run writes."""
+    common = [*ARGS, "--variant", "rne", "--steps", "600", "--checkpoint-every", "200"]
+    ran = tmp_path / "ran"
+    assert main(["nightly", *common, "--report", str(ran)]) == 0
+    ckpts = ran / "checkpoints"
+    newest, previous = (ckpts / "ci-small.seed0.sglang-0.5.23.rne.pt", ckpts / "ci-small.seed0.sglang-0.5.23.rne.prev.pt")
+    assert newest.exists() and previous.exists()  # written at 256 and 512 steps
+    (ran / "entries" / "ci-small.seed0.sglang-0.5.23.rne.json").unlink()  # the entry is unfinished again
+    newest.write_bytes(newest.read_bytes()[:100])  # torn
+    capsys.readouterr()
+    assert main(["nightly", *common, "--report", str(ran), "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert f"checkpoint {newest} cannot be read" in err and "set it aside" in err
+    assert (ckpts / (newest.name + ".damaged")).exists()
+    whole = tmp_path / "whole"
+    assert main(["nightly", *common, "--report", str(whole)]) == 0
+    assert deterministic(ran) == deterministic(whole)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import same_bits, small_cfg
-from drift.pool import Harness, StatePool
+from drift.sim.pool import Harness, StatePool
 
 CPU = torch.device("cpu")
 

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from conftest import rel_fro, small_cfg
-from drift import naive
-from drift.reference import Float64Twin, prefill
-from drift.stream import InputStream, StreamParams, TrueTokens
+from drift.sim import naive
+from drift.sim.twin import Float64Twin, prefill
+from drift.sim.stream import InputStream, StreamParams, TrueTokens
 
 F64 = torch.float64
 TOL = 1e-11

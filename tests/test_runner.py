@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from conftest import checks_of, small_cfg
-from drift.checks import CheckResult
+from drift.check.result import CheckResult
 from drift.runner import RunReport
 from drift.simulate import RunInfo
 
@@ -15,7 +15,7 @@ def test_mtp_run_adds_the_untouched_slot_verdict_sequential_does_not():
     seq = checks_of(small_cfg(20), mode="sequential")["report"]
     assert [c.name for c in mtp.checks][-1] == "untouched slots"
     assert "untouched slots" not in [c.name for c in seq.checks]
-    assert mtp.info.meta["update_spec"] == "sync_free" and "updates.py" in mtp.info.meta["update_source"]
+    assert mtp.info.meta["update_spec"] == "sglang-0.5.23" and "parts.py" in mtp.info.meta["update_source"]
     assert seq.info.update == "(sequential decode)"
 
 

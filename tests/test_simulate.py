@@ -9,7 +9,7 @@ import torch
 
 from conftest import (bad_spec, committed_by_position, pool_digests, rel_fro, run_sim, same_bits,
                       small_cfg)
-from drift.checks import SEMANTIC_TOL
+from drift.check.checks import SEMANTIC_TOL
 from drift.simulate import Simulation, StopRun
 
 # Golden invariance tolerance for fp32-state runs (relative Frobenius per layer and head).
@@ -46,7 +46,7 @@ def golden_all1():
 ])
 def test_golden_invariance_across_acceptance_patterns(golden_all1, pattern, steps, mode):
     cfg = small_cfg(steps, profile="fp32", pattern=pattern)
-    states = committed_by_position(cfg, mode=mode, update=None if mode == "sequential" else "sync_free")
+    states = committed_by_position(cfg, mode=mode, update=None if mode == "sequential" else "sglang-32130")
     n, worst, _ = _shared(states, golden_all1)
     assert n >= cfg.num_requests * steps * 0.9  # nearly every step lands on a shared position
     assert worst <= GOLDEN_TOL
@@ -80,7 +80,7 @@ def test_two_cpu_runs_are_bit_identical(overrides):
 def test_each_step_gets_its_own_rounding_key():
     """Stochastic rounding draws fresh random bits every step: a repeated key would repeat
     the same rounding decisions on similar states (a bias the determinism tests miss)."""
-    from drift.kernels import gdn_verify
+    from drift.sim.kernels import gdn_verify
 
     keys = []
 
@@ -98,7 +98,7 @@ def test_seed_changes_the_run():
 
 def test_prefill_is_loaded_like_sglang_prefill():
     cfg = small_cfg(1)
-    sim = Simulation(cfg, "sync_free")
+    sim = Simulation(cfg, "sglang-32130")
     pool, slots = sim.pool, sim.pool.active_slots
     # The prompt state stored once in the state dtype (RNE), the conv window at the end of
     # the extended buffer, its first D-1 rows stale (NaN), track slots stale until tracked.
@@ -136,7 +136,7 @@ class Recorder:
 def test_observers_see_every_step_in_order():
     cfg = small_cfg(300)  # two chunks of the stream (256 + 44 steps)
     rec = Recorder()
-    sim = Simulation(cfg, "sync_free", observers=[rec])
+    sim = Simulation(cfg, "sglang-32130", observers=[rec])
     info = sim.run()
     assert info.steps == cfg.steps and info.stopped_early is None and sim.step == cfg.steps
     assert rec.events[0] == "start" and rec.events[-1] == "end"
@@ -153,7 +153,7 @@ def test_observers_see_every_step_in_order():
 
 def test_an_observer_can_stop_the_run():
     rec = Recorder(stop_at=9)
-    info = Simulation(small_cfg(50), "sync_free", observers=[rec]).run()
+    info = Simulation(small_cfg(50), "sglang-32130", observers=[rec]).run()
     assert info.stopped_early == "enough" and rec.events.count("step") == 10
     assert rec.events[-2:] == ["flush", "end"]  # flushed what it had, then ended
 

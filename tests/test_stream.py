@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import small_cfg
-from drift.stream import (MIXED_CYCLE, MIXED_PHASES, SCHEDULE_BLOCK, TOKEN_BLOCK, InputStream,
+from drift.sim.stream import (MIXED_CYCLE, MIXED_PHASES, SCHEDULE_BLOCK, TOKEN_BLOCK, InputStream,
                           StreamParams, TrueTokens, accept_lengths, perturb, track_steps)
 
 CPU = torch.device("cpu")

@@ -1,11 +1,11 @@
 """The host-sync detector (drift.syncs): controls, the built-in updates, plug-ins, the runner hook.
 
 Plugged-in implementations join the update tests through ``DRIFT_UPDATES`` (comma-separated
-specs, ``path/to/file.py:Class.method`` or ``module:qualname``); like ``device_select`` they
+specs, ``path/to/file.py:Class.method`` or ``module:qualname``); like ``sglang-0.5.23`` they
 must be sync-free with tracking on and off.
 
 Every control is a one-line function, so the line a sync must be reported at is its
-``co_firstlineno``; the lines in drift/updates.py are found by searching its source.
+``co_firstlineno``; the lines in drift/plug/parts.py are found by searching its source.
 """
 
 from __future__ import annotations
@@ -22,13 +22,16 @@ import torch
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
                                            FakeTensorDeviceMismatchError, FakeTensorMode)
 
-from drift import kernels, updates
+from drift.plug import parts
+from drift.sim import kernels
 from drift.config import preset
-from drift.loader import kernels_in_use, load_update, sgl_kernels
-from drift.stream import InputStream
-from drift.syncs import (DETECTOR_CUDA, DETECTOR_DISPATCH, DETECTOR_NPU, SyncDetector, VirtualDeviceError,
-                         VirtualTensor, _armed, _is_internal, detect_syncs, display_path, host_data,
-                         representative_steps, scan_update, step_indices, sync_check, to_virtual, virtual_pool)
+from drift.plug.loader import load_update
+from drift.plug.shim import kernels_in_use, sgl_kernels
+from drift.sim.stream import InputStream
+from drift.syncs.detector import (DETECTOR_CUDA, DETECTOR_DISPATCH, DETECTOR_NPU, SyncDetector, VirtualDeviceError,
+                                  VirtualTensor, _armed, _is_internal, detect_syncs, display_path, host_data,
+                                  to_virtual)
+from drift.syncs.scan import representative_steps, scan_update, step_indices, sync_check, virtual_pool
 
 HERE = os.path.abspath(__file__)
 FIXTURE = os.path.join(os.path.dirname(HERE), "syncs_plugin_fixture.py")
@@ -36,7 +39,7 @@ CI = preset("ci-small")
 CI_NO_TRACK = CI.replace(track_interval=0)
 STEPS = 4  # two tracking and two non-tracking steps (representative_steps alternates)
 PLUGINS = [s.strip() for s in os.environ.get("DRIFT_UPDATES", "").split(",") if s.strip()]
-CLEAN_UPDATES = ["device_select", f"{FIXTURE}:DeviceSideBackend.update_mamba_state_after_mtp_verify", *PLUGINS]
+CLEAN_UPDATES = ["sglang-0.5.23", f"{FIXTURE}:DeviceSideBackend.update_mamba_state_after_mtp_verify", *PLUGINS]
 
 
 def _inputs():
@@ -207,9 +210,9 @@ def test_plain_meta_tensor_is_a_clear_error():
 
 
 def test_frame_filter_skips_torch_and_detector_only():
-    import drift.syncs as syncs_mod
+    import drift.syncs.detector as syncs_mod
     assert _is_internal(torch.__file__) and _is_internal(syncs_mod.__file__)
-    assert not _is_internal(kernels.__file__) and not _is_internal(updates.__file__)
+    assert not _is_internal(kernels.__file__) and not _is_internal(parts.__file__)
 
 
 def test_sync_inside_portable_kernel_is_located_there():
@@ -228,7 +231,7 @@ def test_sync_inside_portable_kernel_is_located_there():
 
 def _pool_pair():
     """The same pool twice: on the host and on the virtual device (independent storage)."""
-    from drift.pool import StatePool
+    from drift.sim.pool import StatePool
     return StatePool(CI, torch.device("cpu")), virtual_pool(CI)
 
 
@@ -278,7 +281,7 @@ def test_debug_mode_armed_and_restored():
 def test_debug_mode_error_recorded_and_stops_call(monkeypatch, backend, name):
     """What the detector does when a debug mode raises inside an op (the message is the one
     c10 / torch_npu raise): the op's event is confirmed by that detector and the call stops."""
-    import drift.syncs as syncs_mod
+    import drift.syncs.detector as syncs_mod
     real = syncs_mod._execute
 
     def raising(func, args, kwargs):
@@ -319,13 +322,13 @@ def _lines(fn, needle: str) -> set[int]:
             if needle in line.split("#")[0] and not line.strip().startswith(('"""', "#"))}
 
 
-ITEM_LINE = _lines(updates.guarded, ".item()")
-# guarded and sync_free share the boolean-mask tracking path of their SGLang versions.
-GUARDED_MASK = SYNC_FREE_MASK = _lines(updates._masked_tracking_and_rollback, "[mask]")
+ITEM_LINE = _lines(parts.commit_unless_all_step0, ".item()")
+# sglang-31659 and sglang-32130 share the boolean-mask tracking part of their SGLang versions.
+GUARDED_MASK = SYNC_FREE_MASK = _lines(parts.track_boolean_mask, "[mask]")
 
 
 def _in_updates(ev) -> bool:
-    return os.path.samefile(ev.file, updates.__file__)
+    return os.path.samefile(ev.file, parts.__file__)
 
 
 def test_step_indices_match_the_stream():
@@ -350,13 +353,13 @@ def test_representative_steps_cover_both_kinds_and_padding(cfg):
 @pytest.mark.parametrize("cfg", [CI, CI_NO_TRACK], ids=["tracking-on", "tracking-off"])
 def test_guarded_flagged_every_step_at_its_item_line(cfg):
     assert len(ITEM_LINE) == 1 and GUARDED_MASK
-    scan = scan_update(cfg, "guarded", STEPS)
+    scan = scan_update(cfg, "sglang-31659", STEPS)
     for step, events in scan.per_step().items():
         assert events, f"step {step}: no sync reported"
         first = events[0]
         assert _in_updates(first) and first.line in ITEM_LINE and first.op == "aten._local_scalar_dense", \
             f"step {step}: first sync is {first.describe()}"
-        assert first.api == "Tensor.item" and first.function == "guarded"
+        assert first.api == "Tensor.item" and first.function == "commit_unless_all_step0"
         assert sum(e.line in ITEM_LINE for e in events) == 1
         rest = events[1:]
         assert all(_in_updates(e) and e.line in GUARDED_MASK for e in rest), [e.describe() for e in rest]
@@ -367,7 +370,7 @@ def test_guarded_flagged_every_step_at_its_item_line(cfg):
 @pytest.mark.parametrize("cfg", [CI, CI_NO_TRACK], ids=["tracking-on", "tracking-off"])
 def test_sync_free_flagged_only_on_its_tracking_path(cfg):
     assert SYNC_FREE_MASK
-    scan = scan_update(cfg, "sync_free", STEPS)
+    scan = scan_update(cfg, "sglang-32130", STEPS)
     for step, events in scan.per_step().items():
         if cfg.track_interval == 0:
             assert events == [], [e.describe() for e in events]
@@ -389,11 +392,11 @@ def test_sync_free_contract_holds(spec, cfg):
 
 # ------------------------------------------------------------------ runner hook
 def test_sync_check_fails_guarded_naming_the_item_line():
-    res = sync_check(CI, "guarded", STEPS)
+    res = sync_check(CI, "sglang-31659", STEPS)
     line = next(iter(ITEM_LINE))
     assert res.name == "host syncs" and not res.passed and res.limit == 0.0
     assert "aten._local_scalar_dense" in res.where and res.where.split(" at ")[1].startswith(
-        f"{display_path(updates.__file__)}:{line} ")
+        f"{display_path(parts.__file__)}:{line} ")
     # one .item() per step plus at least one mask sync per step (tracking is on)
     by_pass = res.extra["syncs_by_pass"]
     assert by_pass["virtual"] >= 2 * STEPS and res.worst == max(by_pass.values()) / STEPS
@@ -404,14 +407,14 @@ def test_sync_check_fails_guarded_naming_the_item_line():
 
 @pytest.mark.parametrize("cfg,passed", [(CI, False), (CI_NO_TRACK, True)], ids=["tracking-on", "tracking-off"])
 def test_sync_check_sync_free(cfg, passed):
-    res = sync_check(cfg, "sync_free", STEPS)
+    res = sync_check(cfg, "sglang-32130", STEPS)
     assert res.passed is passed and (res.worst == 0.0) is passed
     if not passed:
-        assert f"updates.py:{min(SYNC_FREE_MASK)}" in res.where
+        assert f"parts.py:{min(SYNC_FREE_MASK)}" in res.where
 
 
 def test_sync_check_device_select_passes():
-    res = sync_check(CI, "device_select", STEPS)
+    res = sync_check(CI, "sglang-0.5.23", STEPS)
     assert res.passed and res.worst == 0.0 and res.where == "" and "no host-device sync" in res.detail
     assert "2 tracking" in res.detail and "1 padded row" in res.detail
 
@@ -427,9 +430,9 @@ def test_sync_check_plugin_from_file_spec():
 
 @pytest.mark.cuda
 def test_cuda_debug_mode_confirms_guarded_item():
-    scan = scan_update(CI.replace(device="cuda"), "guarded", STEPS)
+    scan = scan_update(CI.replace(device="cuda"), "sglang-31659", STEPS)
     rep = scan.passes["cuda"]
     assert DETECTOR_CUDA in rep.detectors and len(rep.stopped) == STEPS
     for step, events in scan.per_step("cuda").items():
         assert events and events[0].line in ITEM_LINE and DETECTOR_CUDA in events[0].seen_by, step
-    assert scan_update(CI.replace(device="cuda"), "device_select", STEPS).events == []
+    assert scan_update(CI.replace(device="cuda"), "sglang-0.5.23", STEPS).events == []

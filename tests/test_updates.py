@@ -1,5 +1,6 @@
-"""drift.updates: the built-ins agree bit for bit where their semantics agree, and
-``guarded`` (sglang #31659) differs exactly on the steps where every row accepted 1.
+"""drift.plug.updates: the built-ins agree bit for bit where their semantics agree, and
+``sglang-31659`` differs exactly on the steps where every row accepted 1; each built-in is
+its recipe of named parts.
 
 Config for the guard: 2 request rows with a low acceptance model (P(a row accepts only
 its root) = 0.5), so about a quarter of the steps have every active row at step 0,
@@ -12,8 +13,11 @@ import pytest
 import torch
 
 from conftest import checks_of, pool_digests, run_sim, small_cfg
-from drift.pool import StatePool
-from drift.updates import BUILTINS, guarded, sync_free
+from drift.sim.pool import StatePool
+from drift.plug import parts
+from drift.plug.updates import BUILTINS, SGLANG_0523, SGLANG_31659, SGLANG_32130
+
+guarded, sync_free = BUILTINS["sglang-31659"], BUILTINS["sglang-32130"]
 
 GUARD = dict(num_requests=2, pattern="model", acceptance=(0.5, 0.25, 0.1))
 STEPS = 120
@@ -23,15 +27,15 @@ STEPS = 120
 def test_builtins_agree_bit_for_bit_where_semantics_agree(num_padded, track_interval):
     cfg = small_cfg(STEPS, num_padded=num_padded, track_interval=track_interval, **GUARD)
     runs = {name: pool_digests(cfg, name) for name in BUILTINS}
-    assert runs["sync_free"] == runs["device_select"]
+    assert runs["sglang-32130"] == runs["sglang-0.5.23"]
     if num_padded:  # the guard never fires with a padded row at step -1
-        assert runs["guarded"] == runs["sync_free"]
+        assert runs["sglang-31659"] == runs["sglang-32130"]
     else:  # it fires (control: the comparison is not vacuous)
-        assert runs["guarded"] != runs["sync_free"]
+        assert runs["sglang-31659"] != runs["sglang-32130"]
 
 
 def _lockstep(cfg):
-    """Run ``sync_free``; at every step also run ``guarded`` on the same pre-update pool
+    """Run ``sglang-32130``; at every step also run ``sglang-31659`` on the same pre-update pool
     and record (pools differ?, slots whose committed state differs, every row at 0?)."""
     record = []
 
@@ -74,15 +78,25 @@ def test_guard_never_fires_with_padded_rows():
     assert not any(all0 for _, _, all0 in rec)
     # ... while the active rows alone were all at step 0 on many steps.
     active_all0 = []
-    run_sim(cfg, "sync_free", on_step=lambda sim, view: active_all0.append(bool((view.accept == 1).all())))
+    run_sim(cfg, "sglang-32130", on_step=lambda sim, view: active_all0.append(bool((view.accept == 1).all())))
     assert sum(active_all0) >= 5
 
 
 def test_guarded_loses_tokens_without_padded_rows():
     """End to end: the skipped commit is a semantic error the core checks catch (order one),
     while with a padded row the same update passes."""
-    bad = checks_of(small_cfg(STEPS, num_padded=0, **GUARD), "guarded")
+    bad = checks_of(small_cfg(STEPS, num_padded=0, **GUARD), "sglang-31659")
     # A lost token update is order one (measured 2.5 here), not rounding drift (~0.01).
     assert not bad["committed state"].passed and bad["committed state"].worst > 0.5
-    ok = checks_of(small_cfg(STEPS, num_padded=1, **GUARD), "guarded")
+    ok = checks_of(small_cfg(STEPS, num_padded=1, **GUARD), "sglang-31659")
     assert ok["report"].passed
+
+
+def test_builtins_are_recipes_of_named_parts_differing_in_one_place():
+    """sglang-32130 is the release with boolean-mask tracking; sglang-31659 is #32130 plus the
+    .item() guard: each step of the history changes one part."""
+    assert SGLANG_0523 == parts.Recipe(parts.commit_all, parts.track_device_select, parts.rollback_rows)
+    assert SGLANG_32130 == SGLANG_0523.but(track=parts.track_boolean_mask)
+    assert SGLANG_31659 == SGLANG_32130.but(commit=parts.commit_unless_all_step0)
+    for name, fn in BUILTINS.items():
+        assert fn.__name__ == name and fn.recipe in (SGLANG_0523, SGLANG_32130, SGLANG_31659)

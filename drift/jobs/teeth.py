@@ -1,6 +1,6 @@
 """Teeth: the mutation score of the PR-gating checks and the both-directions trade-off table.
 
-``drift mutants`` runs every regression of :mod:`drift.mutants` through the PR-gating checks
+``drift mutants`` runs every regression of :mod:`drift.plug.mutants` through the PR-gating checks
 and records which checks caught it; ``drift tradeoff`` runs every built-in and reports, per
 implementation, syncs and bytes per step, the worst drift-to-bound ratio and a verdict in
 each direction (the seesaw of the sglang #32130 review). Both report what they measure.
@@ -8,32 +8,35 @@ each direction (the seesaw of the sglang #32130 review). Both report what they m
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from typing import Optional, Sequence
 
-from .config import DEFAULT_PRESET, PRESETS, Config, ConfigError, preset
-from .mutants import MUTANTS
-from .runner import run_checked
-from .updates import BUILTINS
+from ..config import Config
+from ..plug.loader import load_kernel, mutant_config
+from ..plug.mutants import MUTANTS
+from ..plug.updates import BUILTINS, DEFAULT_UPDATE
+from ..runner import run_checked
+from ..syncs.costmodel import measure
 
 TEETH_STEPS = 1024  # decode steps per run: every mutant is caught well within it (docs/bounds.md)
 SYNC_CHECK = "host syncs"
+GUARDED = "sglang-31659"  # the built-in with the .item() precision guard
 
 
 def _verdicts(rep) -> tuple[list[str], Optional[float], Optional[float]]:
     """(names of failed gated checks, worst bound ratio, syncs per step)."""
-    failed = [c.name for c in rep.checks if not c.passed and c.extra.get("kind") != "info" and c.applicable]
+    failed = [c.name for c in rep.checks if c.failed]
     ratio = next((c.worst for c in rep.checks if c.name == "drift bound"), None)
     syncs = next((c.worst for c in rep.checks if c.name == SYNC_CHECK), None)
     return failed, ratio, syncs
 
 
-def run_spec(cfg: Config, update: str = "device_select", kernel: Optional[str] = None):
-    from .verify_kernels import load_kernel
-
-    return run_checked(cfg, update, verify_kernel=load_kernel(kernel))
+def run_spec(cfg: Config, update: str = DEFAULT_UPDATE, kernel: Optional[str] = None):
+    """A checked run of ``update`` with ``kernel``, under the config a mutant spec asks for."""
+    overrides = {**mutant_config(update), **mutant_config(kernel)}
+    profile = overrides.pop("profile", None)
+    if profile:
+        cfg = cfg.with_profile(profile)
+    return run_checked(cfg.replace(**overrides) if overrides else cfg, update, verify_kernel=load_kernel(kernel))
 
 
 def evaluate_mutant(name: str, cfg: Config) -> dict:
@@ -51,13 +54,11 @@ def catalogue(cfg: Config, names: Optional[Sequence[str]] = None) -> list[dict]:
 
 
 def tradeoff(cfg: Config, impls: Sequence[str] = tuple(BUILTINS), unpadded_guard: bool = True) -> list[dict]:
-    """One row per built-in on ``cfg``; with ``unpadded_guard`` also ``guarded`` on the same batch
-    without padded rows (its guard never fires while a padded row carries step -1)."""
-    from .costmodel import measure
-
+    """One row per built-in on ``cfg``; with ``unpadded_guard`` also ``sglang-31659`` on the same
+    batch without padded rows (its guard never fires while a padded row carries step -1)."""
     runs = [(impl, cfg, impl) for impl in impls]
-    if unpadded_guard and "guarded" in impls and cfg.num_padded > 0:
-        runs.append(("guarded", cfg.replace(num_padded=0), "guarded (no padded rows)"))
+    if unpadded_guard and GUARDED in impls and cfg.num_padded > 0:
+        runs.append((GUARDED, cfg.replace(num_padded=0), f"{GUARDED} (no padded rows)"))
     rows = []
     for impl, c, label in runs:
         rep = run_checked(c, impl)
@@ -65,7 +66,7 @@ def tradeoff(cfg: Config, impls: Sequence[str] = tuple(BUILTINS), unpadded_guard
         (cost,) = measure(c, [impl], [c.num_requests])
         rows.append({"impl": label, "syncs_per_step": syncs, "bytes_per_step": cost.bytes_per_step,
                      "worst_bound_ratio": ratio, "precision_ok": not [f for f in failed if f != SYNC_CHECK],
-                     "sync_free": SYNC_CHECK not in failed, "failed_checks": failed,
+                     "no_syncs": SYNC_CHECK not in failed, "failed_checks": failed,
                      "batch": f"{c.num_requests} requests + {c.num_padded} padded"})
     return rows
 
@@ -93,43 +94,5 @@ def tradeoff_markdown(rows: Sequence[dict], cfg: Config) -> str:
     for r in rows:
         lines.append(f"| `{r['impl']}` | {_num(r['syncs_per_step'])} | {r['bytes_per_step'] / 2**20:.3g} MiB | "
                      f"{_num(r['worst_bound_ratio'])} | {'PASS' if r['precision_ok'] else 'FAIL'} | "
-                     f"{'PASS' if r['sync_free'] else 'FAIL'} |")
+                     f"{'PASS' if r['no_syncs'] else 'FAIL'} |")
     return "\n".join(lines)
-
-
-def _parse(prog: str, description: str, argv, extra=None):
-    """(args, config) from the common options; config None after printing a config error."""
-    ap = argparse.ArgumentParser(prog=prog, description=description)
-    ap.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS))
-    ap.add_argument("--steps", type=int, help=f"decode steps (default {TEETH_STEPS})")
-    if extra:
-        extra(ap)
-    fmt = ap.add_mutually_exclusive_group()
-    fmt.add_argument("--json", action="store_true", help="a JSON list of objects")
-    fmt.add_argument("--markdown", action="store_true", help="the Markdown table (the default output)")
-    args = ap.parse_args(argv)
-    try:
-        return args, preset(args.preset, steps=args.steps or TEETH_STEPS)
-    except ConfigError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return args, None
-
-
-def tradeoff_main(argv: Optional[Sequence[str]] = None) -> int:
-    args, cfg = _parse("drift tradeoff", "Both-directions trade-off of the built-ins.", argv)
-    if cfg is None:
-        return 2
-    rows = tradeoff(cfg)
-    print(json.dumps(rows, indent=2) if args.json else tradeoff_markdown(rows, cfg))
-    return 0
-
-
-def mutants_main(argv: Optional[Sequence[str]] = None) -> int:
-    args, cfg = _parse("drift mutants", "Mutation score of the PR-gating checks.", argv,
-                       lambda ap: ap.add_argument("--mutant", action="append", choices=sorted(MUTANTS),
-                                                  help="only these (repeatable)"))
-    if cfg is None:
-        return 2
-    rows = catalogue(cfg, args.mutant)
-    print(json.dumps(rows, indent=2) if args.json else mutants_markdown(rows, cfg))
-    return 0 if all(r["caught"] for r in rows) else 1

@@ -29,8 +29,9 @@ from typing import Optional
 
 import numpy as np
 
-from .checks import Check, CheckResult
-from .compare import MetricsChunk
+from .checks import Check
+from .result import CheckResult
+from .compare import MANTISSA_BITS, MetricsChunk
 from .metrics import DriftCurves, growth_exponent, rel_err, ulp_err
 
 # Variance of one store rounding in units of ulp^2: uniform error on [-ulp/2, ulp/2] for
@@ -102,7 +103,6 @@ class BoundCheck(Check):
             self.env2 = np.asarray(self.initial_env2, np.float64).copy()
             self.var2 = np.zeros_like(self.env2)
         # ulp^2 on the fp32 grid = ulp^2 on the state's grid * 4^-(24 - p) (same exponents).
-        from .compare import MANTISSA_BITS
         self.compute_scale = KAPPA_COMPUTE * 4.0 ** -(COMPUTE_MANTISSA - MANTISSA_BITS[cfg.torch_ssm_dtype])
         self.curves = DriftCurves((cfg.num_layers, cfg.num_v_heads))
         self.logdecay_sum = np.zeros((cfg.num_layers, cfg.num_v_heads))  # sum over steps and rows

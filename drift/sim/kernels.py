@@ -6,7 +6,7 @@ Conventions (one tensor-parallel rank):
   L layers, S pool slots, N batch rows, D verify tokens, HK / HV key / value heads,
   K / V head dims, C = 2*HK*K + HV*V conv channels, Kc conv kernel,
   W = (Kc-1) + (D-1) conv window rows (the NPU extended window).
-States are handled in ``[.., K, V]`` orientation (``h`` in REFERENCE section 3);
+States are handled in ``[.., K, V]`` orientation (``h`` in docs/semantics.md §5);
 the pool hands out ``[K, V]`` views whatever its storage layout.
 
 The update kernels ``move_intermediate_cache`` and ``conv_state_rollback`` have
@@ -15,6 +15,8 @@ and are what the sgl_kernel_npu shim serves when that package is absent.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +34,9 @@ HOST_INDEX_PATHS = True
 # two passes over each state per token instead of five tensor ops). Tests switch it off to
 # compare it with the torch-op path.
 USE_NATIVE = True
+# The verify-kernel plug point: a callable with the signature of :func:`gdn_verify`
+# (``kernel(state_kv, slots, q, k, v, g, beta, inter_kv, rounding="rne", key=0) -> out``).
+VerifyKernel = Callable[..., torch.Tensor]
 _MASK_HI16 = -65536  # int32 0xFFFF0000: keeps sign, exponent and the 7 bf16 mantissa bits
 
 

@@ -14,12 +14,12 @@ from typing import Optional, Protocol, Sequence
 import numpy as np
 import torch
 
-from .devices import supports_float64
+from ..checkpoint import saveable
+from ..devices import supports_float64
+from ..sim.pool import as_bits
+from ..sim.twin import F64, Float64Twin
+from ..simulate import StopRun
 from .golden import Golden, load_golden
-from .pool import as_bits
-from .reference import F64, Float64Twin
-from .checkpoint import restore, saveable
-from .simulate import StopRun
 
 # Per (layer, row, head), float64, every step:
 PER_HEAD = (
@@ -315,72 +315,3 @@ class Comparison:
             text += (f"; {self.beyond_golden_steps} steps reached past golden position {self.golden_limit} "
                      "and were checked against the float64 twin alone")
         return text
-
-
-class SequentialShadow:
-    """Observer: runs the same stream through sequential (non-MTP) decode in lockstep and
-    measures the MTP-vs-sequential divergence of the committed states (sglang #25587):
-    ``||h_mtp - h_seq||_F / ||h_mtp||_F`` per (layer, row, head) and step."""
-
-    name = "MTP vs sequential"
-
-    def __init__(self):
-        self.worst = -math.inf
-        self.where = ""
-        self.final: Optional[np.ndarray] = None
-        self.curves = None
-
-    def on_start(self, sim) -> None:
-        from .metrics import DriftCurves
-        from .simulate import Simulation
-
-        self.main = sim
-        self.seq = Simulation(sim.cfg, mode="sequential", check_untouched=False, device=sim.device)
-        cfg = sim.cfg
-        self._buf = torch.zeros(sim.stream.chunk_steps, cfg.num_layers, cfg.num_requests, cfg.num_v_heads,
-                                dtype=F64, device=sim.device)
-        self._steps: list[int] = []
-        self.curves = DriftCurves((cfg.num_layers, cfg.num_v_heads))
-
-    def on_step(self, view) -> None:
-        self.seq.advance(1)
-        a = self.main.pool.ssm_kv[:, self.main.pool.active_slots].to(F64)
-        b = self.seq.pool.ssm_kv[:, self.seq.pool.active_slots].to(F64)
-        self._buf[view.index] = (a - b).square().sum((-1, -2)).sqrt() / a.square().sum((-1, -2)).sqrt().clamp(min=1e-300)
-        self._steps.append(view.step)
-
-    def flush(self) -> None:
-        from .checks import locate
-
-        if not self._steps:
-            return
-        n = len(self._steps)
-        d = self._buf[:n].cpu().numpy()
-        i = np.unravel_index(int(np.argmax(np.nan_to_num(d, nan=np.inf))), d.shape)
-        if d[i] > self.worst:
-            self.worst, self.where = float(d[i]), locate(i, self._steps[0])
-        self.final = d[-1]
-        self.curves.add("divergence", np.asarray(self._steps) + 1, d)
-        self._steps.clear()
-
-    def on_end(self) -> None:
-        pass
-
-    def state_dict(self) -> dict:
-        return {"worst": self.worst, "where": self.where, "final": saveable(self.final),
-                "curves": self.curves.state_dict(), "seq": self.seq.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.worst, self.where, self.final = state["worst"], state["where"], restore(state["final"])
-        self.curves.load_state_dict(state["curves"])
-        self.seq.load_state_dict(state["seq"])
-
-    def result(self):
-        from .checks import CheckResult
-
-        if self.final is None:
-            return CheckResult(self.name, False, None, None, "", "no step ran")
-        per_head = np.round(self.final.max(1), 5).tolist()
-        return CheckResult(self.name, True, self.worst, None, self.where,
-                           f"reported, not gated: committed-state divergence; final per (layer, head) {per_head}",
-                           extra={"kind": "info", "divergence": self.curves.to_dict()})

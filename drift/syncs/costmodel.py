@@ -4,12 +4,12 @@ size, what one decode step's update costs.
 The trade-off the sglang #32130 review names: a guarded copy costs a host sync, an
 unconditional copy costs bytes. Measured per step, averaged over the first ``steps``
 decode steps of the preset's stream (its mix of tracking and non-tracking steps, with its
-padded rows), by a :class:`~drift.syncs.SyncDetector` on the virtual device:
+padded rows), by a :class:`~drift.syncs.detector.SyncDetector` on the virtual device:
 
 - ``ops_per_step``: aten ops dispatched by the update (views included; ``view_ops_per_step``
   counts the views alone, which move no data);
 - ``bytes_per_step``: :data:`BYTES_MODEL` -- from shapes, not a measurement of traffic;
-- ``syncs_per_step``: host-device syncs (:mod:`drift.syncs`);
+- ``syncs_per_step``: host-device syncs (:mod:`drift.syncs.detector`);
 - ``latency_us``: on CUDA or NPU only (``device`` set in the config), the median device time
   of one update call between two timing events on the current stream; ``None`` on the CPU.
 
@@ -26,11 +26,13 @@ from typing import Optional, Sequence
 
 import torch
 
-from .config import Config
-from .loader import Update, load_update
-from .pool import Harness, StatePool
-from .syncs import SyncDetector, step_indices, to_virtual, update_calls, virtual_harness
-from .updates import BUILTINS
+from ..config import Config
+from ..devices import resolve_device
+from ..plug.loader import Update, load_update
+from ..plug.updates import BUILTINS
+from ..sim.pool import Harness, StatePool
+from .detector import SyncDetector, to_virtual
+from .scan import step_indices, update_calls, virtual_harness
 
 BATCH_SIZES: tuple[int, ...] = tuple(2 ** i for i in range(9))  # 1 .. 256 active requests
 DEFAULT_STEPS = 16
@@ -64,8 +66,6 @@ class CostRow:
 def _latency_us(cfg: Config, upd: Update, last: torch.Tensor, trk: torch.Tensor) -> tuple[float, str]:
     """Median device time (µs) of one update call on ``cfg.device`` (cuda or npu), timed with
     device events; inputs are moved to the device before timing starts."""
-    from .devices import resolve_device
-
     device = resolve_device(cfg.device)
     backend = getattr(torch, device.type)
     calls = list(update_calls(cfg, Harness(StatePool(cfg, device)), last, trk, lambda t: t.to(device)))

@@ -7,8 +7,9 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional, TextIO
 
-from .checks import CheckResult
-from .fileio import atomic_write_json, atomic_write_text
+from ..check.result import CheckResult
+from ..fileio import atomic_write_json, atomic_write_text
+from .plots import run_plot
 
 
 def _fmt(v: Optional[float]) -> str:
@@ -51,7 +52,7 @@ def summary_text(rep) -> str:
             f"({run['steps_per_s']} steps/s)")
     body = table(CHECK_HEADER, check_rows(rep.checks))
     verdict = "PASS: every check passed" if rep.passed else "FAIL: " + ", ".join(
-        c.name for c in rep.checks if not c.passed)
+        c.name for c in rep.checks if c.failed)
     return f"{head}\n\n{body}\n\n{verdict}"
 
 
@@ -78,8 +79,6 @@ def summary_markdown(rep) -> str:
 
 def write_report(rep, directory: str | Path) -> list[Path]:
     """Write report.json, report.md and drift_vs_step.png under ``directory`` (atomically)."""
-    from .plots import run_plot
-
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "report.json", out / "report.md"]
@@ -106,9 +105,10 @@ class _Lines:
         self.stream.flush()
 
 
-def progress_printer(label: str, stream: TextIO = sys.stderr) -> Callable[[int, int], None]:
+def progress_printer(label: str, stream: Optional[TextIO] = None) -> Callable[[int, int], None]:
     """A progress callback (rate and ETA from tqdm): a live bar on a terminal, a plain line at
     most every 10 s otherwise (CI logs)."""
+    stream = stream or sys.stderr
     from tqdm import tqdm
 
     tty = stream.isatty()
@@ -145,17 +145,17 @@ def nightly_markdown(rep: dict) -> str:
     lines += [f"- cut to fit the night: {c}" for c in cuts]
     verify = sorted({e.get("verify_kernel") or "not recorded" for e in entries.values()})
     lines.append("- GDN verify: " + "; ".join(verify))
-    lines += ["", "## Verdict per implementation and mode", ""]
+    lines += ["", "## Verdict per update and variant", ""]
     rows = []
     for key, e in entries.items():
         en, b = e["entry"], _bound(e)
         state = _check(e, "committed state") or {}
         worst_ratio = (_check(e, "drift bound") or {}).get("worst")
-        failed = [c["name"] for c in e["checks"] if not c["passed"] and c.get("kind") != "info"]
-        rows.append([en["preset"], str(en["seed"]), en["impl"], en["mode"], str(e["steps"]),
+        failed = [c["name"] for c in e["checks"] if c["failed"]]
+        rows.append([en["preset"], str(en["seed"]), en["update"], en["variant"], str(e["steps"]),
                      e["verdict"].upper(), _fmt(worst_ratio), _fmt(state.get("worst")),
                      _fmt(e.get("syncs_per_step")), ", ".join(failed) or "-"])
-    lines.append(markdown_table(["preset", "seed", "impl", "mode", "steps", "verdict", "worst bound ratio",
+    lines.append(markdown_table(["preset", "seed", "update", "variant", "steps", "verdict", "worst bound ratio",
                                  "worst rel. error", "syncs/step", "failed checks"], rows))
     heads = []
     for key, e in entries.items():
@@ -184,15 +184,14 @@ def nightly_markdown(rep: dict) -> str:
     impls = {}
     for e in entries.values():
         en = e["entry"]
-        if en["mode"] == "sequential":
+        if en["variant"] == "sequential":
             continue
-        t = impls.setdefault(en["impl"], {"syncs": 0.0, "ratio": 0.0, "precision": True})
+        t = impls.setdefault(en["update"], {"syncs": 0.0, "ratio": 0.0, "precision": True})
         t["syncs"] = max(t["syncs"], e.get("syncs_per_step") or 0.0)
         t["ratio"] = max(t["ratio"], (_check(e, "drift bound") or {}).get("worst") or 0.0)
-        if en["mode"] == "rne":
-            t["precision"] &= all(c["passed"] for c in e["checks"] if c["name"] not in ("host syncs",)
-                                  and c.get("kind") != "info")
-    lines.append(markdown_table(["impl", "syncs/step", "worst bound ratio (all modes)", "precision (rne)", "sync free"],
+        if en["variant"] == "rne":
+            t["precision"] &= not any(c["failed"] for c in e["checks"] if c["name"] != "host syncs")
+    lines.append(markdown_table(["update", "syncs/step", "worst bound ratio (all variants)", "precision (rne)", "sync free"],
                                 [[k, _fmt(v["syncs"]), _fmt(v["ratio"]), "PASS" if v["precision"] else "FAIL",
                                   "PASS" if v["syncs"] == 0 else "FAIL"] for k, v in impls.items()]))
     if rep.get("trend") is not None:
@@ -204,8 +203,7 @@ def nightly_markdown(rep: dict) -> str:
                                          for t in rep["trend"]]))
         else:
             lines.append("No head regressed.")
-    fails = [(k, c) for k, e in entries.items() for c in e["checks"]
-             if not c["passed"] and c.get("kind") != "info" and c.get("applicable", True)]
+    fails = [(k, c) for k, e in entries.items() for c in e["checks"] if c["failed"]]
     if fails:
         lines += ["", "## Failures", ""]
         lines += [f"- `{k}` **{c['name']}**: {c.get('detail') or ''} ({c.get('where') or ''})" for k, c in fails]

@@ -4,9 +4,9 @@ Two implementations of the same decode step are timed on one config:
 
 * **vectorised**: :class:`drift.simulate.Simulation` as ``drift run`` drives it, minus the
   checks (no observers, ``check_untouched=False``): input stream -> conv verify ->
-  split/gating -> GDN verify of all layers -> the ``sync_free`` update (sglang #32130)
+  split/gating -> GDN verify of all layers -> the released update (``sglang-0.5.23``)
   through drift's portable kernels.
-* **naive**: the same step as host loops built from :mod:`drift.naive`, in the simulator's
+* **naive**: the same step as host loops built from :mod:`drift.sim.naive`, in the simulator's
   dtypes (:func:`naive_step`).
 
 Effective bandwidth is the minimal number of bytes a step must move
@@ -23,12 +23,14 @@ from typing import Optional
 
 import torch
 
-from . import kernels, naive, native
-from .config import Config, ConfigError
-from .simulate import Simulation
-from .stream import StepChunk
+from ..config import Config
+from ..errors import ConfigError
+from ..plug.updates import DEFAULT_UPDATE
+from ..sim import kernels, naive, native
+from ..sim.stream import StepChunk
+from ..simulate import Simulation
 
-UPDATE = "sync_free"  # the update the vectorised simulator runs (and the naive loop mirrors)
+UPDATE = DEFAULT_UPDATE  # the update the vectorised simulator runs (and the naive loop mirrors)
 COPY_BYTES = 256 << 20  # copy-bandwidth buffer: 8x the 32 MiB L3 of the reference machine
 COPY_REPEATS = 5
 WARMUP_STEPS = 2
@@ -41,7 +43,7 @@ VECTORISED = ("drift.simulate.Simulation, no observers, check_untouched=False, u
 NAIVE = ("drift.bench.naive_step: per layer, batch row (padded rows included, as in the "
          "simulator), value head and verify token: drift.naive.conv_verify (per token and tap), "
          "naive.qkv_heads, naive.gating (Python floats), naive.gdn_token in float32 with the "
-         "state stored to the state dtype after every token; then the sync_free update as "
+         "state stored to the state dtype after every token; then the update as "
          "naive.move_intermediate_cache (commit and track) and naive.conv_state_rollback loops "
          "per request and layer; one timed block = stream chunk of 1 step + naive_step")
 BYTES_MODEL = ("per active request and layer (padded rows and the rare tracking copies not "
@@ -117,7 +119,7 @@ def naive_step(sim: Simulation, chunk: StepChunk, s: int) -> torch.Tensor:
                     h, o = naive.gdn_token(h, q[hd], k[hd], v[hd], math.exp(g), beta)
                     out[l, n, t, hd] = o
                     kernels.store_state(inter[l, n, t, hd], h, cfg.store_rounding, sim.step)
-    # The sync_free update (drift.updates.sync_free), as per-request loops.
+    # The update (drift.plug.updates), as per-request loops.
     last, trk = chunk.last_steps[s], chunk.track_steps[s]
     src = torch.arange(N, dtype=torch.int64)
     naive.move_intermediate_cache(pool.temporal, pool.intermediate_ssm, pool.row_slots, src, last)

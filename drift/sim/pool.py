@@ -1,6 +1,6 @@
 """State pool and the backend harness the update under test receives as ``self``.
 
-Pool layout follows SGLang's MambaPool (REFERENCE section 4):
+Pool layout follows SGLang's MambaPool (docs/semantics.md §4):
   temporal          ``[L, slots, HV, V, K]`` committed SSM states
   intermediate_ssm  ``[L, rows + 1, D, HV, V, K]`` verify scratch (row ``rows`` is spare)
   conv[0]           ``[L, slots, W, C]`` conv windows, NPU extended window
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .config import Config
+from ..config import Config
 
 STALE = float("nan")  # fills the dummy slot and never-valid rows: any read of them shows
 
@@ -161,4 +161,4 @@ class Harness:
             f"the update under test read self.{name}, which drift's harness does not provide; it "
             "provides self.linear_attn_backend.forward_metadata.mamba_cache_indices and "
             "self.linear_attn_backend.req_to_token_pool.get_speculative_mamba2_params_all_layers() "
-            "(REFERENCE section 2). Extend drift.pool.Harness if the real backend has more.")
+            "(docs/semantics.md §2). Extend drift.sim.pool.Harness if the real backend has more.")

@@ -1,7 +1,7 @@
 """Host-device synchronisation detector for the update under test, usable on a CPU-only CI.
 
-A sync happens whenever the host needs a value that lives on the device (REFERENCE
-section 5): ``.item()``, ``bool(t)``, ``float(t)``, ``int(t)``, ops whose output shape
+A sync happens whenever the host needs a value that lives on the device (docs/semantics.md
+§8): ``.item()``, ``bool(t)``, ``float(t)``, ``int(t)``, ops whose output shape
 depends on device data (boolean-mask indexing, ``nonzero``, ``masked_select``,
 ``unique`` ...), host reads (``.cpu()``, ``.tolist()``, ``.numpy()``) and blocking copies.
 
@@ -23,12 +23,12 @@ into a device tensor (``torch.tensor(data, device=...)``).
 On a machine with CUDA, ``torch.cuda.set_sync_debug_mode("error")`` is armed around each
 call (and restored after: the mode is process-global); with ``torch_npu`` its twin
 ``torch.npu.set_sync_debug_mode("error")``. They only see work on real device tensors
-(:func:`scan_update` adds a pass on the accelerator when one is present), and they stop
+(:func:`drift.syncs.scan.scan_update` adds a pass on the accelerator when one is present), and they stop
 the call at its first sync. Every report lists the detectors that ran.
 
 Each :class:`SyncEvent` names the op and the ``file:line`` in the code under test: the
 innermost Python frame at dispatch time that is neither torch's nor this module's.
-drift's portable kernels (``drift/kernels.py``) are code under test like any other.
+drift's portable kernels (``drift/sim/kernels.py``) are code under test like any other.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import linecache
-import math
 import os
 import re
 import sys
@@ -49,11 +48,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .checks import CheckResult
-from .config import Config
-from .loader import Update, load_update
-from .pool import Harness, StatePool
-from .stream import InputStream
+from ..devices import npu_available
+
 
 VIRTUAL_DEVICE = torch.device("meta")
 _HOST = torch.device("cpu")
@@ -628,7 +624,7 @@ def _debug_backends() -> list[tuple[str, types.ModuleType]]:
     out = []
     if torch.cuda.is_available():
         out.append((DETECTOR_CUDA, torch.cuda))
-    if _npu_present():
+    if npu_present():
         npu = getattr(torch, "npu", None)
         if npu is not None and hasattr(npu, "set_sync_debug_mode") and hasattr(npu, "get_sync_debug_mode"):
             out.append((DETECTOR_NPU, npu))
@@ -636,9 +632,8 @@ def _debug_backends() -> list[tuple[str, types.ModuleType]]:
 
 
 @functools.lru_cache(maxsize=1)
-def _npu_present() -> bool:
+def npu_present() -> bool:
     """torch_npu imports and sees an NPU (asked once per process)."""
-    from .devices import npu_available
     return npu_available()
 
 
@@ -654,163 +649,3 @@ def _armed(backends: Sequence[tuple[str, types.ModuleType]]) -> Iterator[None]:
     finally:
         for mod, mode in reversed(previous):
             mod.set_sync_debug_mode(mode)
-
-
-# ------------------------------------------------------- the update under test
-def virtual_pool(cfg: Config, shape_only: bool = False) -> StatePool:
-    """drift's :class:`StatePool` for ``cfg`` with every tensor on the virtual device
-    (built on the CPU, then wrapped; views keep sharing storage). ``shape_only``: the
-    floating-point states (temporal, intermediate_ssm, conv) hold no data, the integer slot
-    tables stay real -- enough for an update whose control flow reads only indices."""
-    pool = StatePool(cfg.replace(device="cpu"), _HOST)
-    for name, value in list(vars(pool).items()):
-        if isinstance(value, torch.Tensor):
-            if shape_only and value.is_floating_point():
-                value = value.to(VIRTUAL_DEVICE)  # keeps the strides of a transposed view
-            setattr(pool, name, VirtualTensor(value))
-    pool.device = VIRTUAL_DEVICE
-    return pool
-
-
-def virtual_harness(cfg: Config, shape_only: bool = False) -> Harness:
-    """The backend ``self`` the update receives, over a :func:`virtual_pool`."""
-    return Harness(virtual_pool(cfg, shape_only))
-
-
-def update_calls(cfg: Config, harness: Harness, last: torch.Tensor, trk: torch.Tensor,
-                 wrap: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[tuple]:
-    """The argument tuples of one update call per step, as the simulation passes them:
-    ``(harness, last_steps [N], track_indices [N] | None, track_steps [N] | None)``;
-    ``last`` / ``trk`` are int64 ``[steps, N]`` host tensors, ``wrap`` moves one onto the device."""
-    track_on = cfg.track_interval > 0
-    track_idx = harness._drift_pool.row_track_slots if track_on else None
-    for i in range(last.shape[0]):
-        yield harness, wrap(last[i]), track_idx, (wrap(trk[i]) if track_on else None)
-
-
-def step_indices(cfg: Config, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``last_steps`` and ``track_steps`` (int64 CPU ``[count, N]``, -1 = none / padded row)
-    of the first ``count`` decode steps of ``cfg``'s stream.
-
-    They depend only on the seed, batch, acceptance and tracking fields, never on the model
-    shapes, so the stream runs on a one-channel copy of the config (cheap at any size).
-    """
-    tiny = cfg.replace(num_layers=1, num_k_heads=1, num_v_heads=1, head_k_dim=1, head_v_dim=1,
-                       decays=(0.5,), key_rank=0, device="cpu")
-    chunk = InputStream(tiny, _HOST).chunk(count)
-    return chunk.last_steps, chunk.track_steps
-
-
-SCAN_STEPS = 1024  # steps searched for tracking and non-tracking ones (a track interval of up to ~1000 tokens)
-
-
-def representative_steps(cfg: Config, steps: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-    """``steps`` decode steps alternating non-tracking and tracking ones (all non-tracking when
-    tracking is off or no boundary is crossed within :data:`SCAN_STEPS`), with their indices.
-
-    Returns (step numbers, last_steps ``[steps, N]``, track_steps ``[steps, N]``), int64 CPU.
-    """
-    if steps < 1:
-        raise ValueError(f"steps={steps} is invalid; allowed: an integer >= 1")
-    last, trk = step_indices(cfg, SCAN_STEPS)
-    tracking = (trk >= 0).any(1).tolist()
-    pools = ([s for s in range(SCAN_STEPS) if not tracking[s]], [s for s in range(SCAN_STEPS) if tracking[s]])
-    chosen: list[int] = []
-    for i in range(steps):
-        want, other = pools[i % 2], pools[1 - i % 2]
-        src = want if want else other
-        if not src:
-            break
-        chosen.append(src.pop(0))
-    chosen.sort()
-    return chosen, last[chosen], trk[chosen]
-
-
-@dataclass
-class UpdateScan:
-    """The syncs of an update over a few steps: one report per pass (``virtual``, and the
-    config's device when it is an accelerator), events labelled ``step <n>``."""
-
-    update: str
-    steps: list[int]
-    tracking: list[bool]
-    padded_rows: int
-    track_on: bool
-    passes: dict[str, SyncReport]
-
-    @property
-    def events(self) -> list[SyncEvent]:
-        return [e for rep in self.passes.values() for e in rep.events]
-
-    def per_step(self, pass_name: str = "virtual") -> dict[int, list[SyncEvent]]:
-        """Events of each step (every step present, possibly with no events)."""
-        labels = self.passes[pass_name].by_label()
-        return {s: labels.get(f"step {s}", []) for s in self.steps}
-
-
-def _device_pass(cfg: Config, device: Optional[str]) -> Optional[str]:
-    """The accelerator of the second pass: ``device`` as given ("none": no pass), or with
-    "auto" the config's device when it is one, else the first accelerator present."""
-    if device != "auto":
-        return None if device in (None, "none", "cpu") else device
-    if cfg.device != "cpu":
-        return cfg.device
-    if torch.cuda.is_available():
-        return "cuda"
-    return "npu" if _npu_present() else None
-
-
-def scan_update(cfg: Config, update: str | Update | Callable = "sync_free", steps: int = 4,
-                device: Optional[str] = "auto") -> UpdateScan:
-    """Run ``update`` for :func:`representative_steps` on the virtual device and, when there is
-    an accelerator (:func:`_device_pass`), again on it with its sync debug mode armed; padded
-    rows and tracking as configured (``track_interval = 0`` passes ``None`` as the simulation does)."""
-    upd = update if isinstance(update, Update) else load_update(update)
-    chosen, last, trk = representative_steps(cfg, steps)
-    passes: dict[str, SyncReport] = {}
-    targets: list[tuple[str, Optional[torch.device]]] = [("virtual", None)]
-    accel = _device_pass(cfg, device)
-    if accel is not None:
-        from .devices import resolve_device
-        targets.append((accel, resolve_device(accel)))
-    for name, dev in targets:
-        if dev is None:
-            harness, wrap = virtual_harness(cfg), to_virtual
-            det = SyncDetector(device_debug=False)  # CPU data: the debug modes would see nothing
-        else:
-            harness, wrap = Harness(StatePool(cfg.replace(device=name), dev)), (lambda t, d=dev: t.to(d))
-            det = SyncDetector(device_debug=True)
-        for s, call in zip(chosen, update_calls(cfg, harness, last, trk, wrap)):
-            det.label = f"step {s}"
-            det.run(upd, *call)
-        passes[name] = det.report
-    tracking = [bool(x) for x in (trk >= 0).any(1).tolist()]
-    return UpdateScan(upd.name, chosen, tracking, cfg.num_padded, cfg.track_interval > 0, passes)
-
-
-def sync_check(cfg: Config, update: str | Update | Callable = "sync_free", steps: int = 4,
-               device: Optional[str] = "auto") -> CheckResult:
-    """The "host syncs" check of ``drift run``: passed iff the update causes no host-device
-    sync in :func:`scan_update`'s steps (virtual device, plus the accelerator pass when there
-    is one). worst: syncs per step (the worst pass); limit 0; where: the first sync's op and
-    ``file:line``; extra: syncs per pass, detectors, the first events."""
-    scan = scan_update(cfg, update, steps, device)
-    n = len(scan.steps)
-    per_step = max((len(r.events) / n for r in scan.passes.values()), default=0.0) if n else math.nan
-    detectors = sorted({d for r in scan.passes.values() for d in r.detectors})
-    n_track = sum(scan.tracking)
-    what = (f"{n} steps ({n_track} tracking, {n - n_track} not{'' if scan.track_on else ', tracking off'}; "
-            f"{scan.padded_rows} padded row(s); passes: {', '.join(scan.passes)}; detectors: {', '.join(detectors)})")
-    events = scan.events
-    extra = {"syncs": len(events), "syncs_by_pass": {k: len(r.events) for k, r in scan.passes.items()},
-             "steps": scan.steps, "detectors": detectors,
-             "events": [e.to_dict() for e in events[:10]]}
-    if not events:
-        return CheckResult("host syncs", passed=True, worst=0.0, limit=0.0, where="",
-                           detail=f"no host-device sync in {what}", extra=extra)
-    sites = list(dict.fromkeys(f"{e.op} at {e.where}" for e in events))
-    detail = (f"{len(events)} syncs in {what}: " + "; ".join(sites[:4])
-              + (f"; {len(sites) - 4} more sites" if len(sites) > 4 else "")
-              + ". Keep the hot path device-side (torch.where, fixed-shape ops).")
-    return CheckResult("host syncs", passed=False, worst=per_step, limit=0.0, where=events[0].describe(),
-                       detail=detail, extra=extra)

@@ -41,7 +41,7 @@ def _pick(entries: dict, mode: str) -> list[tuple[str, dict]]:
     seen, out = set(), []
     for k, e in entries.items():
         en = e["entry"]
-        if en["mode"] == mode and (en["preset"], en["seed"]) not in seen:
+        if en["variant"] == mode and (en["preset"], en["seed"]) not in seen:
             seen.add((en["preset"], en["seed"]))
             out.append((k, e))
     return out

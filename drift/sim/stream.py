@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .config import Config
+from ..config import Config
 
 TOKEN_BLOCK = 64  # positions generated per (row, block) draw
 SCHEDULE_BLOCK = 1024  # steps generated per acceptance draw

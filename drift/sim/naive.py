@@ -1,6 +1,6 @@
 """Naive per-layer, per-request, per-head, per-token counterparts of :mod:`drift.kernels`.
 
-A direct transcription of REFERENCE sections 2-3, in float64 by default: the
+A direct transcription of docs/semantics.md §3 and §5, in float64 by default: the
 definition the vectorised kernels are tested against, and the baseline the
 benchmark compares them with (run there in the simulator's own dtypes).
 """

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from . import kernels
-from .config import Config
+from ..config import Config
 from .stream import StreamParams, TrueTokens
 
 F64 = torch.float64

@@ -1,20 +1,7 @@
-"""Verify-kernel plug point: the GDN verify kernel under test.
+"""The NPU verify op adapter: drift's verify-kernel arguments laid out as the Ascend op takes them.
 
-A verify kernel has the signature of :func:`drift.kernels.gdn_verify`::
-
-    kernel(state_kv, slots, q, k, v, g, beta, inter_kv, rounding="rne", key=0) -> out
-
-state_kv ``[L, S, HV, K, V]`` committed states (read at ``slots [N]``), q/k ``[L, N, D, HV, K]``
-(l2-normalised, q scaled by K^-0.5, key heads repeated over value heads), v ``[L, N, D, HV, V]``,
-g/beta ``[L, N, D, HV]`` float32; it writes the state after every token into inter_kv
-``[L, N, D, HV, K, V]`` and returns outputs ``[L, N, D, HV, V]``.
-
-Specs (``--drift-kernel``):
-  ``portable``                  drift's own kernel (the default)
-  ``npu``                       torch_npu.npu_recurrent_gated_delta_rule through :func:`npu_op_adapter`
-  ``npu-op:<module|file.py>:<qualname>``  any callable with that op's signature, through the adapter
-  ``mutant:<name>``             a kernel mutant of drift.mutants
-  ``<module|file.py>:<qualname>``          a callable with the signature above
+A verify kernel has the signature of :func:`drift.sim.kernels.gdn_verify` (:data:`VerifyKernel`).
+:func:`npu_op_adapter` wraps a callable with the Ascend op's signature into one.
 """
 
 from __future__ import annotations
@@ -23,11 +10,10 @@ from typing import Callable
 
 import torch
 
-from . import kernels
-from .devices import npu_available
-from .loader import LoadError, resolve_spec
+from ..devices import npu_available
+from ..errors import LoadError
+from ..sim.kernels import VerifyKernel
 
-VerifyKernel = Callable[..., torch.Tensor]
 BF16 = torch.bfloat16
 
 
@@ -70,7 +56,7 @@ def npu_op_adapter(op: Callable) -> VerifyKernel:
     return verify
 
 
-def _torch_npu_op() -> Callable:
+def torch_npu_op() -> Callable:
     if not npu_available():
         raise LoadError("--drift-kernel npu needs torch_npu with an NPU present; on other machines use "
                         "npu-op:<spec> with a CPU stand-in of the op")
@@ -80,27 +66,3 @@ def _torch_npu_op() -> Callable:
     if op is None:
         raise LoadError("this torch_npu has no npu_recurrent_gated_delta_rule; upgrade torch_npu")
     return op
-
-
-def load_kernel(spec: str | VerifyKernel | None) -> VerifyKernel:
-    """A verify kernel from a spec (see the module docstring); LoadError names the spec."""
-    if spec is None or spec == "portable":
-        return kernels.gdn_verify
-    if callable(spec):
-        return spec
-    if spec == "npu":
-        return npu_op_adapter(_torch_npu_op())
-    if spec.startswith("npu-op:"):
-        return npu_op_adapter(resolve_spec(spec[len("npu-op:"):], "kernel"))
-    if spec.startswith("mutant:"):
-        from .mutants import MUTANTS
-
-        m = MUTANTS.get(spec.split(":", 1)[1])
-        if m is None or m.kind != "kernel":
-            known = ", ".join(f"mutant:{n}" for n, x in MUTANTS.items() if x.kind == "kernel")
-            raise LoadError(f"kernel spec {spec!r} is not a kernel mutant; known: {known}")
-        return m.fn
-    fn = resolve_spec(spec, "kernel")
-    if not callable(fn):
-        raise LoadError(f"kernel spec {spec!r} resolves to a {type(fn).__name__}, not a function")
-    return fn

@@ -10,7 +10,7 @@ from typing import Optional
 
 import numpy as np
 
-from .checkpoint import Stateful
+from ..checkpoint import Stateful
 
 # Relative errors divide by max(||ref||_F, NORM_FLOOR_PER_SQRT_V * sqrt(V)): the norm of a
 # rank-one update with a unit key and values of RMS 0.01, far below any real state

@@ -19,15 +19,15 @@ fine-grained precision verdict is the bound check's (:mod:`drift.bounds`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 
-from .checkpoint import Stateful
+from ..checkpoint import Stateful
+from ..simulate import StopRun
 from .compare import MetricsChunk
 from .metrics import norm_floor, rel_err
-from .simulate import StopRun
+from .result import CheckResult, locate
 
 SEMANTIC_TOL = 0.25
 # Golden validation of the float64 twin: both are float64 computations of the same truth
@@ -35,46 +35,6 @@ SEMANTIC_TOL = 0.25
 # rounding, <= 2^-24 ~ 6e-8 relative to the projection's scale. 1e-6 leaves a 16x margin;
 # any change to the stream, the parameters or the math moves them by order one.
 GOLDEN_TOL = 1e-6
-
-
-@dataclass
-class CheckResult:
-    name: str
-    passed: bool
-    worst: Optional[float] = None
-    limit: Optional[float] = None
-    where: str = ""
-    detail: str = ""
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def applicable(self) -> bool:
-        return self.extra.get("applicable", True)
-
-    @property
-    def verdict(self) -> str:
-        if self.extra.get("kind") == "info":
-            return "info"
-        return "n/a" if not self.applicable else ("PASS" if self.passed else "FAIL")
-
-    def to_dict(self) -> dict:
-        def clean(v):
-            # Non-finite floats anywhere (a NaN run's worst values, its bound ratios in
-            # extra) become None: the report must stay strict JSON.
-            if isinstance(v, dict):
-                return {k: clean(x) for k, x in v.items()}
-            if isinstance(v, (list, tuple)):
-                return [clean(x) for x in v]
-            return None if v is None or (isinstance(v, float) and not math.isfinite(v)) else v
-        return {"name": self.name, "passed": self.passed, "worst": clean(self.worst),
-                "limit": clean(self.limit), "where": self.where, "detail": self.detail,
-                **clean(self.extra)}
-
-
-def locate(idx: tuple, step0: int, dims: tuple[str, ...] = ("layer", "row", "head")) -> str:
-    """'step S, layer l, row r, head h' for an index into a ``[S, ...]`` chunk array."""
-    parts = [f"step {step0 + int(idx[0])}"] + [f"{d} {int(i)}" for d, i in zip(dims, idx[1:])]
-    return ", ".join(parts)
 
 
 class Check(Stateful):
@@ -262,7 +222,7 @@ class GoldenCheck(Check):
             return CheckResult(self.name, True, None, None, "", f"not applicable: {comp.golden_note}; "
                                "the float64 twin is the reference", extra={"applicable": False})
         res = super().result()
-        hint = f"if the generator or the preset changed on purpose: python scripts/regen_golden.py --preset {comp.golden.name} --force"
+        hint = f"if the generator or the preset changed on purpose: drift regen-golden --preset {comp.golden.name} --force"
         if self.ckpt_fail:
             res.passed = False
             res.detail = (res.detail + "; " if res.detail else "") + f"checkpoint state/window differs ({self.ckpt_fail})"

@@ -14,7 +14,7 @@ the preset's horizon (the truth does not depend on acceptance). ``golden/manifes
 records schema, generator version, preset, seed, config hash, versions, creation time
 and each file's sha256 and size.
 
-The generator is a second, independent transcription of REFERENCE section 3 in float64
+The generator is a second, independent transcription of docs/semantics.md §5 in float64
 (its own conv, gating, norms and recurrence; no code shared with drift.kernels beyond
 the input stream), run one position at a time on one thread so regeneration is
 byte-for-byte reproducible. At run time the float64 twin is validated against it.
@@ -22,7 +22,6 @@ byte-for-byte reproducible. At run time the float64 twin is validated against it
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import hashlib
 import json
@@ -36,28 +35,25 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from .config import PRESETS, Config, ConfigError, preset
-from .fileio import atomic_write_bytes, atomic_write_json, load_npz, npz_bytes
-from .stream import StreamParams, TrueTokens, max_position
+from ..config import PRESETS, Config, preset
+from ..errors import GoldenError
+from ..fileio import atomic_write_bytes, atomic_write_json, load_npz, npz_bytes
+from ..sim.stream import StreamParams, TrueTokens, max_position
 
 SCHEMA = 1
 GENERATOR_VERSION = "1"
 CHECKPOINT_EVERY = 4096  # positions between full-state checkpoints
 GOLDEN_PRESETS = ("ci-small", "stagnation")  # the PR-gating presets
-REGEN_HINT = "python scripts/regen_golden.py --preset {name} --force"
+REGEN_HINT = "drift regen-golden --preset {name} --force"
 F64 = torch.float64
 
 ARRAYS_PER_POSITION = ("proj_state", "state_norm", "proj_out")
 
 
-class GoldenError(RuntimeError):
-    """Golden data is missing, corrupted or does not match the config."""
-
-
 def golden_dir() -> Path:
     """``$DRIFT_GOLDEN_DIR`` if set, else ``golden/`` at the repository root."""
     env = os.environ.get("DRIFT_GOLDEN_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[1] / "golden"
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "golden"
 
 
 def _entry_key(name: str, seed: int) -> str:
@@ -179,10 +175,10 @@ def _read_manifest(directory: Path) -> dict:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise GoldenError(f"{path} is not valid JSON ({exc}); restore it from git or regenerate all "
-                          "golden data: python scripts/regen_golden.py --force") from exc
+                          "golden data: drift regen-golden --force") from exc
     if manifest.get("schema") != SCHEMA:
         raise GoldenError(f"{path} has schema {manifest.get('schema')!r}, this drift reads schema {SCHEMA}; "
-                          "regenerate: python scripts/regen_golden.py --force")
+                          "regenerate: drift regen-golden --force")
     return manifest
 
 
@@ -270,13 +266,14 @@ def diff_summary(old: dict, new: dict) -> list[str]:
 
 def regenerate(names: Sequence[str], seed: Optional[int] = None, force: bool = False,
                directory: Optional[Path] = None, steps: Optional[int] = None,
-               out=sys.stdout) -> int:
+               out=None) -> int:
     """Regenerate golden data for ``names``; returns 0, or 1 when a change was refused.
 
     Unchanged data leaves files and manifest untouched. Changed data is written only with
     ``force``: the new file under a content-addressed name, then the manifest swapped
     atomically, then the old file removed -- an interrupted run leaves the old golden intact.
     """
+    out = out or sys.stdout
     directory = golden_dir() if directory is None else Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     manifest = _read_manifest(directory)
@@ -320,19 +317,3 @@ def regenerate(names: Sequence[str], seed: Optional[int] = None, force: bool = F
             old_file.unlink()
         print(f"{key}: wrote {fname} ({len(data) / 2**20:.2f} MiB)", file=out)
     return refused
-
-
-def regen_main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="regen_golden", description="Regenerate golden trajectories "
-                                 "(deliberately: review the diff summary before committing).")
-    ap.add_argument("--preset", action="append", choices=sorted(PRESETS),
-                    help=f"preset to regenerate (repeatable; default: {', '.join(GOLDEN_PRESETS)})")
-    ap.add_argument("--seed", type=int, help="seed (default: the preset's)")
-    ap.add_argument("--force", action="store_true", help="overwrite golden data that changed")
-    ap.add_argument("--golden-dir", type=Path, help="golden directory (default: golden/ or $DRIFT_GOLDEN_DIR)")
-    args = ap.parse_args(argv)
-    try:
-        return regenerate(args.preset or GOLDEN_PRESETS, args.seed, args.force, args.golden_dir)
-    except (GoldenError, ConfigError) as exc:
-        print(f"regen_golden: error: {exc}", file=sys.stderr)
-        return 2

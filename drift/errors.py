@@ -1,0 +1,48 @@
+"""The errors drift raises, and the one mapping from an error to a process exit code.
+
+Exit codes (``drift`` and every sub-command): 0 every check passed; 1 a check failed (or the
+code under test raised, which is a failed check); 2 the input was bad (usage, config, a
+plug-in spec, golden data, a checkpoint or trace file, a device that is absent). Every
+:class:`DriftError` carries its exit code; a message names the cause and the fix.
+"""
+
+from __future__ import annotations
+
+EXIT_PASS, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+
+class DriftError(Exception):
+    """Base of drift's own errors; ``exit_code`` is what the command line exits with."""
+
+    exit_code = EXIT_USAGE
+
+
+class ConfigError(DriftError, ValueError):
+    """A config field or command-line value is outside what it allows."""
+
+
+class LoadError(DriftError, ValueError):
+    """A plug-in spec (update or verify kernel) could not be turned into a callable."""
+
+
+class GoldenError(DriftError, RuntimeError):
+    """Golden data is missing, corrupted or does not match the config."""
+
+
+class DataError(DriftError, RuntimeError):
+    """A file drift reads (checkpoint, report, trace) is damaged or of the wrong kind."""
+
+
+class DeviceUnavailable(DriftError, RuntimeError):
+    """The requested accelerator is not present on this machine."""
+
+
+class UpdateRaised(DriftError, RuntimeError):
+    """The code under test raised: reported as a failed run, not a crash."""
+
+    exit_code = EXIT_FAIL
+
+
+def exit_code(exc: BaseException) -> int:
+    """The exit code for ``exc``: its own for a :class:`DriftError`, else none (re-raise)."""
+    return exc.exit_code if isinstance(exc, DriftError) else EXIT_FAIL

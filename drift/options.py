@@ -1,0 +1,111 @@
+"""Command-line options, declared once and shared by the ``drift`` command and the pytest plugin.
+
+:func:`add_options` takes an ``addoption`` callable (argparse's ``add_argument``, or pytest's
+``parser.addoption`` / a group's ``addoption``) and a ``prefix``: ``""`` for the ``drift``
+command (``--update``), ``"drift-"`` for pytest (``--drift-update``) -- pytest-benchmark's
+``add_*_options(addoption, prefix)`` pattern. One name per idea everywhere:
+
+  --preset P      a named preset            --steps N      decode steps
+  --seed S        the stream's seed         --device D     cpu, cuda or npu
+  --profile P     state-store profile       --rounding R   store rounding of the state
+  --pattern P     acceptance pattern        --mode M       mtp or sequential decode
+  --update SPEC   the update under test     --kernel SPEC  the verify kernel under test
+
+Values are checked by the type functions below, so a bad one is a usage error (exit 2) before
+any work starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Callable, Iterable, Optional
+
+from .config import DEFAULT_PRESET, PATTERNS, PRESETS, PROFILES, ROUNDINGS, SEED_MAX
+from .plug.updates import BUILTINS, DEFAULT_UPDATE
+
+MODES = ("mtp", "sequential")
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (``--steps 0`` is an error, never a silent default)."""
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return value
+
+
+def seed_int(text: str) -> int:
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer seed") from None
+    if not 0 <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"seed {text!r} is invalid; allowed: an integer in [0, {SEED_MAX}] "
+                                         "(the stream keys its generators with 32-bit words)")
+    return value
+
+
+def device_name(text: str) -> str:
+    if not re.fullmatch(r"(cpu|cuda|npu)(:\d+)?", text or ""):
+        raise argparse.ArgumentTypeError(f"device {text!r} is not known; allowed: cpu, cuda, npu "
+                                         "(optionally :index)")
+    return text
+
+
+def _choice(allowed: Iterable[str], what: str) -> Callable[[str], str]:
+    allowed = tuple(allowed)
+
+    def check(text: str) -> str:
+        if text not in allowed:
+            raise argparse.ArgumentTypeError(f"{what} {text!r} is not known; allowed: {', '.join(allowed)}")
+        return text
+    check.__name__ = what
+    return check
+
+
+# name -> argparse keyword arguments (help without the default, which add_options appends)
+SPECS: dict[str, dict] = {
+    "preset": dict(type=_choice(PRESETS, "preset"), metavar="P", help=f"preset: {', '.join(PRESETS)}"),
+    "steps": dict(type=positive_int, metavar="N", help="decode steps"),
+    "seed": dict(type=seed_int, metavar="S", help="seed of the input stream"),
+    "device": dict(type=device_name, metavar="D", help="cpu, cuda or npu"),
+    "profile": dict(type=_choice(sorted(PROFILES), "profile"), metavar="P",
+                    help=f"state-store profile: {', '.join(sorted(PROFILES))}"),
+    "rounding": dict(type=_choice(ROUNDINGS, "rounding"), metavar="R",
+                     help=f"store rounding of the state: {', '.join(ROUNDINGS)}"),
+    "pattern": dict(type=_choice(PATTERNS, "pattern"), metavar="P",
+                    help=f"acceptance pattern: {', '.join(PATTERNS)}"),
+    "mode": dict(type=_choice(MODES, "mode"), metavar="M", help="mtp or sequential (non-MTP) decode"),
+    "update": dict(metavar="SPEC", help=f"update under test: a built-in ({', '.join(BUILTINS)}), "
+                   "mutant:<name>, package.module:qualname or path/to/file.py:qualname"),
+    "kernel": dict(metavar="SPEC", help="verify kernel under test: portable, npu, npu-op:<spec>, "
+                   "mutant:<name>, package.module:qualname or path/to/file.py:qualname"),
+}
+DEFAULTS: dict[str, object] = {"preset": DEFAULT_PRESET, "device": "cpu", "update": DEFAULT_UPDATE,
+                               "kernel": "portable", "mode": "mtp"}
+
+
+def dest(prefix: str, name: str) -> str:
+    """The attribute an option lands in: ``update`` for ``--update``, ``drift_update`` for ``--drift-update``."""
+    return f"{prefix}{name}".replace("-", "_")
+
+
+def add_options(addoption: Callable, names: Iterable[str], prefix: str = "", repeat: Iterable[str] = (),
+                defaults: Optional[dict] = None) -> None:
+    """Declare ``names`` (keys of :data:`SPECS`) through ``addoption``; those in ``repeat`` may be
+    given more than once (a list, empty when absent); ``defaults`` override :data:`DEFAULTS`."""
+    repeat = set(repeat)
+    for name in names:
+        kw = dict(SPECS[name])
+        if name in repeat:
+            kw.update(action="append", default=[])
+            kw["help"] += " (repeatable)"
+        else:
+            default = {**DEFAULTS, **(defaults or {})}.get(name)
+            kw["default"] = default
+            kw["help"] += f" (default: {default})" if default is not None else " (default: the preset's)"
+        addoption(f"--{prefix}{name}", dest=dest(prefix, name), **kw)

@@ -1,0 +1,128 @@
+"""The front door for code under test: an update or a verify kernel from a spec.
+
+Update specs: a built-in (:data:`drift.plug.updates.BUILTINS`), ``mutant:<name>``,
+``package.module:qualname`` or ``path/to/file.py:qualname``. The callee is called as
+``fn(backend, last_correct_step_indices, mamba_track_indices, mamba_steps_to_track, **extra)``:
+a class method receives drift's harness as ``self``, and every parameter it declares beyond
+those four (``model``, ``req_pool_indices``, ...) receives ``None``.
+
+Kernel specs: ``portable`` (drift's own, the default), ``npu``, ``npu-op:<spec>``,
+``mutant:<name>`` or a ``module|file.py:qualname`` with the signature of
+:func:`drift.sim.kernels.gdn_verify`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from ..errors import LoadError
+from ..sim import kernels
+from ..sim.kernels import VerifyKernel
+from .mutants import MUTANTS, Mutant
+from .npu_op import npu_op_adapter, torch_npu_op
+from .shim import sgl_kernels
+from .specs import MUTANT_PREFIX, resolve_spec
+from .updates import BUILTINS, RENAMED
+
+REQUIRED = ("self", "last_correct_step_indices", "mamba_track_indices", "mamba_steps_to_track")
+
+
+@dataclass
+class Update:
+    """A loaded update implementation, callable as the simulation calls it."""
+
+    name: str
+    spec: str
+    fn: Callable[..., Any]
+    extra: tuple[str, ...] = field(default_factory=tuple)
+    source: str = ""
+
+    def __call__(self, backend, last_correct_step_indices, mamba_track_indices, mamba_steps_to_track):
+        kwargs = {name: None for name in self.extra}
+        return self.fn(backend, last_correct_step_indices, mamba_track_indices, mamba_steps_to_track,
+                       **kwargs)
+
+
+def mutant(spec: str, kind: str) -> Mutant:
+    """The catalogue entry a ``mutant:<name>`` spec names; LoadError lists those of ``kind``."""
+    m = MUTANTS.get(spec[len(MUTANT_PREFIX):])
+    if m is None or m.kind != kind:
+        known = ", ".join(f"{MUTANT_PREFIX}{n}" for n, x in MUTANTS.items() if x.kind == kind)
+        raise LoadError(f"{kind} spec {spec!r} is not {'an' if kind == 'update' else 'a'} {kind} mutant; "
+                        f"known: {known}")
+    return m
+
+
+def _check_signature(fn: Callable, spec: str) -> tuple[str, ...]:
+    if inspect.ismethod(fn):
+        raise LoadError(f"update spec {spec!r} resolves to a bound method; name the function through "
+                        "its class (Class.method) so drift can pass its harness as self")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError) as exc:
+        raise LoadError(f"update spec {spec!r}: cannot read its signature ({exc})") from exc
+    params = list(sig.parameters.values())
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    has_varargs = any(p.kind == p.VAR_POSITIONAL for p in params)
+    if len(positional) < 4 and not has_varargs:
+        raise LoadError(
+            f"update spec {spec!r} has signature {fn.__name__}{sig}; expected at least four positional "
+            f"parameters ({', '.join(REQUIRED)}), extra ones such as model or req_pool_indices allowed")
+    return tuple(p.name for p in params[4:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
+def load_update(spec: "str | Callable | Update") -> Update:
+    """Turn a spec (or a callable) into an :class:`Update`; raises LoadError naming the spec."""
+    if isinstance(spec, Update):
+        return spec
+    sgl_kernels()  # code under test imports its kernels at module import time
+    if callable(spec):
+        fn, name, text = spec, getattr(spec, "__qualname__", repr(spec)), getattr(spec, "__qualname__", "")
+    elif spec in BUILTINS:
+        fn, name, text = BUILTINS[spec], spec, spec
+    elif spec in RENAMED:
+        raise LoadError(f"update spec {spec!r} was renamed: use {RENAMED[spec]!r} (built-ins: "
+                        f"{', '.join(BUILTINS)})")
+    elif spec.startswith(MUTANT_PREFIX):
+        fn, name, text = mutant(spec, "update").fn, spec, spec
+    elif ":" in spec:
+        fn, name, text = resolve_spec(spec, "update"), spec.rsplit(":", 1)[1], spec
+    else:
+        raise LoadError(f"update spec {spec!r} is not a built-in ({', '.join(BUILTINS)}) and has no "
+                        "':'; expected package.module:qualname or path/to/file.py:qualname")
+    if not callable(fn):
+        raise LoadError(f"update spec {text!r} resolves to a {type(fn).__name__}, not a function")
+    extra = _check_signature(fn, text)
+    try:
+        source = f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}"
+    except (TypeError, OSError):
+        source = ""
+    return Update(name=name, spec=text, fn=fn, extra=extra, source=source)
+
+
+def load_kernel(spec: "str | VerifyKernel | None") -> VerifyKernel:
+    """A verify kernel from a spec (see the module docstring); LoadError names the spec."""
+    if spec is None or spec == "portable":
+        return kernels.gdn_verify
+    if callable(spec):
+        return spec
+    if spec == "npu":
+        return npu_op_adapter(torch_npu_op())
+    if spec.startswith("npu-op:"):
+        return npu_op_adapter(resolve_spec(spec[len("npu-op:"):], "kernel"))
+    if spec.startswith(MUTANT_PREFIX):
+        return mutant(spec, "kernel").fn
+    fn = resolve_spec(spec, "kernel")
+    if not callable(fn):
+        raise LoadError(f"kernel spec {spec!r} resolves to a {type(fn).__name__}, not a function")
+    return fn
+
+
+def mutant_config(spec: Optional[str]) -> dict:
+    """Config overrides a ``mutant:`` spec needs to show its bug (empty for other specs)."""
+    if isinstance(spec, str) and spec.startswith(MUTANT_PREFIX):
+        m = MUTANTS.get(spec[len(MUTANT_PREFIX):])
+        return dict(m.config or {}) if m else {}
+    return {}

@@ -1,0 +1,160 @@
+"""Catalogue of known regressions: each a plug-in the checks must catch.
+
+A mutant is an update under test (the ``update_mamba_state_after_mtp_verify`` plug point) or a
+verify-kernel variant (the verify-kernel plug point), with a one-line description and the
+thread it is modelled on. An update mutant is the released update (``sglang-0.5.23``,
+:data:`drift.plug.updates.SGLANG_0523`) with exactly one part replaced: the replacement is the
+bug. Load one as ``mutant:<name>`` wherever an update or kernel spec is accepted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from ..sim import kernels
+from .parts import Batch, commit_all, commit_unless_all_step0, rollback_rows
+from .updates import SGLANG_0523
+
+BF16 = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    direction: str  # "sync", "semantics" or "precision"
+    kind: str  # "update" or "kernel"
+    description: str
+    thread: str  # the public thread it is modelled on ('' when none)
+    fn: Callable
+    config: Optional[dict] = None  # config overrides under which the bug shows (e.g. a layout)
+
+
+# ------------------------------------------------------------ commit parts: syncs
+def commit_if_any(b: Batch) -> None:
+    if bool((b.last >= 0).any()):  # bool(t): a sync
+        commit_all(b)
+
+
+def commit_masked_rows(b: Batch) -> None:
+    valid = b.last >= 0
+    b.k.move_intermediate_cache(b.ssm, b.inter, b.dst[valid], b.src[valid], b.last[valid])  # mask: a sync
+
+
+def commit_python_loop(b: Batch) -> None:
+    for i, step in enumerate(b.last.tolist()):  # .tolist(): a sync
+        if step >= 0:
+            b.ssm[:, b.dst[i]] = b.inter[:, i, step]
+
+
+def commit_nonzero_rows(b: Batch) -> None:
+    rows = torch.nonzero(b.last >= 0).squeeze(1)  # nonzero: a sync
+    b.k.move_intermediate_cache(b.ssm, b.inter, b.dst[rows], b.src[rows], b.last[rows])
+
+
+# -------------------------------------------------------- commit parts: semantics
+def commit_next_step(b: Batch) -> None:
+    step = torch.where(b.last >= 0, (b.last + 1).clamp(max=b.D - 1), b.last)
+    b.k.move_intermediate_cache(b.ssm, b.inter, b.dst, b.src, step)
+
+
+def commit_previous_step(b: Batch) -> None:
+    b.k.move_intermediate_cache(b.ssm, b.inter, b.dst, b.src, torch.where(b.last > 0, b.last - 1, b.last))
+
+
+def commit_skipping_step0(b: Batch) -> None:
+    step = torch.where(b.last == 0, torch.full_like(b.last, -1), b.last)
+    b.k.move_intermediate_cache(b.ssm, b.inter, b.dst, b.src, step)
+
+
+def commit_through_reshape(b: Batch) -> None:
+    # reshape of a transposed [HV, V, K] view cannot be a view: it copies, and the copy is written.
+    flat = b.ssm.reshape(b.ssm.shape[0], b.ssm.shape[1], -1)
+    vals = b.inter[:, b.src, b.last.clamp(min=0)].reshape(b.ssm.shape[0], len(b.src), -1)
+    flat[:, b.dst] = torch.where((b.last >= 0)[None, :, None], vals, flat[:, b.dst])
+
+
+# ------------------------------------------------------------- rollback parts
+def rollback_shifted(b: Batch) -> None:
+    rollback_rows(Batch(**{**vars(b), "last": torch.where(b.last >= 0, (b.last + 1).clamp(max=b.D - 1), b.last)}))
+
+
+def rollback_on_contiguous_copy(b: Batch) -> None:
+    rollback_rows(Batch(**{**vars(b), "conv": b.conv.contiguous()}))  # a copy when conv is strided
+
+
+def _update(name: str, doc: str, **part) -> Callable:
+    return SGLANG_0523.but(**part).build(f"mutant:{name}", doc)
+
+
+# ------------------------------------------------------------------ precision
+def _kernel_truncate(state_kv, slots, q, k, v, g, beta, inter_kv, rounding="rne", key=0, **kw):
+    return kernels.gdn_verify(state_kv, slots, q, k, v, g, beta, inter_kv, "truncate", key, **kw)
+
+
+def _kernel_beta_bf16(state_kv, slots, q, k, v, g, beta, inter_kv, rounding="rne", key=0, **kw):
+    return kernels.gdn_verify(state_kv, slots, q, k, v, g, beta.to(BF16).to(beta.dtype), inter_kv,
+                              rounding, key, **kw)
+
+
+def _kernel_round_every_token(state_kv, slots, q, k, v, g, beta, inter_kv, rounding="rne", key=0, **kw):
+    """Keeps the running state in the storage dtype between the draft tokens."""
+    D = q.shape[2]
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    st = state_kv
+    cur = slots
+    for t in range(D):
+        sl = slice(t, t + 1)
+        out[:, :, sl] = kernels.gdn_verify(st, cur, q[:, :, sl], k[:, :, sl], v[:, :, sl], g[:, :, sl],
+                                           beta[:, :, sl], inter_kv[:, :, sl], rounding, key * 7 + t, **kw)
+        st = inter_kv[:, :, t]  # the next token starts from the stored (rounded) state
+        cur = torch.arange(q.shape[1], device=q.device)
+    return out
+
+
+def _kernel_padded_alias(state_kv, slots, q, k, v, g, beta, inter_kv, rounding="rne", key=0, **kw):
+    """Padded graph rows write their scratch into request row 0's (after row 0 was written)."""
+    out = kernels.gdn_verify(state_kv, slots, q, k, v, g, beta, inter_kv, rounding, key, **kw)
+    rows = torch.arange(slots.shape[0], device=slots.device)
+    last_pad = torch.where(slots == 0, rows, torch.full_like(rows, -1)).max()
+    inter_kv[:, 0] = torch.where(last_pad >= 0, inter_kv[:, last_pad.clamp(min=0)], inter_kv[:, 0])
+    return out
+
+
+MUTANTS: dict[str, Mutant] = {m.name: m for m in [
+    Mutant("item_guard", "sync", "update", "precision guard (last_steps == 0).all().item() skips the commit",
+           "sglang #31659", _update("item_guard", "guard with .item()", commit=commit_unless_all_step0)),
+    Mutant("any_branch", "sync", "update", "commit only `if bool((last >= 0).any())`", "",
+           _update("any_branch", "commit behind bool()", commit=commit_if_any)),
+    Mutant("mask_slots", "sync", "update", "select committed rows with a boolean mask (dst[last >= 0])",
+           "sglang #32130 tracking path", _update("mask_slots", "commit by mask", commit=commit_masked_rows)),
+    Mutant("tolist_steps", "sync", "update", "loop over last_steps.tolist() in Python", "",
+           _update("tolist_steps", "commit in a Python loop", commit=commit_python_loop)),
+    Mutant("nonzero_rows", "sync", "update", "find valid rows with torch.nonzero", "",
+           _update("nonzero_rows", "commit by nonzero", commit=commit_nonzero_rows)),
+    Mutant("step_plus1", "semantics", "update", "commit draft step last + 1 (off by one forward)", "",
+           _update("step_plus1", "commit one step late", commit=commit_next_step)),
+    Mutant("step_minus1", "semantics", "update", "commit draft step last - 1 (off by one back)", "",
+           _update("step_minus1", "commit one step early", commit=commit_previous_step)),
+    Mutant("skip_step0", "semantics", "update", "skip the commit for rows at step 0 (device-side guard: "
+           "sync free, loses a token's update)", "sglang #31659 intent",
+           _update("skip_step0", "device-side guard", commit=commit_skipping_step0)),
+    Mutant("rollback_shift", "semantics", "update", "conv rollback shifted by one row", "sglang #34794 class",
+           _update("rollback_shift", "rollback off by one", rollback=rollback_shifted)),
+    Mutant("rollback_contiguous", "semantics", "update", "conv rollback on a .contiguous() copy of a strided "
+           "tensor: silently a no-op", "sgl-kernel-npu #748",
+           _update("rollback_contiguous", "rollback on a copy", rollback=rollback_on_contiguous_copy)),
+    Mutant("reshape_commit", "semantics", "update", "commit through reshape of the transposed state view: "
+           "writes a temporary", "sgl-kernel-npu #748 class",
+           _update("reshape_commit", "commit through reshape", commit=commit_through_reshape)),
+    Mutant("truncate_store", "precision", "kernel", "verify kernel stores states by truncation, not "
+           "round-to-nearest", "", _kernel_truncate),
+    Mutant("beta_bf16", "precision", "kernel", "beta rounded through bf16 in the verify kernel",
+           "vLLM #53877, sglang #38975", _kernel_beta_bf16),
+    Mutant("round_every_token", "precision", "kernel", "verify kernel rounds the running state to the "
+           "store dtype after every draft token", "sglang #25587, sgl-kernel-npu #651", _kernel_round_every_token),
+    Mutant("padded_alias_row0", "semantics", "kernel", "padded graph rows alias request 0's scratch slot",
+           "sglang #26906 / #27202", _kernel_padded_alias),
+]}

@@ -1,0 +1,78 @@
+"""The spec grammar that names code under test, and resolving a spec to the object it names.
+
+A spec is one of:
+
+  ``<builtin>``                      a built-in update or verify kernel (see :mod:`drift.plug.loader`)
+  ``mutant:<name>``                  a regression of the catalogue (:mod:`drift.plug.mutants`)
+  ``package.module:qualname``        an importable function or ``Class.method``
+  ``path/to/file.py:qualname``       the same, from a file
+
+Verify kernels add ``npu``, ``npu-op:<module|file.py>:<qualname>`` and ``sglang-triton``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import os
+import sys
+import types
+from typing import Any
+
+from ..errors import LoadError
+from .shim import sgl_kernels
+
+MUTANT_PREFIX = "mutant:"
+
+
+def _module_from_file(path: str, spec: str, what: str) -> types.ModuleType:
+    full = os.path.abspath(path)
+    if not os.path.isfile(full):
+        raise LoadError(f"{what} spec {spec!r}: file {path!r} not found (looked at {full}); "
+                        "expected path/to/file.py:qualname")
+    name = "drift_plugin_" + hashlib.sha1(full.encode()).hexdigest()[:12]
+    if name in sys.modules:
+        return sys.modules[name]
+    mspec = importlib.util.spec_from_file_location(name, full)
+    if mspec is None or mspec.loader is None:
+        raise LoadError(f"{what} spec {spec!r}: cannot load {full} as a Python module")
+    module = importlib.util.module_from_spec(mspec)
+    sys.modules[name] = module
+    try:
+        mspec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise LoadError(f"{what} spec {spec!r}: importing {full} raised {exc!r}") from exc
+    return module
+
+
+def resolve_spec(spec: str, what: str = "update") -> Any:
+    """``package.module:qualname`` or ``path/to/file.py:qualname`` -> the object it names.
+
+    Installs the sgl_kernel_npu shim first (code under test imports its kernels at import
+    time). Raises LoadError naming the spec and what was expected.
+    """
+    sgl_kernels()
+    if ":" not in spec:
+        raise LoadError(f"{what} spec {spec!r} has no ':'; expected package.module:qualname or "
+                        "path/to/file.py:qualname")
+    target, qualname = spec.rsplit(":", 1)
+    if not target or not qualname:
+        raise LoadError(f"{what} spec {spec!r}: expected module:qualname or file.py:qualname")
+    if target.endswith(".py") or os.sep in target or "/" in target:
+        module = _module_from_file(target, spec, what)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except Exception as exc:
+            raise LoadError(f"{what} spec {spec!r}: importing module {target!r} raised {exc!r}") from exc
+    obj = module
+    for part in qualname.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            have = sorted(n for n in dir(obj) if not n.startswith("_"))
+            raise LoadError(f"{what} spec {spec!r}: {getattr(obj, '__name__', obj)!s} has no attribute "
+                            f"{part!r}; it has: {', '.join(have[:30]) or '(nothing public)'}") from None
+    return obj

@@ -1,0 +1,38 @@
+"""The built-in implementations of ``update_mamba_state_after_mtp_verify``, named after what they model.
+
+Each is a :class:`~drift.plug.parts.Recipe` of named parts, called as SGLang's Ascend backend
+calls the method: ``fn(backend, last_correct_step_indices, mamba_track_indices,
+mamba_steps_to_track, model=None, req_pool_indices=None)``.
+
+- ``sglang-31659``: sglang #31659 (merged 2026-07-18). A precision guard
+  ``(last_steps == 0).all().item()`` skips the commit when every row accepted only its root:
+  a host sync on every step, and a lost token update whenever it fires (never while the batch
+  carries a padded row, whose step is -1). Tracking selects rows with a boolean mask.
+- ``sglang-32130``: sglang #32130 (merged 2026-07-23). The guard removed; the tracking path
+  still selects tracked rows with a boolean mask (``t[mask]`` is a nonzero: a sync on every
+  step with tracking on).
+- ``sglang-0.5.23``: the method as SGLang 0.5.23 ships it: tracking by ``torch.where`` and an
+  unconditional copy (a self-copy for untracked rows); no sync anywhere. The default.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .parts import Recipe, commit_unless_all_step0, track_boolean_mask
+
+SGLANG_0523 = Recipe()
+SGLANG_32130 = SGLANG_0523.but(track=track_boolean_mask)
+SGLANG_31659 = SGLANG_32130.but(commit=commit_unless_all_step0)
+
+BUILTINS: dict[str, Callable] = {
+    "sglang-31659": SGLANG_31659.build(
+        "sglang-31659", "sglang #31659: precision guard with .item(); boolean-mask tracking."),
+    "sglang-32130": SGLANG_32130.build(
+        "sglang-32130", "sglang #32130: guard removed; tracking still selects rows with a boolean mask."),
+    "sglang-0.5.23": SGLANG_0523.build(
+        "sglang-0.5.23", "SGLang 0.5.23: device-side tracking by torch.where; no sync."),
+}
+DEFAULT_UPDATE = "sglang-0.5.23"
+# Names earlier drift releases used, for a message that points at the new one.
+RENAMED = {"guarded": "sglang-31659", "sync_free": "sglang-32130", "device_select": "sglang-0.5.23"}
