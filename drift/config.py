@@ -26,19 +26,30 @@ DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
 }
 ROUNDINGS = ("rne", "stochastic", "truncate")
-LAYOUTS = ("npu", "contiguous")
+LAYOUTS = ("contiguous", "transposed", "mixed")
 PATTERNS = ("model", "all-1", "all-D", "mixed")
 DEVICES = ("cpu", "cuda", "npu")
+# Where the verify op starts each row (docs/semantics.md §6): "sglang" = the arguments SGLang
+# 0.5.23 builds (every row from its committed state); "accepted" = real accepted counts (a row
+# continues from the previous step's intermediate).
+FLOWS = ("sglang", "accepted")
 
-# State-store profiles: the dtypes of the committed SSM state, the scratch
-# intermediate_ssm and the conv window, and the memory layout of the states.
+# State-store profiles (docs/semantics.md §4): the dtypes of the committed SSM state, the
+# scratch intermediate_ssm and the conv window, and the memory layout of the states.
 PROFILES: dict[str, dict[str, str]] = {
-    # Ascend deployment (`--mamba-ssm-dtype bfloat16`): bf16 everywhere, the
-    # committed state a transposed [V, K] view of [K, V] storage.
-    "npu": {"ssm_dtype": "bfloat16", "conv_dtype": "bfloat16", "layout": "npu"},
-    # CUDA default (`SGLANG_MAMBA_SSM_DTYPE=float32`): fp32 state, bf16 conv.
+    # SGLang 0.5.23's Ascend deployment (--mamba-ssm-dtype bfloat16): MambaPool's plain
+    # contiguous temporal [L, S, HV, V, K] and intermediate_ssm, _init_npu_conv_state's [L, S, W, C].
+    "ascend": {"ssm_dtype": "bfloat16", "conv_dtype": "bfloat16", "layout": "contiguous"},
+    # The layout sgl-kernel-npu #748 describes: committed state and scratch transposed views of
+    # [K, V] storage, conv a transposed view of channel-major [C, W] storage.
+    "ascend-transposed": {"ssm_dtype": "bfloat16", "conv_dtype": "bfloat16", "layout": "transposed"},
+    # Committed state a transposed view of [K, V] storage, scratch and conv contiguous: where a
+    # logical copy and sgl-kernel-npu's raw copy differ.
+    "ascend-mixed": {"ssm_dtype": "bfloat16", "conv_dtype": "bfloat16", "layout": "mixed"},
+    # CUDA's default (SGLANG_MAMBA_SSM_DTYPE=float32): fp32 states, bf16 conv, contiguous.
     "fp32": {"ssm_dtype": "float32", "conv_dtype": "bfloat16", "layout": "contiguous"},
 }
+DEFAULT_PROFILE = "ascend"
 
 
 # drift.stream keys its generators with the seed masked to 32 bits: a larger seed would
@@ -79,8 +90,10 @@ class Config:
     spare_slots: int = 2  # pool slots no request owns (must stay untouched)
     ssm_dtype: str = "bfloat16"  # committed state and intermediate_ssm
     conv_dtype: str = "bfloat16"
-    layout: str = "npu"
+    layout: str = "contiguous"
     store_rounding: str = "rne"  # how fp32 states are stored into ssm_dtype
+    flow: str = "sglang"  # where the verify op starts each row, see FLOWS
+    graph_mode: bool = True  # the verify op's metadata as SGLang's graph mode builds it (else eager)
     device: str = "cpu"
     description: str = ""
 
@@ -123,6 +136,12 @@ class Config:
     def replace(self, **changes: Any) -> "Config":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+    @property
+    def profile(self) -> str:
+        """The name of the profile these dtypes and this layout make ('custom' when none)."""
+        mine = {"ssm_dtype": self.ssm_dtype, "conv_dtype": self.conv_dtype, "layout": self.layout}
+        return next((name for name, p in PROFILES.items() if p == mine), "custom")
 
     def with_profile(self, profile: str) -> "Config":
         if profile not in PROFILES:
@@ -177,9 +196,11 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"key_rank={cfg.key_rank} exceeds head_k_dim={cfg.head_k_dim}; "
                           f"allowed: 0 (full rank) .. {cfg.head_k_dim}")
     for name, allowed in (("ssm_dtype", tuple(DTYPES)), ("conv_dtype", tuple(DTYPES)),
-                          ("store_rounding", ROUNDINGS), ("layout", LAYOUTS),
+                          ("store_rounding", ROUNDINGS), ("layout", LAYOUTS), ("flow", FLOWS),
                           ("pattern", PATTERNS), ("device", DEVICES)):
         _choice(cfg, name, allowed)
+    if not isinstance(cfg.graph_mode, bool):
+        raise ConfigError(f"graph_mode={cfg.graph_mode!r} is invalid; allowed: True or False")
     if cfg.store_rounding != "rne" and cfg.ssm_dtype != "bfloat16":
         raise ConfigError(
             f"store_rounding={cfg.store_rounding!r} needs ssm_dtype='bfloat16' "

@@ -9,7 +9,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from .check.bounds import BoundCheck, GrowthCheck
+from .check.bounds import BoundCheck, GrowthCheck, OutputBoundCheck
 from .check.checks import Check, core_checks, untouched_result
 from .check.compare import Comparison
 from .check.result import CheckResult
@@ -41,7 +41,7 @@ class RunReport:
         return {
             "schema": 1,
             "verdict": "pass" if self.passed else "fail",
-            "config": self.config.to_dict(),
+            "config": {**self.config.to_dict(), "profile": self.config.profile},
             "run": {"steps": info.steps, "wall_s": round(info.wall_s, 3),
                     "steps_per_s": round(info.steps / info.wall_s, 2) if info.wall_s > 0 else None,
                     "mode": info.mode, "update": info.update, "kernels": info.kernels,
@@ -79,7 +79,7 @@ class CheckedRun:
         if checks is None:
             self.bound = BoundCheck(initial_env2=env2_start)
             checks = core_checks() + [self.bound]
-            self.post = [GrowthCheck(self.bound)]
+            self.post = [GrowthCheck(self.bound), OutputBoundCheck(self.bound)]
         self.checks = list(checks)
         self.comparison = Comparison(self.checks, golden=golden)
         self.shadows = [SequentialShadow()] if vs_sequential else []
@@ -149,7 +149,7 @@ class SnapshotCatcher:
             slot = pool.row_track_slots[int(r)]
             self.rows[int(r)] = {
                 "position": int(view.pre[r] + view.track[r] + 1), "step": view.step, "index": view.index,
-                "state": pool.ssm_kv[:, slot].clone(), "window": pool.conv[:, slot, cfg.conv_window - Km1:].clone(),
+                "state": pool.states[:, slot].clone(), "window": pool.conv[:, slot, cfg.conv_window - Km1:].clone(),
                 "true_state": twin.track_state[:, int(r)].clone(), "true_window": twin.track_window[:, int(r)].clone(),
                 "env2": None}
 

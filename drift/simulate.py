@@ -4,8 +4,11 @@ One :class:`Simulation` holds a pool, a harness and an input stream on one devic
 runs decode steps through them. Each step:
 
 1. the verify window ``[root, d1 .. d(D-1)]`` of every row comes from the stream;
-2. the conv verify kernel produces q, k, v and rolls each slot's conv buffer;
-3. the GDN verify kernel writes the state after every token into ``intermediate_ssm``;
+2. the input stages: the verify conv produces the op's ``mix_qkv`` and rolls each slot's conv
+   buffer, the gating its ``g`` (docs/semantics.md §10);
+3. the verify op (the kernel under test) writes the state after every token into
+   ``intermediate_ssm``, its arguments built as SGLang's Ascend backend builds them
+   (:mod:`drift.sim.backend`, docs/semantics.md §5-§6);
 4. the update under test commits (``mtp`` mode) -- or, in ``sequential`` mode, the
    accepted tokens are decoded one by one with the state stored after each;
 5. the slot guard checks that every slot neither committed nor tracked this step is
@@ -31,6 +34,7 @@ from .plug.loader import Update, load_update
 from .plug.shim import kernels_in_use
 from .plug.updates import DEFAULT_UPDATE
 from .sim import kernels
+from .sim.backend import VerifyArgsBuilder
 from .sim.kernels import VerifyKernel
 from .sim.pool import STALE, Harness, StatePool
 from .sim.stream import InputStream
@@ -47,7 +51,7 @@ class StepView:
 
     x ``[L, N, D, C]``, a / b ``[L, N, D, HV]``: the verify windows of all N rows.
     last_steps / track_steps ``[N]`` int64 as passed to the update. out ``[L, N, D, HV, V]``
-    float32 outputs. Host (numpy) ``[R]``: pre (seq_len before), accept, track (-1 = none).
+    bf16 outputs of the verify op. Host (numpy) ``[R]``: pre (seq_len before), accept, track (-1 = none).
     """
 
     step: int
@@ -142,7 +146,7 @@ class Simulation:
     """MTP (or sequential) decode of ``cfg`` through the update under test.
 
     update: a spec string, an :class:`~drift.plug.loader.Update` or a callable (mtp mode).
-    verify_kernel: replaces :func:`drift.sim.kernels.gdn_verify` (same signature).
+    verify_kernel: replaces :func:`drift.sim.kernels.recurrent_gated_delta_rule` (a :data:`VerifyKernel`).
     """
 
     def __init__(self, cfg: Config, update: str | Update | Callable | None = DEFAULT_UPDATE,
@@ -157,11 +161,12 @@ class Simulation:
         self.update = None
         if mode == "mtp":
             self.update = update if isinstance(update, Update) else load_update(update or DEFAULT_UPDATE)
-        self.verify_kernel = verify_kernel or kernels.gdn_verify
+        self.verify_kernel = verify_kernel or kernels.recurrent_gated_delta_rule
         self.stream = InputStream(cfg, self.device)
         self.params = self.stream.params.to(self.device)
         self.pool = StatePool(cfg, self.device)
         self.harness = Harness(self.pool)
+        self.verify_args = VerifyArgsBuilder(cfg, self.pool)
         self.observers = list(observers)
         self.guard = SlotGuard(self.pool, self.stream.chunk_steps) if (check_untouched and mode == "mtp") else None
         if start is None:
@@ -187,7 +192,7 @@ class Simulation:
         window at the end of the buffer, the first D-1 rows stale (NaN: a read of them shows)."""
         cfg, pool = self.cfg, self.pool
         slots = pool.active_slots
-        pool.ssm_kv[:, slots] = stored
+        pool.states[:, slots] = stored
         W, Km1 = cfg.conv_window, cfg.conv_kernel - 1
         buf = torch.full((cfg.num_layers, cfg.num_requests, W, cfg.conv_channels), STALE,
                          dtype=pool.conv.dtype, device=self.device)
@@ -255,10 +260,12 @@ class Simulation:
         fn = self.verify_kernel
         if self.mode != "mtp":
             return "none (sequential decode)"
-        if fn is not kernels.gdn_verify:
+        if fn is not kernels.recurrent_gated_delta_rule:
             return getattr(fn, "__qualname__", repr(fn))
-        pool = self.pool
-        if kernels.uses_native(pool.ssm_kv, pool.row_slots, pool.inter_kv, self.cfg.store_rounding):
+        cfg = self.cfg
+        args = self.verify_args.build(torch.empty(cfg.num_layers, cfg.num_rows, cfg.num_draft_tokens, cfg.conv_channels,
+                                                  device="meta"), None, None, cfg.store_rounding)
+        if kernels.uses_native(args):
             return "portable, native C kernel (CPU)"
         return "portable, torch ops"
 
@@ -267,6 +274,7 @@ class Simulation:
         """Pool tensors, stream position and step counters (between chunks only)."""
         pool = self.pool
         return saveable({"temporal": pool.temporal, "conv": pool.conv, "inter": pool.intermediate_ssm,
+                         "verify_args": self.verify_args.state_dict(),
                          "stream_pos": self.stream.pos, "stream_step": self.stream.step, "step": self.step,
                          "guard_first": self.guard.first if self.guard is not None else None})
 
@@ -275,6 +283,7 @@ class Simulation:
         pool.temporal.copy_(state["temporal"])
         pool.conv.copy_(state["conv"])
         pool.intermediate_ssm.copy_(state["inter"])
+        self.verify_args.load_state_dict(state.get("verify_args"))
         self.stream.pos = restore(state["stream_pos"])
         self.stream.step = int(state["stream_step"])
         self.step = int(state["step"])
@@ -321,13 +330,12 @@ class Simulation:
         cfg, pool, prm = self.cfg, self.pool, self.params
         x, a, b = chunk.x[s], chunk.a[s], chunk.b[s]
         last, trk = chunk.last_steps[s], chunk.track_steps[s]
-        qkv = kernels.conv_verify(pool.conv, pool.row_slots, x, prm.conv_weight)
-        q, k, v = kernels.split_qkv(qkv, cfg.num_k_heads, cfg.head_k_dim, cfg.num_v_heads, cfg.head_v_dim)
-        g, beta = kernels.gdn_gating(a, b, prm.A_log, prm.dt_bias)
-        N = cfg.num_rows
+        mix = kernels.conv_verify(pool.conv, pool.row_slots, x, prm.conv_weight)  # bf16 [L, N, D, C]
+        g = kernels.gdn_gating(a, prm.A_log, prm.dt_bias)  # fp32 [L, N, D, HV]
+        beta = b.to(torch.bfloat16)  # the beta logit, on the bf16 grid already
         if self.mode == "mtp":
-            out = self.verify_kernel(pool.ssm_kv, pool.row_slots, q, k, v, g, beta, pool.inter_kv[:, :N],
-                                     rounding=cfg.store_rounding, key=self.step)
+            out = self.verify_kernel(self.verify_args.build(mix, beta, g, cfg.store_rounding, self.step))
+            self.verify_args.accepted(last)
             if self.guard is not None:
                 self.guard.before()
             track_idx = pool.row_track_slots if cfg.track_interval > 0 else None
@@ -340,9 +348,11 @@ class Simulation:
             if self.guard is not None:
                 self.guard.after(s, touched[s])
         else:
+            q, k, v, decay, bt = kernels.op_inputs(mix, beta, g, cfg.num_k_heads, cfg.head_k_dim, cfg.num_v_heads,
+                                                   cfg.head_v_dim, cfg.head_k_dim ** -0.5)
             num = torch.clamp(last + 1, min=0)
-            out = kernels.gdn_decode(pool.ssm_kv, pool.row_slots, q, k, v, g, beta, num,
-                                     rounding=cfg.store_rounding, key=self.step)
+            out = kernels.gdn_decode(pool.states, pool.row_slots, q, k, v, decay, bt, num,
+                                     rounding=cfg.store_rounding, key=self.step).to(torch.bfloat16)
             kernels.conv_state_rollback(pool.conv, pool.row_slots, last, cfg.num_draft_tokens)
         view = StepView(step=self.step, index=s, x=x, a=a, b=b, last_steps=last, track_steps=trk,
                         out=out, pre=chunk.pre[s], accept=chunk.accept[s], track=chunk.track_host[s])

@@ -142,7 +142,7 @@ def committed_by_position(cfg, **kwargs) -> dict:
     states: dict = {}
 
     def grab(sim, view):
-        st = sim.pool.ssm_kv[:, sim.pool.active_slots].to(torch.float64)
+        st = sim.pool.states[:, sim.pool.active_slots].to(torch.float64)
         for r, pos in enumerate(view.pre + view.accept):
             states[(r, int(pos))] = st[:, r].clone()
 

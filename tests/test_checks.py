@@ -102,10 +102,10 @@ def test_nan_commit_stops_the_run_and_fails():
 
 def test_wrong_outputs_fail_the_output_check_only(good):
     """A verify kernel whose outputs are 1.5x too large (states untouched) fails 'outputs'."""
-    from drift.sim.kernels import gdn_verify
+    from drift.sim.kernels import recurrent_gated_delta_rule
 
-    def scaled(*args, **kwargs):
-        return gdn_verify(*args, **kwargs) * 1.5
+    def scaled(args):
+        return recurrent_gated_delta_rule(args) * 1.5
 
     res = checks_of(small_cfg(STEPS), "sglang-32130", verify_kernel=scaled)
     assert not res["outputs"].passed

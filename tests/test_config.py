@@ -3,6 +3,8 @@ allowed; the presets have the shapes issue 2 asks for."""
 
 from __future__ import annotations
 
+import re
+
 import math
 
 import pytest
@@ -30,7 +32,7 @@ INVALID = [
     ({"conv_dtype": "int8"}, "bfloat16, float16, float32"),
     ({"store_rounding": "nearest"}, "rne, stochastic, truncate"),
     ({"ssm_dtype": "float32", "store_rounding": "truncate"}, "'rne'"),
-    ({"layout": "nhwc"}, "npu, contiguous"),
+    ({"layout": "nhwc"}, "contiguous, transposed, mixed"),
     ({"pattern": "all-2"}, "model, all-1, all-D, mixed"),
     ({"device": "tpu"}, "cpu, cuda, npu"),
     ({"acceptance": (0.8, 0.4)}, "num_draft_tokens - 1 = 3"),
@@ -90,16 +92,29 @@ def test_valid_edge_values_are_accepted(changes):
 def test_unknown_preset_and_profile_list_the_choices():
     with pytest.raises(ConfigError, match=r"preset='nope'.*allowed: ci-small, qwen3\.5-397b-tp16, stagnation"):
         preset("nope")
-    with pytest.raises(ConfigError, match=r"profile='tpu'.*allowed: \['fp32', 'npu'\]"):
+    with pytest.raises(ConfigError, match=r"profile='tpu'.*allowed: \['ascend', 'ascend-mixed', 'ascend-transposed', 'fp32'\]"):
         BASE.with_profile("tpu")
 
 
 def test_profiles_set_the_state_store():
-    npu, fp32 = BASE.with_profile("npu"), BASE.with_profile("fp32")
-    assert (npu.ssm_dtype, npu.conv_dtype, npu.layout) == ("bfloat16", "bfloat16", "npu")
-    assert (fp32.ssm_dtype, fp32.conv_dtype, fp32.layout) == ("float32", "bfloat16", "contiguous")
-    assert set(PROFILES) == {"npu", "fp32"}
-    assert npu.unit_roundoff == 2.0 ** -8 and fp32.unit_roundoff == 2.0 ** -24
+    """Each profile names what it models (docs/semantics.md §4); the default is SGLang 0.5.23's
+    Ascend deployment."""
+    got = {name: BASE.with_profile(name) for name in PROFILES}
+    assert set(got) == {"ascend", "ascend-transposed", "ascend-mixed", "fp32"}
+    assert (got["ascend"].ssm_dtype, got["ascend"].conv_dtype, got["ascend"].layout) == ("bfloat16", "bfloat16", "contiguous")
+    assert got["ascend-transposed"].layout == "transposed" and got["ascend-mixed"].layout == "mixed"
+    assert (got["fp32"].ssm_dtype, got["fp32"].layout) == ("float32", "contiguous")
+    assert all(c.profile == name for name, c in got.items())
+    assert BASE.profile == "ascend" and BASE.replace(ssm_dtype="float16").profile == "custom"
+    assert got["ascend"].unit_roundoff == 2.0 ** -8 and got["fp32"].unit_roundoff == 2.0 ** -24
+
+
+@pytest.mark.parametrize("field, value, words", [("flow", "real", "flow='real' is not known; allowed: sglang, accepted"),
+                                                 ("graph_mode", 1, "graph_mode=1 is invalid"),
+                                                 ("layout", "npu", "layout='npu' is not known")])
+def test_flow_graph_mode_and_layout_are_checked(field, value, words):
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        BASE.replace(**{field: value})
 
 
 def test_ci_small_meets_the_issue():

@@ -42,7 +42,8 @@ def test_every_pr_gating_preset_has_golden_within_budget():
 
 
 def test_golden_generator_matches_a_scalar_transcription():
-    """The vectorised golden step against naive per-head scalar math for a few tokens."""
+    """The vectorised golden step against naive per-head scalar math for a few tokens: the op's
+    inputs quantised as the deployment feeds them (bf16 mix_qkv, fp32 g), then float64."""
     from drift.sim import naive
 
     cfg = preset("ci-small", num_layers=1, head_k_dim=8, head_v_dim=8, num_requests=1)
@@ -50,21 +51,41 @@ def test_golden_generator_matches_a_scalar_transcription():
     prm = {k: getattr(prm_t, k).to(torch.float64) for k in ("A_log", "dt_bias", "conv_weight")}
     x, a, b = (torch.from_numpy(t).to(torch.float64) for t in TrueTokens(cfg).get(0, 0, 6))
     L, R, HV, K, V, C = 1, 1, cfg.num_v_heads, 8, 8, cfg.conv_channels
-    h = torch.zeros(L, R, HV, K, V, dtype=torch.float64)
+    h = torch.zeros(L, R, HV, V, K, dtype=torch.float64)
     win = torch.zeros(L, R, cfg.conv_kernel - 1, C, dtype=torch.float64)
-    h_ref = torch.zeros(HV, K, V, dtype=torch.float64)
+    h_ref = torch.zeros(HV, V, K, dtype=torch.float64)
     hist = torch.zeros(cfg.conv_kernel - 1, C, dtype=torch.float64)
     for t in range(6):
         h, win, o = _golden_step(cfg, prm, h, win, x[t][:, None], a[t][:, None], b[t][:, None])
-        seq = torch.cat([hist, x[t, 0][None]], 0)
-        conv = sum(prm["conv_weight"][0, :, m] * seq[m] for m in range(cfg.conv_kernel))
-        q, k, v = naive.qkv_heads(conv * torch.sigmoid(conv), cfg.num_k_heads, K, HV, V)
+        mix = naive.conv_mix(hist[None, None], x[t, 0][None, None, None], prm_t.conv_weight)[0, 0, 0]
+        q, k, v = naive.head_inputs(mix, cfg.num_k_heads, K, HV, V, K ** -0.5)
         for hd in range(HV):
-            gg, bb = naive.gating(float(a[t, 0, hd]), float(b[t, 0, hd]), float(prm["A_log"][0, hd]), 0.0)
-            h_ref[hd], _ = naive.gdn_token(h_ref[hd], q[hd], k[hd], v[hd], np.exp(gg), bb)
-        hist = seq[1:]
+            gg = float(np.float32(naive.gating(float(a[t, 0, hd]), float(prm["A_log"][0, hd]), 0.0)))
+            h_ref[hd], _ = naive.gdn_token(h_ref[hd], q[hd], k[hd], v[hd], np.exp(gg), naive.sigmoid(float(b[t, 0, hd])))
+        hist = torch.cat([hist, x[t, 0][None]], 0)[1:]
     # Two float64 transcriptions of the same math: agreement to ~1e-15 relative; 1e-12 is ample.
     torch.testing.assert_close(h[0, 0], h_ref, rtol=1e-12, atol=1e-14)
+    # Negative control: without the quantisation of the op's inputs the truth is another one,
+    # ~2^-9 relative away (bf16 rounding of mix_qkv), far above the tolerance.
+    assert not torch.allclose(h[0, 0], _unquantised(cfg, prm, x, a, b), rtol=1e-6, atol=0)
+
+
+def _unquantised(cfg, prm, x, a, b):
+    from drift.sim import naive
+
+    K = V = 8
+    HV = cfg.num_v_heads
+    h = torch.zeros(HV, V, K, dtype=torch.float64)
+    hist = torch.zeros(cfg.conv_kernel - 1, cfg.conv_channels, dtype=torch.float64)
+    for t in range(6):
+        seq = torch.cat([hist, x[t, 0][None]], 0)
+        z = sum(prm["conv_weight"][0, :, m] * seq[m] for m in range(cfg.conv_kernel))
+        q, k, v = naive.head_inputs(z / (1 + torch.exp(-z)), cfg.num_k_heads, K, HV, V, K ** -0.5)
+        for hd in range(HV):
+            gg = naive.gating(float(a[t, 0, hd]), float(prm["A_log"][0, hd]), 0.0)
+            h[hd], _ = naive.gdn_token(h[hd], q[hd], k[hd], v[hd], np.exp(gg), naive.sigmoid(float(b[t, 0, hd])))
+        hist = seq[1:]
+    return h
 
 
 @pytest.fixture
@@ -117,6 +138,41 @@ def test_no_golden_falls_back_to_twin_and_says_so(tiny_golden):
     assert "falling back to the twin" in rep.reference
     golden_row = next(c for c in rep.checks if c.name == "golden")
     assert golden_row.verdict == "n/a" and "no golden" in golden_row.detail
+
+
+def test_a_pr_gating_preset_without_golden_is_an_error(tmp_path, monkeypatch, capsys):
+    """ci-small at its own seed gates PRs: without its golden data drift run stops with exit 2,
+    naming the manifest it read and the command that makes the data -- never a quiet n/a."""
+    from drift.cli import main
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setenv("DRIFT_GOLDEN_DIR", str(empty))
+    assert main(["run", "--steps", "4", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert f"{empty / 'manifest.json'} has no golden data for the PR-gating preset ci-small seed 0" in err
+    assert f"drift regen-golden --preset ci-small --golden-dir {empty}" in err
+    # Control: another seed is not what gates; it falls back to the twin and says so.
+    assert main(["run", "--steps", "4", "--quiet", "--seed", "5"]) == 0
+
+
+def test_regeneration_into_a_fresh_directory_is_reviewed_against_the_shipped_data(tmp_path, monkeypatch):
+    """From an install, `drift regen-golden --golden-dir DIR` writes DIR's own manifest and data
+    and prints the diff against what drift ships. (The generator is replaced by the shipped arrays
+    for the "identical" case: regenerating 16,000 positions is the nightly's business.)"""
+    shipped, _ = load_golden(preset("stagnation"))
+    monkeypatch.setattr(gmod, "generate", lambda cfg, steps=None: dict(shipped.arrays))
+    out = io.StringIO()
+    d = tmp_path / "mine"
+    assert regenerate(["stagnation"], directory=d, out=out) == 0
+    assert "stagnation/seed0: identical to the golden data drift ships" in out.getvalue(), out.getvalue()
+    g, _ = load_golden(preset("stagnation"), d)
+    assert g is not None and g.path.parent == d
+    monkeypatch.undo()
+    # A shorter horizon differs from the shipped data: the diff is printed.
+    out = io.StringIO()
+    assert regenerate(["stagnation"], directory=tmp_path / "short", steps=64, out=out) == 0
+    assert "differs from the golden data drift ships" in out.getvalue() and "proj_state: shape" in out.getvalue()
 
 
 def test_run_past_the_golden_horizon_says_so(tiny_golden):

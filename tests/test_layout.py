@@ -16,6 +16,7 @@ ROOT = Path(drift.__file__).resolve().parent
 STAGES = [
     {"drift.version", "drift.errors", "drift.config", "drift.devices", "drift.fileio", "drift.checkpoint"},
     {"drift.sim"},
+    {"drift.capture"},
     {"drift.plug"},
     {"drift.simulate"},
     {"drift.check"},
@@ -130,3 +131,14 @@ def test_nothing_cites_a_document_outside_the_repository(needle):
     hits = [f"{p.relative_to(ROOT.parent)}:{i}" for p in ROOT.rglob("*") if p.suffix in (".py", ".c")
             for i, line in enumerate(p.read_text().splitlines(), 1) if needle in line]
     assert not hits, f"{needle!r} cited at " + ", ".join(hits) + " (cite docs/semantics.md instead)"
+
+
+def test_pyproject_lists_every_package():
+    """pyproject.toml lists drift's packages (golden/ ships as drift._golden): a package missing
+    from the list would be missing from the wheel."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {module_name(p.parent / "__init__.py") for p in ROOT.rglob("__init__.py")}
+    assert found <= listed, f"not in pyproject.toml's packages: {sorted(found - listed)}"
+    assert "drift._golden" in listed

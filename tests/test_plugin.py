@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -17,6 +19,7 @@ from drift.errors import LoadError
 from drift.runner import run_checked
 from drift.plug.loader import load_kernel
 from drift.plug.npu_op import npu_op_adapter
+from drift.sim.kernels import VerifyArgs
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 METHOD = "AscendHybridLinearAttnBackend.update_mamba_state_after_mtp_verify"
@@ -82,59 +85,130 @@ def test_device_marker_skips_unless_asked_and_fails_when_absent(tmp_path):
     assert asked.returncode == 1 and "was asked for but is absent" in asked.stdout
 
 
-def test_npu_adapter_maps_onto_the_op_layout():
-    """The adapter around a CPU stand-in of npu_recurrent_gated_delta_rule reproduces drift's
-    kernel given the same bf16 inputs (the op's only dtype)."""
-    g = torch.Generator().manual_seed(3)
-    L, S, N, D, HV, K, V = 2, 6, 3, 4, 2, 16, 16
-    state = torch.randn(L, S, HV, K, V, generator=g).to(BF16)
-    slots = torch.tensor([4, 1, 0])
-    q = torch.nn.functional.normalize(torch.randn(L, N, D, HV, K, generator=g), dim=-1).to(BF16).float()
-    k = torch.nn.functional.normalize(torch.randn(L, N, D, HV, K, generator=g), dim=-1).to(BF16).float()
-    v = torch.randn(L, N, D, HV, V, generator=g).to(BF16).float()
-    gg = -torch.rand(L, N, D, HV, generator=g)
-    beta = torch.rand(L, N, D, HV, generator=g).to(BF16).float()
-    ref_inter = torch.zeros(L, N, D, HV, K, V, dtype=BF16)
-    ref_out = kernels.gdn_verify(state, slots, q, k, v, gg, beta, ref_inter)
-    inter = torch.zeros(L, N, D, HV, K, V, dtype=BF16)
-    out = load_kernel(FAKE_OP)(state, slots, q, k, v, gg, beta, inter)
-    # Same math in fp32 in another order: intermediates agree to one bf16 rounding (a value
-    # on the other side of a rounding boundary), outputs to the op's bf16 output rounding.
-    torch.testing.assert_close(inter.float(), ref_inter.float(), rtol=2 ** -7, atol=1e-3)
-    torch.testing.assert_close(out, ref_out, rtol=2 ** -7, atol=2e-3)
-    # Negative control: a layout mix-up (states passed as [K, V] instead of the op's [V, K]).
-    wrong = npu_op_adapter(_fake_op_transposed)
-    inter_w = torch.zeros_like(inter)
-    wrong(state, slots, q, k, v, gg, beta, inter_w)
-    assert (inter_w.float() - ref_inter.float()).abs().max() > 0.1
+FAKE_LEGACY = FIXTURES / "fake_legacy_npu_op.py"
 
 
-def _fake_op_transposed(query, key, value, state, **kw):
+def _op_case(seed=3, L=2, slots=7, B=3, S=4, HK=1, HV=2, K=16, V=16):
+    """VerifyArgs over a small random pool, built as SGLang's Ascend backend builds them."""
+    g = torch.Generator().manual_seed(seed)
+    C = 2 * HK * K + HV * V
+    rec = torch.randn(L, slots, HV, V, K, generator=g).to(BF16)
+    inter = torch.randn(L, B + 1, S, HV, V, K, generator=g).to(BF16)
+    args = VerifyArgs(torch.randn(L, B, S, C, generator=g).to(BF16), torch.randn(L, B, S, HV, generator=g).to(BF16),
+                      -torch.rand(L, B, S, HV, generator=g), rec, inter, torch.tensor([4, 1, 0], dtype=torch.int32),
+                      torch.arange(B * S, dtype=torch.int32).view(B, S), torch.ones(B, dtype=torch.int32),
+                      torch.full((B,), S, dtype=torch.int32), HK, HV, K ** -0.5)
+    return args
+
+
+def _clone(args):
+    return replace(args, recurrent_state=args.recurrent_state.clone(), intermediate_state=args.intermediate_state.clone())
+
+
+@pytest.mark.parametrize("num_accepted", [[1, 1, 1], [3, 1, 4]], ids=["sglang-flow", "accepted-flow"])
+def test_npu_adapter_calls_the_op_as_sglang_does(num_accepted):
+    """npu-op:<stand-in> through the adapter gives drift's portable op's results (states within one
+    bf16 rounding, outputs within the bf16 output rounding: the same fp32 math summed in another
+    order); and each call gets exactly what ascend_gdn_backend.py passes."""
+    ref = _op_case()
+    ref = replace(ref, num_accepted_tokens=torch.tensor(num_accepted, dtype=torch.int32))
+    got = _clone(ref)
+    ref_out = kernels.recurrent_gated_delta_rule(ref)
+    calls = []
+
+    def spy(*a, **kw):
+        calls.append((a, kw))
+        return load_kernel_op()(*a, **kw)
+
+    out = npu_op_adapter(spy)(got)
+    # Same math in fp32 in another order: a stored state can land on the other side of a bf16
+    # rounding boundary (one bf16 ulp, 2^-7 relative at most); outputs likewise.
+    torch.testing.assert_close(got.intermediate_state.float(), ref.intermediate_state.float(), rtol=2 ** -7, atol=1e-3)
+    torch.testing.assert_close(out.float(), ref_out.float(), rtol=2 ** -7, atol=2e-3)
+    assert torch.equal(got.recurrent_state.view(torch.int16), ref.recurrent_state.view(torch.int16))  # never written
+    L, B, S, HV, V, K = ref.dims
+    assert len(calls) == L
+    a, kw = calls[0]
+    assert a[0].dtype == BF16 and tuple(a[0].shape) == (B, S, ref.mix_qkv.shape[-1]) and a[0].is_contiguous()
+    assert tuple(a[1].shape) == (ref.recurrent_state.shape[1], HV, V, K)  # the layer's temporal
+    assert kw["beta"].dtype == BF16 and kw["g"].dtype == torch.float32 and kw["scale"] == K ** -0.5
+    for name in ("actual_seq_lengths", "ssm_state_indices", "cache_indices", "num_accepted_tokens"):
+        assert kw[name].dtype == torch.int32, name
+    assert tuple(kw["ssm_state_indices"].shape) == (B, S) and (kw["nk"], kw["nv"]) == (ref.nk, ref.nv)
+    assert tuple(kw["intermediate_state"].shape) == ((B + 1) * S, HV, K, V)  # viewed (-1, HV, K, V)
+    # Negative control: an op that reads its blocks as [K, V] (the transposed order) is caught.
+    wrong = _clone(ref)
+    npu_op_adapter(_transposing(load_kernel_op()))(wrong)
+    assert (wrong.intermediate_state.float() - ref.intermediate_state.float()).abs().max() > 0.1
+
+
+def load_kernel_op():
     from drift.plug.specs import resolve_spec
 
-    op = resolve_spec(FAKE_OP[len("npu-op:"):], "kernel")
-    st = state.transpose(-1, -2).contiguous()  # reads the blocks as [K, V]
-    out = op(query, key, value, st, **kw)
-    state.copy_(st.transpose(-1, -2))
-    return out
+    return resolve_spec(FAKE_OP[len("npu-op:"):], "kernel")
 
 
-def test_simulation_through_the_npu_adapter():
-    """Semantics pass through the adapter; the op's bf16 inputs (beta among them, vLLM
-    #53877's class) are what the drift bound then judges."""
-    rep = run_checked(preset("ci-small"), "sglang-0.5.23", steps=256, verify_kernel=load_kernel(FAKE_OP),
+def _transposing(op):
+    def run(mix, rec, **kw):
+        st = rec.transpose(-1, -2).contiguous()  # reads the blocks as [K, V]
+        return op(mix, st, **kw)
+    return run
+
+
+def test_the_stand_in_loses_writes_to_a_non_contiguous_intermediate():
+    """op_host copies a non-contiguous intermediate_state before taking its pointer: the op's
+    stores land in the copy. The stand-in keeps that (its writes to a transposed view are lost)."""
+    args = _op_case()
+    op = load_kernel_op()
+    inter = args.intermediate_state[0].transpose(-1, -2)  # [rows, S, HV, K, V]: not contiguous
+    before = inter.clone()
+    op(args.mix_qkv[0], args.recurrent_state[0], beta=args.beta[0], scale=args.scale,
+       actual_seq_lengths=args.actual_seq_lengths, ssm_state_indices=args.ssm_state_indices, nk=args.nk,
+       nv=args.nv, intermediate_state=inter, cache_indices=args.cache_indices,
+       num_accepted_tokens=args.num_accepted_tokens, g=args.g[0])
+    assert torch.equal(inter.view(torch.int16), before.view(torch.int16))
+    contiguous = args.intermediate_state[0].clone()
+    op(args.mix_qkv[0], args.recurrent_state[0], beta=args.beta[0], scale=args.scale,
+       actual_seq_lengths=args.actual_seq_lengths, ssm_state_indices=args.ssm_state_indices, nk=args.nk,
+       nv=args.nv, intermediate_state=contiguous, cache_indices=args.cache_indices,
+       num_accepted_tokens=args.num_accepted_tokens, g=args.g[0])
+    assert not torch.equal(contiguous.view(torch.int16), args.intermediate_state[0].view(torch.int16))  # control
+
+
+@pytest.mark.parametrize("flow", ["sglang", "accepted"])
+def test_simulation_through_the_npu_adapter(flow):
+    """Every check passes through the adapter with the stand-in op, in both flows."""
+    rep = run_checked(preset("ci-small", flow=flow), "sglang-0.5.23", steps=256, verify_kernel=load_kernel(FAKE_OP),
                       sync_scan=False)
-    checks = by_name(rep)
-    for name in ("finite states", "golden", "committed state", "conv windows", "tracked snapshots",
-                 "untouched slots"):
-        assert checks[name].passed, checks[name].to_dict()
+    assert rep.passed, [c.to_dict() for c in rep.checks if c.failed]
+    assert by_name(rep)["golden"].verdict == "PASS"
 
 
-def test_kernel_specs_fail_clearly():
+def test_legacy_adapter_maps_onto_the_older_op():
+    """npu-legacy's adapter around a CPU stand-in of torch_npu.npu_recurrent_gated_delta_rule:
+    the same states as drift's op but for its post-sigmoid beta in bf16 (the rounding vLLM
+    #53877 describes), which moves them by about 2^-9 relative (negative control: not bit-equal)."""
+    from drift.plug.npu_op import legacy_adapter
+    from drift.plug.specs import resolve_spec
+
+    ref = _op_case()
+    got = _clone(ref)
+    kernels.recurrent_gated_delta_rule(ref)
+    legacy_adapter(resolve_spec(f"{FAKE_LEGACY}:recurrent_gated_delta_rule", "kernel"))(got)
+    torch.testing.assert_close(got.intermediate_state.float(), ref.intermediate_state.float(), rtol=2 ** -6, atol=1e-2)
+    assert not torch.equal(got.intermediate_state, ref.intermediate_state)
+
+
+def test_kernel_specs_fail_clearly(cpu_only):
     with pytest.raises(LoadError, match="NPU"):
         load_kernel("npu")
+    with pytest.raises(LoadError, match="NPU"):
+        load_kernel("npu-legacy")
     with pytest.raises(LoadError, match="not a kernel mutant"):
         load_kernel("mutant:step_plus1")
     with pytest.raises(LoadError, match="not found"):
         load_kernel("nowhere.py:f")
-    assert load_kernel(None) is kernels.gdn_verify and load_kernel("portable") is kernels.gdn_verify
+    with pytest.raises(LoadError, match="is not a built-in"):
+        load_kernel("portabel")
+    assert load_kernel(None) is kernels.recurrent_gated_delta_rule
+    assert load_kernel("portable") is kernels.recurrent_gated_delta_rule

@@ -7,37 +7,59 @@ import pytest
 import torch
 
 from conftest import same_bits, small_cfg
-from drift.sim.pool import Harness, StatePool
+from drift.sim.pool import Harness, StatePool, raw_state
 
 CPU = torch.device("cpu")
 
 
-def _pool(**kw):
-    cfg = small_cfg(head_k_dim=16, head_v_dim=8, **kw)
+def _pool(profile=None, **kw):
+    cfg = small_cfg(head_k_dim=16, head_v_dim=8, profile=profile, **kw)
     return cfg, StatePool(cfg, CPU)
 
 
-def test_npu_layout_is_a_transposed_view_of_kv_storage():
-    cfg, p = _pool(layout="npu")
+def test_ascend_profile_is_sglang_0523s_plain_contiguous_pool():
+    """SGLang 0.5.23 MambaPool (docs/semantics.md §4): temporal [L, S, HV, V, K] and
+    intermediate_ssm [L, rows + 1, D, HV, V, K] plain contiguous, conv [L, S, W, C] contiguous."""
+    cfg, p = _pool()
     L, S, N, D, HV, K, V = (cfg.num_layers, cfg.num_slots, cfg.num_rows, cfg.num_draft_tokens,
                             cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim)
-    assert p.temporal.shape == (L, S, HV, V, K) and p.intermediate_ssm.shape == (L, N + 1, D, HV, V, K)
-    assert not p.temporal.is_contiguous() and p.temporal.transpose(-1, -2).is_contiguous()
-    assert not p.intermediate_ssm.is_contiguous() and p.inter_kv.is_contiguous()
-    assert p.ssm_kv.shape == (L, S, HV, K, V) and p.ssm_kv.data_ptr() == p.temporal.data_ptr()
-    # Conv windows: a transposed view of channel-major [L, S, C, W] storage, so code working
-    # on a .contiguous() copy loses its writes (sgl-kernel-npu #748).
-    assert p.conv.shape == (L, S, cfg.conv_window, cfg.conv_channels)
-    assert not p.conv.is_contiguous() and p.conv.transpose(-1, -2).is_contiguous()
-    assert p.temporal.dtype == p.intermediate_ssm.dtype == torch.bfloat16
+    assert cfg.profile == "ascend" and cfg.layout == "contiguous"
+    assert p.temporal.shape == (L, S, HV, V, K) and p.temporal.is_contiguous()
+    assert p.intermediate_ssm.shape == (L, N + 1, D, HV, V, K) and p.intermediate_ssm.is_contiguous()
+    assert p.conv.shape == (L, S, cfg.conv_window, cfg.conv_channels) and p.conv.is_contiguous()
+    assert p.temporal.dtype == p.intermediate_ssm.dtype == p.conv.dtype == torch.bfloat16
+    assert p.states is p.temporal and p.scratch is p.intermediate_ssm  # raw meaning = the tensors
 
 
-def test_contiguous_layout_and_fp32_profile():
-    cfg, p = _pool(ssm_dtype="float32", layout="contiguous")
-    assert p.temporal.is_contiguous() and p.intermediate_ssm.is_contiguous()
-    assert not p.ssm_kv.is_contiguous()  # the kernels' [K, V] orientation is the view here
-    assert p.conv.is_contiguous()
-    assert p.temporal.dtype == torch.float32 and p.conv.dtype == torch.bfloat16
+@pytest.mark.parametrize("profile", ["ascend-transposed", "ascend-mixed"])
+def test_transposed_and_mixed_layouts(profile):
+    """ascend-transposed: temporal and scratch transposed views of [K, V] storage, conv of [C, W];
+    ascend-mixed: only the committed state transposed."""
+    cfg, p = _pool(profile=profile)
+    HV, K, V = cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
+    assert p.temporal.shape[-2:] == (V, K) and not p.temporal.is_contiguous()
+    assert p.temporal.transpose(-1, -2).is_contiguous()
+    transposed = profile == "ascend-transposed"
+    assert p.intermediate_ssm.is_contiguous() is not transposed
+    assert p.conv.is_contiguous() is not transposed
+    # The raw meaning reinterprets the same memory as dense [V, K] blocks (a view).
+    assert p.states.is_contiguous() and p.states.data_ptr() == p.temporal.data_ptr()
+    assert p.scratch.is_contiguous() and p.scratch.data_ptr() == p.intermediate_ssm.data_ptr()
+
+
+def test_raw_state_reads_a_block_as_its_memory_holds_it():
+    """raw_state of a transposed view is the storage read row-major, not the logical view; of a
+    dense tensor it is the tensor itself; a block that is dense in neither order is refused."""
+    storage = torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 4)  # [n, K=3, V=4] storage
+    view = storage.transpose(-1, -2)  # logical [n, V=4, K=3]
+    raw = raw_state(view)
+    assert raw.shape == (2, 4, 3) and raw.data_ptr() == storage.data_ptr()
+    assert torch.equal(raw.reshape(-1), storage.reshape(-1))  # memory order
+    assert not torch.equal(raw, view)  # the logical view disagrees (control)
+    dense = torch.zeros(2, 4, 3)
+    assert raw_state(dense) is dense
+    with pytest.raises(ValueError, match="not dense"):
+        raw_state(torch.zeros(2, 8, 6)[:, ::2, ::2])
 
 
 def test_slots_partition_the_pool_around_the_dummy():
@@ -89,7 +111,7 @@ def test_harness_exposes_exactly_what_the_sglang_method_reads():
     # Writes through the returned tensors land in the pool (what the update relies on).
     slot = int(p.request_slots[0])
     params.temporal[:, slot] = 1.5
-    assert (p.ssm_kv[:, slot] == 1.5).all()
+    assert (p.states[:, slot] == 1.5).all()
     with pytest.raises(AttributeError, match=r"self\.model_runner.*drift's harness does not provide"):
         h.model_runner
 

@@ -1,8 +1,9 @@
-"""drift.reference: the float64 twin is the true trajectory of the stream.
+"""drift.sim.twin: the float64 twin is the true trajectory of the stream.
 
-Checked against an independent per-token float64 loop built from drift.naive (conv,
-gating, the gated delta rule), and shown to depend on positions only: advanced under
-any acceptance pattern, it lands on the state the loop reaches at the same position.
+Checked against an independent per-token float64 loop built from drift.sim.naive (the conv
+stage and gating quantised as the op receives them, then the gated delta rule in float64),
+and shown to depend on positions only: advanced under any acceptance pattern, it lands on
+the state the loop reaches at the same position.
 
 Tolerance (float64, u64 = 2^-53): the per-token bound of test_kernels.py,
 (K + 6) u64 (||h|| + ||v||) per token with a non-expansive map, over at most ~150 tokens
@@ -36,24 +37,23 @@ class NaiveTrajectory:
         self.tok = TrueTokens(cfg)
 
     def states(self, row: int, upto: int):
-        """After each of the first ``upto`` tokens: ([L, HV, K, V] state, [L, Kc-1, C] window,
+        """After each of the first ``upto`` tokens: ([L, HV, V, K] state, [L, Kc-1, C] window,
         [L, HV, V] output of that token)."""
         cfg, p = self.cfg, self.p
         L, HV, K, V, Kc = cfg.num_layers, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim, cfg.conv_kernel
-        h = torch.zeros(L, HV, K, V, dtype=F64)
+        h = torch.zeros(L, HV, V, K, dtype=F64)
         win = torch.zeros(L, Kc - 1, cfg.conv_channels, dtype=F64)
         x, a, b = (torch.from_numpy(t).to(F64) for t in self.tok.get(row, 0, upto))
         out = []
         for t in range(upto):
             h, o = h.clone(), torch.empty(L, HV, V, dtype=F64)
+            mix = naive.conv_mix(win[:, None], x[t][:, None, None], p.conv_weight)  # [L, 1, 1, C]
             for l in range(L):
-                seq = torch.cat([win[l], x[t, l][None]], 0)  # [Kc, C]
-                z = (seq.T * p.conv_weight[l].to(F64)).sum(-1)  # causal depthwise conv
-                q, k, v = naive.qkv_heads(z * torch.sigmoid(z), cfg.num_k_heads, K, HV, V)
+                q, k, v = naive.head_inputs(mix[l, 0, 0], cfg.num_k_heads, K, HV, V, K ** -0.5)
                 for hd in range(HV):
-                    g, beta = naive.gating(float(a[t, l, hd]), float(b[t, l, hd]), float(p.A_log[l, hd]),
-                                           float(p.dt_bias[l, hd]))
-                    h[l, hd], o[l, hd] = naive.gdn_token(h[l, hd], q[hd], k[hd], v[hd], float(np.exp(g)), beta)
+                    g = float(np.float32(naive.gating(float(a[t, l, hd]), float(p.A_log[l, hd]), float(p.dt_bias[l, hd]))))
+                    h[l, hd], o[l, hd] = naive.gdn_token(h[l, hd], q[hd], k[hd], v[hd], float(np.exp(g)),
+                                                         naive.sigmoid(float(b[t, l, hd])))
             win = torch.cat([win[:, 1:], x[t][:, None]], 1)
             out.append((h.clone(), win.clone(), o))
         return out

@@ -80,13 +80,13 @@ def test_two_cpu_runs_are_bit_identical(overrides):
 def test_each_step_gets_its_own_rounding_key():
     """Stochastic rounding draws fresh random bits every step: a repeated key would repeat
     the same rounding decisions on similar states (a bias the determinism tests miss)."""
-    from drift.sim.kernels import gdn_verify
+    from drift.sim.kernels import recurrent_gated_delta_rule
 
     keys = []
 
-    def spy(*args, **kwargs):
-        keys.append(kwargs["key"])
-        return gdn_verify(*args, **kwargs)
+    def spy(args):
+        keys.append(args.key)
+        return recurrent_gated_delta_rule(args)
 
     run_sim(small_cfg(40, store_rounding="stochastic"), verify_kernel=spy)
     assert len(keys) == 40 and len(set(keys)) == 40
@@ -102,7 +102,7 @@ def test_prefill_is_loaded_like_sglang_prefill():
     pool, slots = sim.pool, sim.pool.active_slots
     # The prompt state stored once in the state dtype (RNE), the conv window at the end of
     # the extended buffer, its first D-1 rows stale (NaN), track slots stale until tracked.
-    assert same_bits(pool.ssm_kv[:, slots], sim.prefill_state.to(pool.temporal.dtype))
+    assert same_bits(pool.states[:, slots], sim.prefill_state.to(pool.temporal.dtype))
     W, Km1 = cfg.conv_window, cfg.conv_kernel - 1
     assert torch.equal(pool.conv[:, slots, W - Km1:].double(), sim.prefill_window)
     assert torch.isnan(pool.conv[:, slots, : W - Km1]).all()

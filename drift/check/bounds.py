@@ -66,6 +66,7 @@ BOUND_MARGIN = 1.25
 BOUND_CONSTANT = CALIBRATED_RATIO * BOUND_MARGIN
 
 GROWTH_LIMIT = 0.6  # growth exponent allowed for non-stagnating heads (random walk is 0.5)
+
 # A head is stagnation-prone when its per-step decay a satisfies 1 - a < 2^-8: then
 # fl(a x) == x for bf16 elements whose mantissa is near 1 (relative half-ulp up to 2^-8).
 STAGNATION_MARGIN = {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 2.0**-24}
@@ -108,16 +109,20 @@ class BoundCheck(Check):
         self.logdecay_sum = np.zeros((cfg.num_layers, cfg.num_v_heads))  # sum over steps and rows
         self.logdecay_n = 0
         self.worst_head = np.zeros((cfg.num_layers, cfg.num_v_heads))
+        self.outputs = OutputBound()
+        self.outputs.start(comparison)
 
     def consume(self, chunk: MetricsChunk) -> None:
         env = np.empty_like(chunk.err2)
         var = np.empty_like(chunk.err2)
+        prev_env, prev_var = np.empty_like(chunk.err2), np.empty_like(chunk.err2)  # before each step
         e2, v2 = self.env2, self.var2
         exact = self.cfg.ssm_dtype == "float32"  # fp32 -> fp32 store is exact
         store = 0.0 if exact else self.kappa * chunk.round_w * chunk.ulp2_run
         store_var = 0.0 if exact else self.kappa4 * chunk.round_w ** 2 * chunk.ulp4_run
         inject = store + self.compute_scale * chunk.tok_w * chunk.ulp2_run
         for s in range(chunk.count):
+            prev_env[s], prev_var[s] = e2, v2
             e2 = chunk.rho2[s] * e2 + inject[s]
             v2 = chunk.rho2[s] ** 2 * v2 + (store_var[s] if not exact else 0.0)
             env[s], var[s] = e2, v2
@@ -136,6 +141,7 @@ class BoundCheck(Check):
         self.curves.add("bound_ratio", steps, ratio)
         self.logdecay_sum = self.logdecay_sum + chunk.logdecay.sum((0, 2))
         self.logdecay_n += chunk.count * chunk.logdecay.shape[2]
+        self.outputs.consume_bound(chunk, prev_env, prev_var, self.constant)
 
     # ---------------------------------------------------------------- summary
     def head_decay(self) -> np.ndarray:
@@ -179,11 +185,71 @@ class BoundCheck(Check):
         return res
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "curves": self.curves.state_dict()}
+        return {**super().state_dict(), "curves": self.curves.state_dict(), "outputs": self.outputs.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.curves.load_state_dict(state["curves"])
+        self.outputs.load_state_dict(state["outputs"])
+
+
+class OutputBound(Check):
+    """The verify op's outputs of the accepted tokens within their derived bound (docs/bounds.md).
+
+    Per (layer, row, head) and step, over the accepted tokens t, the output error is the step's
+    starting error carried to the output plus the op's own bf16 rounding of the output
+    (docs/semantics.md §5: ``o = S q`` of the fp32 running state, cast to bf16 round-to-nearest):
+
+    * carried: ``E||E_t q_t||^2 = w_t env2_prev`` with ``w_t = rho2(<= t) sum_k q_tk^2 c_k`` (the
+      committed error, contracted through token t, read by q_t; ``c_k`` the share of its energy in
+      key column k), held to ``BOUND_CONSTANT`` times the root of it plus FLUCTUATION_Z standard
+      deviations, like the state;
+    * rounding: round to nearest moves each output by at most half its ulp: at most
+      ``sqrt(sum_t ||ulp_bf16(o_t)||^2 / 4)``, a hard bound;
+
+    added (Minkowski), plus COMPUTE_FLOOR of the outputs. Fed by the :class:`BoundCheck` (it owns
+    the state envelope); MTP only.
+    """
+
+    name = "output bound"
+
+    def __init__(self):
+        super().__init__(1.0)
+
+    def start(self, comparison) -> None:
+        super().start(comparison)
+        self.applies = comparison.sim.mode == "mtp"
+
+    def consume(self, chunk: MetricsChunk) -> None:  # fed by BoundCheck.consume
+        pass
+
+    def consume_bound(self, chunk: MetricsChunk, prev_env: np.ndarray, prev_var: np.ndarray, constant: float) -> None:
+        if not self.applies:
+            return
+        carried = constant * np.sqrt(chunk.out_w * (prev_env + FLUCTUATION_Z * np.sqrt(prev_var)))
+        bound = carried + np.sqrt(chunk.out_round2) + COMPUTE_FLOOR * np.sqrt(chunk.out_ref2)
+        ratio = np.where(chunk.out_ref2 > 0, np.sqrt(chunk.out_err2) / np.maximum(bound, 1e-300), 0.0)
+        self._update(ratio, chunk.step0)
+
+    def result(self) -> CheckResult:
+        if not self.applies:
+            return CheckResult(self.name, True, None, None, "", "not applicable: sequential decode has no verify op",
+                               extra={"applicable": False})
+        return super().result()
+
+
+class OutputBoundCheck:
+    """The :class:`OutputBound` of a :class:`BoundCheck`, as a check result."""
+
+    name = OutputBound.name
+
+    def __init__(self, bound: BoundCheck):
+        self.bound = bound
+
+    def result(self) -> CheckResult:
+        if not getattr(self.bound, "outputs", None):
+            return CheckResult(self.name, False, None, 1.0, "", "no step was compared")
+        return self.bound.outputs.result()
 
 
 class GrowthCheck:

@@ -33,7 +33,9 @@ PER_HEAD = (
     "logdecay",  # sum of g over the accepted tokens: log of the pure decay of this step
     "round_w",   # store roundings this step, each weighted by the contraction that follows it
     "tok_w",     # the same for the fp32 compute of every accepted token
-    "out_err2", "out_ref2",  # outputs of the accepted tokens
+    "out_err2", "out_ref2",  # outputs of the accepted tokens (summed over them)
+    "out_w",     # sum over accepted tokens of rho2(<= t) sum_k q_tk^2 c_k: how the committed error reaches them
+    "out_round2",  # sum over accepted tokens of ||ulp_bf16(o_run)/2||^2: the most the op's bf16 output rounding moves them
     "trk_err2", "trk_ref2",  # tracked state vs twin at the boundary (rows tracked this step)
     "gold_dev",  # |proj(twin) - golden proj| / (|golden proj| + ||h|| / sqrt(K V)); NaN: not covered
     "gold_out_dev",  # the same for the outputs of the accepted tokens (max over them)
@@ -131,10 +133,11 @@ class Comparison:
             self.golden_limit = self.golden.max_position
         # One rounding of the prefill state on load: the bound model's starting point.
         pool = sim.pool
-        run0 = pool.ssm_kv[:, pool.active_slots].to(dev, F64)
+        run0 = pool.states[:, pool.active_slots].to(dev, F64)
         u2 = ulp_sq(run0, pool.temporal.dtype)
         self.ulp2_initial = u2.sum((-1, -2)).cpu().numpy()
         self.ulp4_initial = u2.square().sum((-1, -2)).cpu().numpy()
+        self._col_frac = self._columns(u2)
         for c in self.consumers:
             c.start(self)
 
@@ -156,22 +159,26 @@ class Comparison:
         self._host.append((view.step, view.pre.copy(), view.accept.copy(), view.track.copy()))
         mark = self._marks(view)
         twin.advance(view.x[:, :R], view.a[:, :R], view.b[:, :R], view.accept, view.track, mark)
-        run = pool.ssm_kv[:, pool.active_slots].to(dev, F64)  # [L, R, HV, K, V]
+        run = pool.states[:, pool.active_slots].to(dev, F64)  # [L, R, HV, V, K]
         buf["err2"][i] = (run - twin.state).square().sum((-1, -2))
         buf["ref2"][i] = twin.state.square().sum((-1, -2))
         buf["run2"][i] = run.square().sum((-1, -2))
         u2 = ulp_sq(run, pool.temporal.dtype)
         buf["ulp2_run"][i] = u2.sum((-1, -2))
         buf["ulp4_run"][i] = u2.square().sum((-1, -2))
+        col_frac, self._col_frac = self._col_frac, self._columns(u2)
         buf["ulp2_bf16"][i] = ulp2_sum(twin.state, torch.bfloat16)
         buf["finite"][i] = torch.isfinite(run).all(-1).all(-1)
         acc = torch.from_numpy(view.accept).to(dev)
         m = (torch.arange(cfg.num_draft_tokens, device=dev)[None, :] < acc[:, None])  # [R, D]
-        self._bound_terms(i, m)
+        self._bound_terms(i, m, col_frac)
         o_run = view.out[:, :R].to(dev, F64)
         m5 = m[None, :, :, None, None]
         buf["out_err2"][i] = ((o_run - twin.out) * m5).square().sum((2, 4))
         buf["out_ref2"][i] = (twin.out * m5).square().sum((2, 4))
+        # Round to nearest moves a value by at most half an ulp of the result (an ulp of a bf16
+        # output bounds the ulp of the fp32 value it was rounded from).
+        buf["out_round2"][i] = (ulp_sq(o_run, torch.bfloat16) * m5).sum((2, 4)) / 4.0
         Km1 = cfg.conv_kernel - 1
         win = pool.conv[:, pool.active_slots, cfg.conv_window - Km1:].to(dev, F64)
         buf["conv_bad"][i] = (win != twin.window).sum((0, 2, 3)).to(F64)
@@ -180,7 +187,14 @@ class Comparison:
         if self.golden is not None:
             self._validate(view, i, m, mark)
 
-    def _bound_terms(self, i: int, m: torch.Tensor) -> None:
+    @staticmethod
+    def _columns(u2: torch.Tensor) -> torch.Tensor:
+        """``[L, R, HV, K]``: each key column's share of a store rounding's error energy (ulp^2 summed
+        over the state's V rows): how the committed error is spread over the key directions."""
+        col = u2.sum(-2)
+        return col / col.sum(-1, keepdim=True).clamp(min=1e-300)
+
+    def _bound_terms(self, i: int, m: torch.Tensor, col_frac: torch.Tensor) -> None:
         """Contraction of the error energy over the step, and the weight of its roundings.
 
         Per token the error is multiplied by ``a (I - beta k k^T)``; for an error spread evenly
@@ -193,10 +207,15 @@ class Comparison:
         """
         twin, buf = self.twin, self._buf
         mm = m[None, :, :, None]  # [1, R, D, 1]
-        c = torch.exp(2.0 * twin.g) * (1.0 - (2.0 * twin.beta - twin.beta.square()) / self.r_eff)  # [L,R,D,HV]
+        c = twin.decay.square() * (1.0 - (2.0 * twin.beta - twin.beta.square()) / self.r_eff)  # [L,R,D,HV]
         c = torch.where(mm, c, torch.ones_like(c))
         buf["rho2"][i] = c.prod(2)
-        buf["logdecay"][i] = torch.where(mm, twin.g, torch.zeros_like(twin.g)).sum(2)
+        buf["logdecay"][i] = torch.where(mm, torch.log(twin.decay), torch.zeros_like(twin.decay)).sum(2)
+        # The output of token t sees the step's starting error E contracted by tokens 1..t, read by
+        # q_t: E||E q||^2 = sum_k q_k^2 E||E[:, k]||^2 = ||E||_F^2 sum_k q_k^2 c_k, c_k the share of
+        # the error energy in key column k (that of the last store's rounding; 1/K when even).
+        qc = (twin.q_sq * col_frac[:, :, None]).sum(-1)  # [L, R, D, HV]
+        buf["out_w"][i] = (qc * torch.cumprod(c, 2) * mm).sum(2)
         suffix = torch.flip(torch.cumprod(torch.flip(c, [2]), 2), [2])  # prod_{t >= j}
         after = torch.cat([suffix[:, :, 1:], torch.ones_like(suffix[:, :, :1])], 2)  # prod_{t > j}
         last = (m.sum(1) - 1).clamp(min=0)  # [R] index of the last accepted token
@@ -211,8 +230,8 @@ class Comparison:
         rows = np.nonzero(view.track >= 0)[0]
         rows_t = torch.from_numpy(rows).to(sim.device)
         tslots = pool.row_track_slots[rows_t]
-        got = pool.ssm_kv[:, tslots]  # [L, n, HV, K, V] in the state dtype
-        held = pool.inter_kv[:, rows_t, torch.from_numpy(view.track[rows]).to(sim.device)]
+        got = pool.states[:, tslots]  # [L, n, HV, V, K] in the state dtype
+        held = pool.scratch[:, rows_t, torch.from_numpy(view.track[rows]).to(sim.device)]
         rows_d = torch.from_numpy(rows).to(dev)
         buf["trk_bits_bad"][i].index_copy_(0, rows_d, (as_bits(got) != as_bits(held)).sum((0, 2, 3, 4)).to(dev, F64))
         got64 = got.to(dev, F64)
@@ -235,7 +254,7 @@ class Comparison:
         rows = torch.arange(cfg.num_requests, device=dev)
         pos = torch.from_numpy(np.minimum(post, self.golden_limit)).to(dev)
         scale_kv = math.sqrt(cfg.head_k_dim * cfg.head_v_dim)
-        p_twin = torch.einsum("lhk,lrhkv,lhv->lrh", g["proj_u"], twin.state, g["proj_w"])
+        p_twin = torch.einsum("lhv,lrhvk,lhk->lrh", g["proj_w"], twin.state, g["proj_u"])
         p_gold = g["proj_state"][pos, :, rows].permute(1, 0, 2)  # [L, R, HV]
         n_gold = g["state_norm"][pos, :, rows].permute(1, 0, 2)
         dev_s = (p_twin - p_gold).abs() / (p_gold.abs() + n_gold / scale_kv + 1e-300)

@@ -2,28 +2,30 @@
 
 Per PR-gating preset and default seed, ``golden/`` holds one ``.npz`` with
 
-  proj_state  ``[P+1, L, R, HV]``  ``u^T h_p w`` for the state after p tokens (fixed random unit
-                                   vectors ``proj_u [L, HV, K]``, ``proj_w [L, HV, V]``)
-  state_norm  ``[P+1, L, R, HV]``  ``||h_p||_F``
+  proj_state  ``[P+1, L, R, HV]``  ``w^T S_p u`` for the state ``S_p [V, K]`` after p tokens (fixed
+                                   random unit vectors ``proj_u [L, HV, K]``, ``proj_w [L, HV, V]``)
+  state_norm  ``[P+1, L, R, HV]``  ``||S_p||_F``
   proj_out    ``[P, L, R, HV]``    ``o_p . proj_wo`` for the output of token p
   ckpt_pos    ``[n]``              every CHECKPOINT_EVERY positions, with full
-  ckpt_state  ``[n, L, R, HV, K, V]``, ckpt_window ``[n, L, R, Kc-1, C]``, ckpt_out ``[n, L, R, HV, V]``
+  ckpt_state  ``[n, L, R, HV, V, K]``, ckpt_window ``[n, L, R, Kc-1, C]``, ckpt_out ``[n, L, R, HV, V]``
 
 which pins the committed state at every position any acceptance pattern can reach in
 the preset's horizon (the truth does not depend on acceptance). ``golden/manifest.json``
 records schema, generator version, preset, seed, config hash, versions, creation time
 and each file's sha256 and size.
 
-The generator is a second, independent transcription of docs/semantics.md §5 in float64
-(its own conv, gating, norms and recurrence; no code shared with drift.kernels beyond
-the input stream), run one position at a time on one thread so regeneration is
-byte-for-byte reproducible. At run time the float64 twin is validated against it.
+The generator is a second, independent transcription of docs/semantics.md §5 and §10 in
+float64 (its own conv, gating, quantisation of the op's inputs, norms and recurrence; no code
+shared with drift.sim.kernels beyond the input stream), run one position at a time on one
+thread so regeneration is byte-for-byte reproducible. At run time the float64 twin is
+validated against it.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import hashlib
+import importlib.resources
 import json
 import math
 import os
@@ -41,7 +43,7 @@ from ..fileio import atomic_write_bytes, atomic_write_json, load_npz, npz_bytes
 from ..sim.stream import StreamParams, TrueTokens, max_position
 
 SCHEMA = 1
-GENERATOR_VERSION = "1"
+GENERATOR_VERSION = "2"  # 2: the op's quantised inputs (bf16 mix_qkv, fp32 g), [V, K] states
 CHECKPOINT_EVERY = 4096  # positions between full-state checkpoints
 GOLDEN_PRESETS = ("ci-small", "stagnation")  # the PR-gating presets
 REGEN_HINT = "drift regen-golden --preset {name} --force"
@@ -51,9 +53,16 @@ ARRAYS_PER_POSITION = ("proj_state", "state_norm", "proj_out")
 
 
 def golden_dir() -> Path:
-    """``$DRIFT_GOLDEN_DIR`` if set, else ``golden/`` at the repository root."""
+    """``$DRIFT_GOLDEN_DIR`` if set, else the golden data shipped with drift: the package
+    ``drift._golden`` (the repository's ``golden/``, mapped into the wheel; editable installs
+    map it to the folder itself)."""
     env = os.environ.get("DRIFT_GOLDEN_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "golden"
+    if env:
+        return Path(env)
+    try:
+        return Path(str(importlib.resources.files("drift._golden")))
+    except ModuleNotFoundError:  # run from a source tree without an install: the folder beside drift/
+        return Path(__file__).resolve().parents[2] / "golden"
 
 
 def _entry_key(name: str, seed: int) -> str:
@@ -71,20 +80,23 @@ def projection_vectors(cfg: Config) -> dict[str, np.ndarray]:
     return out
 
 
-def _golden_step(cfg: Config, prm: dict, h: torch.Tensor, window: torch.Tensor, x, a, b):
+def _golden_step(cfg: Config, prm: dict, S: torch.Tensor, window: torch.Tensor, x, a, b):
     """One true token for every (layer, request), float64, written from the formulas.
 
-    h ``[L, R, HV, K, V]``, window ``[L, R, Kc-1, C]``, x ``[L, R, C]``, a/b ``[L, R, HV]``.
-    Returns (new h, new window, output ``[L, R, HV, V]``).
+    S ``[L, R, HV, V, K]``, window ``[L, R, Kc-1, C]``, x ``[L, R, C]``, a/b ``[L, R, HV]``.
+    The op's inputs are quantised as the deployment feeds them (docs/semantics.md §10): the conv
+    output to fp32 then bf16, g to fp32, b is on the bf16 grid already.
+    Returns (new S, new window, output ``[L, R, HV, V]``).
     """
     HK, K, HV, V, Kc = cfg.num_k_heads, cfg.head_k_dim, cfg.num_v_heads, cfg.head_v_dim, cfg.conv_kernel
     seq = torch.cat([window, x[:, :, None, :]], dim=2)  # [L, R, Kc, C]
     conv = sum(prm["conv_weight"][:, None, :, m] * seq[:, :, m, :] for m in range(Kc))
     act = conv / (1.0 + torch.exp(-conv))  # SiLU
-    L, R = act.shape[:2]
-    q = act[..., : HK * K].reshape(L, R, HK, K)
-    k = act[..., HK * K: 2 * HK * K].reshape(L, R, HK, K)
-    v = act[..., 2 * HK * K:].reshape(L, R, HV, V)
+    mix = act.to(torch.float32).to(torch.bfloat16).to(F64)  # the op's bf16 mix_qkv
+    L, R = mix.shape[:2]
+    q = mix[..., : HK * K].reshape(L, R, HK, K)
+    k = mix[..., HK * K: 2 * HK * K].reshape(L, R, HK, K)
+    v = mix[..., 2 * HK * K:].reshape(L, R, HV, V)
     q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) / math.sqrt(K)
     k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
     group = HV // HK
@@ -92,13 +104,14 @@ def _golden_step(cfg: Config, prm: dict, h: torch.Tensor, window: torch.Tensor, 
     k = k[:, :, [hv // group for hv in range(HV)]]
     z = a + prm["dt_bias"][:, None, :]
     softplus = torch.where(z > 20.0, z, torch.log1p(torch.exp(torch.clamp(z, max=20.0))))
-    decay = torch.exp(-torch.exp(prm["A_log"])[:, None, :] * softplus)
+    g = (-torch.exp(prm["A_log"])[:, None, :] * softplus).to(torch.float32).to(F64)  # the op's fp32 g
+    decay = torch.exp(g)
     beta = 1.0 / (1.0 + torch.exp(-b))
-    h = h * decay[..., None, None]
-    kh = torch.einsum("lrhk,lrhkv->lrhv", k, h)
-    h = h + torch.einsum("lrhk,lrhv->lrhkv", k, (v - kh) * beta[..., None])
-    o = torch.einsum("lrhk,lrhkv->lrhv", q, h)
-    return h, seq[:, :, 1:], o
+    S = S * decay[..., None, None]
+    Sk = torch.einsum("lrhvk,lrhk->lrhv", S, k)
+    S = S + torch.einsum("lrhv,lrhk->lrhvk", (v - Sk) * beta[..., None], k)
+    o = torch.einsum("lrhvk,lrhk->lrhv", S, q)
+    return S, seq[:, :, 1:], o
 
 
 def generate(cfg: Config, steps: Optional[int] = None) -> dict[str, np.ndarray]:
@@ -119,13 +132,13 @@ def _generate(cfg: Config, steps: Optional[int]) -> dict[str, np.ndarray]:
     vec = projection_vectors(cfg)
     u, w, wo = (torch.from_numpy(vec[k]).to(F64) for k in ("proj_u", "proj_w", "proj_wo"))
     tokens = TrueTokens(cfg)
-    h = torch.zeros(L, R, HV, K, V, dtype=F64)
+    h = torch.zeros(L, R, HV, V, K, dtype=F64)
     window = torch.zeros(L, R, cfg.conv_kernel - 1, cfg.conv_channels, dtype=F64)
     proj_state = np.zeros((P + 1, L, R, HV), np.float32)
     state_norm = np.zeros((P + 1, L, R, HV), np.float32)
     proj_out = np.zeros((P, L, R, HV), np.float32)
     ckpt_pos = np.arange(CHECKPOINT_EVERY, P + 1, CHECKPOINT_EVERY, dtype=np.int64)
-    ckpt_state = np.zeros((len(ckpt_pos), L, R, HV, K, V), np.float32)
+    ckpt_state = np.zeros((len(ckpt_pos), L, R, HV, V, K), np.float32)
     ckpt_window = np.zeros((len(ckpt_pos), L, R, cfg.conv_kernel - 1, cfg.conv_channels), np.float32)
     ckpt_out = np.zeros((len(ckpt_pos), L, R, HV, V), np.float32)
     block = 256
@@ -136,7 +149,7 @@ def _generate(cfg: Config, steps: Optional[int]) -> dict[str, np.ndarray]:
         for j in range(n):
             p = p0 + j
             h, window, o = _golden_step(cfg, prm, h, window, xs[j], as_[j], bs[j])
-            proj_state[p + 1] = torch.einsum("lhk,lrhkv,lhv->lrh", u, h, w).numpy()
+            proj_state[p + 1] = torch.einsum("lhv,lrhvk,lhk->lrh", w, h, u).numpy()
             state_norm[p + 1] = torch.linalg.vector_norm(h, dim=(-2, -1)).numpy()
             proj_out[p] = torch.einsum("lrhv,lhv->lrh", o, wo).numpy()
             if (p + 1) % CHECKPOINT_EVERY == 0:
@@ -186,6 +199,11 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def requires_golden(cfg: Config) -> bool:
+    """A PR-gating preset as it gates (its own seed, its trajectory): golden data is mandatory."""
+    return cfg.name in GOLDEN_PRESETS and cfg.seed == preset(cfg.name).seed and _is_preset_config(cfg)
+
+
 def _is_preset_config(cfg: Config) -> bool:
     return cfg.name in PRESETS and cfg.stream_hash() == preset(cfg.name).replace(seed=cfg.seed).stream_hash()
 
@@ -200,6 +218,11 @@ def load_golden(cfg: Config, directory: Optional[Path] = None) -> tuple[Optional
     manifest = _read_manifest(directory)
     entry = manifest["entries"].get(_entry_key(cfg.name, cfg.seed))
     if entry is None:
+        if requires_golden(cfg):
+            raise GoldenError(f"{directory / 'manifest.json'} has no golden data for the PR-gating preset "
+                              f"{cfg.name} seed {cfg.seed}; a PR-gating run needs it: regenerate it with "
+                              f"`drift regen-golden --preset {cfg.name} --golden-dir {directory}`, or point "
+                              "DRIFT_GOLDEN_DIR at the golden data drift ships")
         return None, f"no golden for preset {cfg.name!r} seed {cfg.seed} in {directory}"
     hint = REGEN_HINT.format(name=cfg.name)
     if entry.get("config_hash") != cfg.stream_hash():
@@ -233,7 +256,7 @@ def load_golden(cfg: Config, directory: Optional[Path] = None) -> tuple[Optional
 def _check_shapes(cfg: Config, arrays: dict, path: Path, hint: str) -> None:
     L, R, HV, K, V = cfg.num_layers, cfg.num_requests, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
     expect = {"proj_state": (L, R, HV), "state_norm": (L, R, HV), "proj_out": (L, R, HV),
-              "ckpt_state": (L, R, HV, K, V), "ckpt_out": (L, R, HV, V),
+              "ckpt_state": (L, R, HV, V, K), "ckpt_out": (L, R, HV, V),
               "ckpt_window": (L, R, cfg.conv_kernel - 1, cfg.conv_channels),
               "proj_u": (L, HV, K), "proj_w": (L, HV, V), "proj_wo": (L, HV, V)}
     for name, tail in expect.items():
@@ -272,11 +295,15 @@ def regenerate(names: Sequence[str], seed: Optional[int] = None, force: bool = F
     Unchanged data leaves files and manifest untouched. Changed data is written only with
     ``force``: the new file under a content-addressed name, then the manifest swapped
     atomically, then the old file removed -- an interrupted run leaves the old golden intact.
+    Into a directory without an entry (a fresh ``--golden-dir`` from an install), the new data
+    is compared with the golden data drift ships, so the diff is there to review either way.
     """
     out = out or sys.stdout
     directory = golden_dir() if directory is None else Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     manifest = _read_manifest(directory)
+    shipped = golden_dir()
+    shipped_manifest = _read_manifest(shipped) if shipped.resolve() != directory.resolve() else {"entries": {}}
     refused = 0
     for name in names:
         cfg = preset(name) if seed is None else preset(name, seed=seed)
@@ -301,6 +328,14 @@ def regenerate(names: Sequence[str], seed: Optional[int] = None, force: bool = F
                 print(f"{key}: refusing to overwrite without --force", file=out)
                 refused = 1
                 continue
+        elif key in shipped_manifest["entries"]:
+            ((ref_name, ref_meta),) = shipped_manifest["entries"][key]["files"].items()
+            if ref_meta["sha256"] == digest:
+                print(f"{key}: identical to the golden data drift ships ({shipped / ref_name})", file=out)
+            else:
+                print(f"{key}: differs from the golden data drift ships ({shipped / ref_name}):", file=out)
+                for line in diff_summary(load_npz(shipped / ref_name) if (shipped / ref_name).exists() else {}, arrays):
+                    print(line, file=out)
         fname = f"{name}-seed{cfg.seed}-{digest[:12]}.npz"
         atomic_write_bytes(directory / fname, data)
         manifest["entries"][key] = {

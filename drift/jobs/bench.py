@@ -40,12 +40,13 @@ VECTORISED = ("drift.simulate.Simulation, no observers, check_untouched=False, u
               f"{UPDATE!r} through drift's portable kernels (on the CPU: GDN verify by drift.native's "
               "C kernel when it builds, row copies with host-read indices in the update kernels); "
               "one timed block = Simulation.run(steps), input-stream generation included")
-NAIVE = ("drift.bench.naive_step: per layer, batch row (padded rows included, as in the "
-         "simulator), value head and verify token: drift.naive.conv_verify (per token and tap), "
-         "naive.qkv_heads, naive.gating (Python floats), naive.gdn_token in float32 with the "
-         "state stored to the state dtype after every token; then the update as "
-         "naive.move_intermediate_cache (commit and track) and naive.conv_state_rollback loops "
-         "per request and layer; one timed block = stream chunk of 1 step + naive_step")
+NAIVE = ("drift.jobs.bench.naive_step: per layer, batch row (padded rows included, as in the "
+         "simulator), value head and verify token: drift.sim.naive.conv_verify (per token and tap, "
+         "float64 as the simulator's conv), naive.head_inputs and naive.gating / sigmoid (Python "
+         "floats), naive.gdn_token in float32 with the state stored to the state dtype after every "
+         "token; then the update as naive.move_intermediate_cache (commit and track) and "
+         "naive.conv_state_rollback loops per request and layer; one timed block = stream chunk of "
+         "1 step + naive_step")
 BYTES_MODEL = ("per active request and layer (padded rows and the rare tracking copies not "
                "counted): read the committed state once, write D intermediate states, commit "
                "copy (read 1 + write 1), all in the state dtype; read the D input tokens and the "
@@ -101,22 +102,22 @@ def naive_step(sim: Simulation, chunk: StepChunk, s: int) -> torch.Tensor:
     cfg, pool, prm = sim.cfg, sim.pool, sim.params
     L, N, D = cfg.num_layers, cfg.num_rows, cfg.num_draft_tokens
     HK, K, HV, V = cfg.num_k_heads, cfg.head_k_dim, cfg.num_v_heads, cfg.head_v_dim
-    f32 = torch.float32
+    f32, scale = torch.float32, cfg.head_k_dim ** -0.5
     slots = pool.row_slots.tolist()
-    qkv = naive.conv_verify(pool.conv, slots, chunk.x[s], prm.conv_weight, dtype=f32)  # [L, N, D, C]
+    mix = naive.conv_verify(pool.conv, slots, chunk.x[s], prm.conv_weight)  # [L, N, D, C]
     a, b = chunk.a[s].tolist(), chunk.b[s].tolist()
     A_log, dt_bias = prm.A_log.tolist(), prm.dt_bias.tolist()
-    ssm, inter = pool.ssm_kv, pool.inter_kv
-    out = torch.empty(L, N, D, HV, V, dtype=f32, device=qkv.device)
+    ssm, inter = pool.states, pool.scratch
+    out = torch.empty(L, N, D, HV, V, dtype=f32, device=mix.device)
     for l in range(L):
         for n in range(N):
-            heads = [naive.qkv_heads(qkv[l, n, t], HK, K, HV, V) for t in range(D)]
+            heads = [naive.head_inputs(mix[l, n, t], HK, K, HV, V, scale, f32) for t in range(D)]
             for hd in range(HV):
                 h = ssm[l, slots[n], hd].to(f32)
                 for t in range(D):
                     q, k, v = heads[t]
-                    g, beta = naive.gating(a[l][n][t][hd], b[l][n][t][hd], A_log[l][hd], dt_bias[l][hd])
-                    h, o = naive.gdn_token(h, q[hd], k[hd], v[hd], math.exp(g), beta)
+                    g = float(torch.tensor(naive.gating(a[l][n][t][hd], A_log[l][hd], dt_bias[l][hd]), dtype=f32))
+                    h, o = naive.gdn_token(h, q[hd], k[hd], v[hd], math.exp(g), naive.sigmoid(b[l][n][t][hd]))
                     out[l, n, t, hd] = o
                     kernels.store_state(inter[l, n, t, hd], h, cfg.store_rounding, sim.step)
     # The update (drift.plug.updates), as per-request loops.

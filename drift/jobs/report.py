@@ -64,7 +64,9 @@ def summary_markdown(rep) -> str:
         "",
         f"- preset `{cfg['name']}`, seed {cfg['seed']}, {run['steps']} decode steps ({run['mode']})",
         f"- update under test: `{run['update']}`" + (f" ({run.get('update_source')})" if run.get("update_source") else ""),
-        f"- state: {cfg['ssm_dtype']} ({cfg['layout']} layout), store rounding {cfg['store_rounding']}; "
+        f"- profile `{cfg.get('profile', 'custom')}`: {cfg['ssm_dtype']} state ({cfg['layout']} layout), store "
+        f"rounding {cfg['store_rounding']}; verify flow {cfg.get('flow', 'sglang')}"
+        f"{' (graph-mode arguments)' if cfg.get('graph_mode', True) else ' (eager arguments)'}; "
         f"kernels: {run['kernels']}; GDN verify: {run.get('verify_kernel', 'not recorded')}; device {run['device']}",
         f"- reference: {d['reference']}",
         f"- wall time {run['wall_s']:.1f} s ({run['steps_per_s']} steps/s)",

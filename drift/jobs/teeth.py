@@ -53,21 +53,31 @@ def catalogue(cfg: Config, names: Optional[Sequence[str]] = None) -> list[dict]:
     return [evaluate_mutant(n, cfg) for n in (names or list(MUTANTS))]
 
 
-def tradeoff(cfg: Config, impls: Sequence[str] = tuple(BUILTINS), unpadded_guard: bool = True) -> list[dict]:
-    """One row per built-in on ``cfg``; with ``unpadded_guard`` also ``sglang-31659`` on the same
-    batch without padded rows (its guard never fires while a padded row carries step -1)."""
+FLOWS = ("sglang", "accepted")
+
+
+def tradeoff(cfg: Config, impls: Sequence[str] = tuple(BUILTINS), unpadded_guard: bool = True,
+             flows: Sequence[str] = FLOWS) -> list[dict]:
+    """One row per built-in and verify flow (docs/semantics.md §6) on ``cfg``; with
+    ``unpadded_guard`` also ``sglang-31659`` on the same batch without padded rows (its guard never
+    fires while a padded row carries step -1). Syncs and bytes are the update's own (the same in
+    every flow); precision is the flow's."""
     runs = [(impl, cfg, impl) for impl in impls]
     if unpadded_guard and GUARDED in impls and cfg.num_padded > 0:
         runs.append((GUARDED, cfg.replace(num_padded=0), f"{GUARDED} (no padded rows)"))
     rows = []
-    for impl, c, label in runs:
-        rep = run_checked(c, impl)
-        failed, ratio, syncs = _verdicts(rep)
-        (cost,) = measure(c, [impl], [c.num_requests])
-        rows.append({"impl": label, "syncs_per_step": syncs, "bytes_per_step": cost.bytes_per_step,
-                     "worst_bound_ratio": ratio, "precision_ok": not [f for f in failed if f != SYNC_CHECK],
-                     "no_syncs": SYNC_CHECK not in failed, "failed_checks": failed,
-                     "batch": f"{c.num_requests} requests + {c.num_padded} padded"})
+    for flow in flows:
+        for impl, c, label in runs:
+            c = c.replace(flow=flow)
+            rep = run_checked(c, impl)
+            failed, ratio, syncs = _verdicts(rep)
+            (cost,) = measure(c, [impl], [c.num_requests])
+            state = next(x for x in rep.checks if x.name == "committed state")
+            rows.append({"impl": label, "flow": flow, "syncs_per_step": syncs, "bytes_per_step": cost.bytes_per_step,
+                         "worst_bound_ratio": ratio, "worst_state_error": state.worst,
+                         "precision_ok": not [f for f in failed if f != SYNC_CHECK],
+                         "no_syncs": SYNC_CHECK not in failed, "failed_checks": failed,
+                         "batch": f"{c.num_requests} requests + {c.num_padded} padded"})
     return rows
 
 
@@ -88,11 +98,13 @@ def mutants_markdown(rows: Sequence[dict], cfg: Config) -> str:
 
 
 def tradeoff_markdown(rows: Sequence[dict], cfg: Config) -> str:
-    lines = [f"Trade-off on {cfg.name} ({cfg.steps} steps):", "",
-             "| implementation | syncs/step | bytes/step | worst drift/bound | precision | sync free |",
-             "|---|---|---|---|---|---|"]
+    lines = [f"Trade-off on {cfg.name} ({cfg.steps} steps), in SGLang's verify flow and with real accepted counts:", "",
+             "| implementation | flow | syncs/step | bytes/step | worst state error | worst drift/bound | precision "
+             "| sync free |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| `{r['impl']}` | {_num(r['syncs_per_step'])} | {r['bytes_per_step'] / 2**20:.3g} MiB | "
+        lines.append(f"| `{r['impl']}` | {r['flow']} | {_num(r['syncs_per_step'])} | "
+                     f"{r['bytes_per_step'] / 2**20:.3g} MiB | {_num(r['worst_state_error'])} | "
                      f"{_num(r['worst_bound_ratio'])} | {'PASS' if r['precision_ok'] else 'FAIL'} | "
                      f"{'PASS' if r['no_syncs'] else 'FAIL'} |")
     return "\n".join(lines)

@@ -6,9 +6,12 @@ Update specs: a built-in (:data:`drift.plug.updates.BUILTINS`), ``mutant:<name>`
 a class method receives drift's harness as ``self``, and every parameter it declares beyond
 those four (``model``, ``req_pool_indices``, ...) receives ``None``.
 
-Kernel specs: ``portable`` (drift's own, the default), ``npu``, ``npu-op:<spec>``,
-``mutant:<name>`` or a ``module|file.py:qualname`` with the signature of
-:func:`drift.sim.kernels.gdn_verify`.
+Kernel specs (:data:`KERNELS`): ``portable`` (drift's own op, the default), ``npu`` (the op
+sgl-kernel-npu registers, called as SGLang calls it), ``npu-op:<module|file.py>:<qualname>`` (any
+callable with that op's signature, through the same adapter), ``npu-legacy``
+(``torch_npu.npu_recurrent_gated_delta_rule``), ``sglang-triton`` (SGLang's CUDA Triton kernel),
+``mutant:<name>``, or a ``module|file.py:qualname`` that is itself a
+:data:`drift.sim.kernels.VerifyKernel` (``kernel(args: VerifyArgs) -> bf16 out``).
 """
 
 from __future__ import annotations
@@ -21,12 +24,19 @@ from ..errors import LoadError
 from ..sim import kernels
 from ..sim.kernels import VerifyKernel
 from .mutants import MUTANTS, Mutant
-from .npu_op import npu_op_adapter, torch_npu_op
+from .npu_op import legacy_adapter, npu_op_adapter, sgl_kernel_npu_op, torch_npu_legacy_op
 from .shim import sgl_kernels
 from .specs import MUTANT_PREFIX, resolve_spec
+from .triton_kernel import sglang_triton_function, triton_adapter
 from .updates import BUILTINS, RENAMED
 
 REQUIRED = ("self", "last_correct_step_indices", "mamba_track_indices", "mamba_steps_to_track")
+KERNELS = {  # built-in kernel specs -> what they load
+    "portable": "drift's own op (drift.sim.kernels.recurrent_gated_delta_rule)",
+    "npu": "torch.ops.npu.recurrent_gated_delta_rule from sgl_kernel_npu, called as SGLang 0.5.23 calls it",
+    "npu-legacy": "torch_npu.npu_recurrent_gated_delta_rule (the older public op)",
+    "sglang-triton": "SGLang 0.5.23's Triton fused_recurrent_gated_delta_rule_update (CUDA)",
+}
 
 
 @dataclass
@@ -105,15 +115,25 @@ def load_update(spec: "str | Callable | Update") -> Update:
 def load_kernel(spec: "str | VerifyKernel | None") -> VerifyKernel:
     """A verify kernel from a spec (see the module docstring); LoadError names the spec."""
     if spec is None or spec == "portable":
-        return kernels.gdn_verify
+        return kernels.recurrent_gated_delta_rule
     if callable(spec):
         return spec
     if spec == "npu":
-        return npu_op_adapter(torch_npu_op())
+        return npu_op_adapter(sgl_kernel_npu_op())
+    if spec == "npu-legacy":
+        return legacy_adapter(torch_npu_legacy_op())
+    if spec == "sglang-triton":
+        return triton_adapter(sglang_triton_function())
     if spec.startswith("npu-op:"):
-        return npu_op_adapter(resolve_spec(spec[len("npu-op:"):], "kernel"))
+        op = resolve_spec(spec[len("npu-op:"):], "kernel")
+        if not callable(op):
+            raise LoadError(f"kernel spec {spec!r} resolves to a {type(op).__name__}, not the op")
+        return npu_op_adapter(op)
     if spec.startswith(MUTANT_PREFIX):
         return mutant(spec, "kernel").fn
+    if ":" not in spec:
+        raise LoadError(f"kernel spec {spec!r} is not a built-in ({', '.join(KERNELS)}) and has no ':'; "
+                        "expected npu-op:<spec>, mutant:<name>, package.module:qualname or path/to/file.py:qualname")
     fn = resolve_spec(spec, "kernel")
     if not callable(fn):
         raise LoadError(f"kernel spec {spec!r} resolves to a {type(fn).__name__}, not a function")

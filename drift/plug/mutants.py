@@ -9,12 +9,13 @@ bug. Load one as ``mutant:<name>`` wherever an update or kernel spec is accepted
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
 
 from ..sim import kernels
+from ..sim.kernels import VerifyArgs
 from .parts import Batch, commit_all, commit_unless_all_step0, rollback_rows
 from .updates import SGLANG_0523
 
@@ -89,40 +90,42 @@ def _update(name: str, doc: str, **part) -> Callable:
     return SGLANG_0523.but(**part).build(f"mutant:{name}", doc)
 
 
+def commit_logically(b: Batch) -> None:
+    # A mover that honours the destination's logical strides (the regression sgl-kernel-npu #748
+    # reverted): a second physical transpose wherever committed state and scratch differ in layout.
+    vals = b.inter[:, b.src, b.last.clamp(min=0)]
+    b.ssm[:, b.dst] = torch.where((b.last >= 0)[None, :, None, None, None], vals, b.ssm[:, b.dst])
+
+
 # ------------------------------------------------------------------ precision
-def _kernel_truncate(state_kv, slots, q, k, v, g, beta, inter_kv, rounding="rne", key=0, **kw):
-    return kernels.gdn_verify(state_kv, slots, q, k, v, g, beta, inter_kv, "truncate", key, **kw)
+def _kernel_truncate(args: VerifyArgs) -> torch.Tensor:
+    return kernels.recurrent_gated_delta_rule(replace(args, rounding="truncate"))
 
 
-def _kernel_beta_bf16(state_kv, slots, q, k, v, g, beta, inter_kv, rounding="rne", key=0, **kw):
-    return kernels.gdn_verify(state_kv, slots, q, k, v, g, beta.to(BF16).to(beta.dtype), inter_kv,
-                              rounding, key, **kw)
+def _kernel_beta_bf16(args: VerifyArgs) -> torch.Tensor:
+    return kernels.recurrent_gated_delta_rule(args, beta_round=BF16)
 
 
-def _kernel_round_every_token(state_kv, slots, q, k, v, g, beta, inter_kv, rounding="rne", key=0, **kw):
-    """Keeps the running state in the storage dtype between the draft tokens."""
-    D = q.shape[2]
-    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    st = state_kv
-    cur = slots
-    for t in range(D):
-        sl = slice(t, t + 1)
-        out[:, :, sl] = kernels.gdn_verify(st, cur, q[:, :, sl], k[:, :, sl], v[:, :, sl], g[:, :, sl],
-                                           beta[:, :, sl], inter_kv[:, :, sl], rounding, key * 7 + t, **kw)
-        st = inter_kv[:, :, t]  # the next token starts from the stored (rounded) state
-        cur = torch.arange(q.shape[1], device=q.device)
-    return out
+def _kernel_round_every_token(args: VerifyArgs) -> torch.Tensor:
+    return kernels.recurrent_gated_delta_rule(args, round_every_token=True)
 
 
-def _kernel_padded_alias(state_kv, slots, q, k, v, g, beta, inter_kv, rounding="rne", key=0, **kw):
+def _kernel_padded_alias(args: VerifyArgs) -> torch.Tensor:
     """Padded graph rows write their scratch into request row 0's (after row 0 was written)."""
-    out = kernels.gdn_verify(state_kv, slots, q, k, v, g, beta, inter_kv, rounding, key, **kw)
+    out = kernels.recurrent_gated_delta_rule(args)
+    blocks = kernels.scratch_blocks(args.intermediate_state)
+    slots = args.cache_indices
     rows = torch.arange(slots.shape[0], device=slots.device)
     last_pad = torch.where(slots == 0, rows, torch.full_like(rows, -1)).max()
-    inter_kv[:, 0] = torch.where(last_pad >= 0, inter_kv[:, last_pad.clamp(min=0)], inter_kv[:, 0])
+    D = args.ssm_state_indices.shape[1]
+    src = (last_pad.clamp(min=0) * D + torch.arange(D, device=slots.device)).to(torch.int64)
+    keep = blocks[:, :D].clone()
+    blocks[:, :D] = torch.where(last_pad >= 0, blocks.index_select(1, src), keep)
     return out
 
 
+TRANSPOSED = {"profile": "ascend-transposed"}  # the bug shows on strided views
+MIXED = {"profile": "ascend-mixed"}  # the bug shows where committed state and scratch differ in layout
 MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("item_guard", "sync", "update", "precision guard (last_steps == 0).all().item() skips the commit",
            "sglang #31659", _update("item_guard", "guard with .item()", commit=commit_unless_all_step0)),
@@ -144,14 +147,17 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("rollback_shift", "semantics", "update", "conv rollback shifted by one row", "sglang #34794 class",
            _update("rollback_shift", "rollback off by one", rollback=rollback_shifted)),
     Mutant("rollback_contiguous", "semantics", "update", "conv rollback on a .contiguous() copy of a strided "
-           "tensor: silently a no-op", "sgl-kernel-npu #748",
-           _update("rollback_contiguous", "rollback on a copy", rollback=rollback_on_contiguous_copy)),
+           "tensor: silently a no-op (ascend-transposed layout)", "sgl-kernel-npu #748",
+           _update("rollback_contiguous", "rollback on a copy", rollback=rollback_on_contiguous_copy), TRANSPOSED),
     Mutant("reshape_commit", "semantics", "update", "commit through reshape of the transposed state view: "
-           "writes a temporary", "sgl-kernel-npu #748 class",
-           _update("reshape_commit", "commit through reshape", commit=commit_through_reshape)),
+           "writes a temporary (ascend-transposed layout)", "sgl-kernel-npu #748 class",
+           _update("reshape_commit", "commit through reshape", commit=commit_through_reshape), TRANSPOSED),
+    Mutant("logical_commit", "semantics", "update", "commit copies by logical index, honouring the destination's "
+           "strides: a second transpose (ascend-mixed layout)", "sgl-kernel-npu #748",
+           _update("logical_commit", "commit by logical index", commit=commit_logically), MIXED),
     Mutant("truncate_store", "precision", "kernel", "verify kernel stores states by truncation, not "
            "round-to-nearest", "", _kernel_truncate),
-    Mutant("beta_bf16", "precision", "kernel", "beta rounded through bf16 in the verify kernel",
+    Mutant("beta_bf16", "precision", "kernel", "beta rounded to bf16 after the sigmoid in the verify kernel",
            "vLLM #53877, sglang #38975", _kernel_beta_bf16),
     Mutant("round_every_token", "precision", "kernel", "verify kernel rounds the running state to the "
            "store dtype after every draft token", "sglang #25587, sgl-kernel-npu #651", _kernel_round_every_token),

@@ -1,68 +1,130 @@
-"""The NPU verify op adapter: drift's verify-kernel arguments laid out as the Ascend op takes them.
+"""The NPU verify op as SGLang calls it, and any stand-in with its signature.
 
-A verify kernel has the signature of :func:`drift.sim.kernels.gdn_verify` (:data:`VerifyKernel`).
-:func:`npu_op_adapter` wraps a callable with the Ascend op's signature into one.
+SGLang 0.5.23's Ascend backend (``srt/hardware_backend/npu/attention/ascend_gdn_backend.py``,
+``fused_recurrent_gated_delta_rule_update``) calls, per GDN layer::
+
+    torch.ops.npu.recurrent_gated_delta_rule(
+        mix_qkv,                      # bf16 [B, S, C], the conv output
+        recurrent_state,              # the layer's temporal [slots, HV, V, K]
+        beta=beta,                    # bf16 [B, S, HV], the pre-sigmoid logit b
+        scale=head_k_dim ** -0.5,
+        actual_seq_lengths=...,       # int32 [B]
+        ssm_state_indices=....view(B, S),  # int32
+        nk=num_k_heads, nv=num_v_heads,
+        intermediate_state=intermediate.view(-1, HV, K, V),  # the scratch, reinterpreted
+        cache_indices=...,            # int32 [B], slot of each row
+        num_accepted_tokens=...,      # int32 [B]
+        g=g)                          # fp32 [B, S, HV], the log-decay
+    -> bf16 [B, S, HV, V]
+
+:func:`npu_op_adapter` turns any callable with that signature into a drift verify kernel
+(:data:`drift.sim.kernels.VerifyKernel`) that makes exactly those calls, layer by layer, with
+the dtypes and int32 index tensors SGLang passes (docs/semantics.md §5-§6). ``--kernel npu``
+adapts the op sgl-kernel-npu registers (``import sgl_kernel_npu``);
+``--kernel npu-op:<module|file.py>:<qualname>`` adapts a stand-in or a new build of it.
+
+``--kernel npu-legacy`` adapts the older public op ``torch_npu.npu_recurrent_gated_delta_rule``
+(separate q/k/v, post-sigmoid beta in bf16), kept reachable for comparison; SGLang does not
+call it.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Callable
 
 import torch
 
 from ..devices import npu_available
 from ..errors import LoadError
-from ..sim.kernels import VerifyKernel
+from ..sim import kernels
+from ..sim.kernels import VerifyArgs, VerifyKernel
+from ..sim.pool import raw_state
 
-BF16 = torch.bfloat16
+BF16, F32, I32 = torch.bfloat16, torch.float32, torch.int32
 
 
 def npu_op_adapter(op: Callable) -> VerifyKernel:
-    """Map drift's verify-kernel arguments onto the layout of the Ascend op
-    ``npu_recurrent_gated_delta_rule(query, key, value, state, *, beta, scale,
-    actual_seq_lengths, ssm_state_indices, num_accepted_tokens, g, gk)``.
+    """A verify kernel calling ``op`` (the signature above) once per layer as SGLang does."""
 
-    Per layer: T = N * D tokens; query/key ``[T, HV, K]`` (key heads already repeated, so
-    N_k = N_v), value ``[T, HV, V]``, beta ``[T, HV]`` and the state blocks in bf16 (the op's
-    only dtype), g ``[T, HV]`` float32; state ``[T, HV, V, K]`` (the op's [BlockNum, N_v, D_v,
-    D_k]) with token t's block = ``t``; the committed state of row n is placed in the block
-    of its first token, which the op reads when ``num_accepted_tokens`` is None, and every
-    block holds the state after its token when the op returns. ``scale`` is 1 (q arrives
-    scaled). The op rounds to bf16 itself: ``rounding`` is not used.
-    """
-
-    def verify(state_kv, slots, q, k, v, g, beta, inter_kv, rounding="rne", key=0, **_):
-        L, N, D, HV, K = q.shape
-        V = v.shape[-1]
-        T = N * D
-        dev = q.device
-        out = torch.empty(L, N, D, HV, V, dtype=torch.float32, device=dev)
-        lengths = torch.full((N,), D, dtype=torch.int32, device=dev)
-        indices = torch.arange(T, dtype=torch.int32, device=dev)
-        slots64 = slots.to(torch.int64)
-        for l in range(L):
-            blocks = torch.empty(N, D, HV, V, K, dtype=BF16, device=dev)
-            blocks[:, 0] = state_kv[l].index_select(0, slots64).transpose(-1, -2).to(BF16)
-            o = op(q[l].reshape(T, HV, K).to(BF16), k[l].reshape(T, HV, K).to(BF16),
-                   v[l].reshape(T, HV, V).to(BF16), blocks.view(T, HV, V, K),
-                   beta=beta[l].reshape(T, HV).to(BF16), scale=1.0, actual_seq_lengths=lengths,
-                   ssm_state_indices=indices, num_accepted_tokens=None,
-                   g=g[l].reshape(T, HV).to(torch.float32), gk=None)
-            inter_kv[l, :N] = blocks.transpose(-1, -2).to(inter_kv.dtype)
-            out[l] = o.reshape(N, D, HV, V).to(torch.float32)
+    def verify(args: VerifyArgs) -> torch.Tensor:
+        L, B, S, HV, V, K = args.dims
+        out = torch.empty(L, B, S, HV, V, dtype=BF16, device=args.mix_qkv.device)
+        rec = raw_state(args.recurrent_state)
+        inter = raw_state(args.intermediate_state)
+        idx = args.ssm_state_indices.to(I32).view(B, S)
+        for layer in range(L):
+            o = op(args.mix_qkv[layer].to(BF16).contiguous(), rec[layer],
+                   beta=args.beta[layer].to(BF16).contiguous(), scale=args.scale,
+                   actual_seq_lengths=args.actual_seq_lengths.to(I32), ssm_state_indices=idx,
+                   nk=args.nk, nv=args.nv, intermediate_state=inter[layer].view(-1, HV, K, V),
+                   cache_indices=args.cache_indices.to(I32), num_accepted_tokens=args.num_accepted_tokens.to(I32),
+                   g=args.g[layer].to(F32).contiguous())
+            out[layer] = o.reshape(B, S, HV, V)
         return out
 
-    verify.__name__ = f"npu_op_adapter({getattr(op, '__name__', op)!s})"
+    verify.__name__ = verify.__qualname__ = f"npu_op_adapter({getattr(op, '__qualname__', op)!s})"
     return verify
 
 
-def torch_npu_op() -> Callable:
+def sgl_kernel_npu_op() -> Callable:
+    """``torch.ops.npu.recurrent_gated_delta_rule``, registered by importing sgl_kernel_npu."""
     if not npu_available():
-        raise LoadError("--drift-kernel npu needs torch_npu with an NPU present; on other machines use "
-                        "npu-op:<spec> with a CPU stand-in of the op")
-    import torch_npu  # noqa: F401
+        raise LoadError("--kernel npu needs torch_npu with an NPU present; on other machines pass "
+                        "npu-op:<module|file.py>:<qualname> with a stand-in of the op")
+    try:
+        importlib.import_module("sgl_kernel_npu")
+    except Exception as exc:
+        raise LoadError(f"--kernel npu needs sgl_kernel_npu (it registers torch.ops.npu.recurrent_gated_delta_rule); "
+                        f"importing it raised {exc!r}") from exc
+    try:
+        return torch.ops.npu.recurrent_gated_delta_rule
+    except (AttributeError, RuntimeError) as exc:
+        raise LoadError("this sgl_kernel_npu registers no torch.ops.npu.recurrent_gated_delta_rule; upgrade it") from exc
+
+
+def legacy_adapter(op: Callable) -> VerifyKernel:
+    """``torch_npu.npu_recurrent_gated_delta_rule(query, key, value, state, *, beta, scale,
+    actual_seq_lengths, ssm_state_indices, num_accepted_tokens, g, gk)``: q/k normalised by the
+    caller, beta post-sigmoid in bf16 (the rounding vLLM #53877 describes), one state block per
+    token with the start state in each row's first block. Only the SGLang flow (every row from
+    its committed state)."""
+
+    def verify(args: VerifyArgs) -> torch.Tensor:
+        L, B, S, HV, V, K = args.dims
+        q, k, v, _, beta = args.inputs(F32)  # q normalised and scaled; beta = sigmoid(b)
+        start, from_rec = kernels.start_blocks(args)
+        rec, inter = raw_state(args.recurrent_state), kernels.scratch_blocks(args.intermediate_state)
+        slots = args.cache_indices.to(torch.int64)
+        dst = args.ssm_state_indices.to(torch.int64)
+        T = B * S
+        lengths = torch.full((B,), S, dtype=I32, device=q.device)
+        indices = torch.arange(T, dtype=I32, device=q.device)
+        out = torch.empty(L, B, S, HV, V, dtype=BF16, device=q.device)
+        for layer in range(L):
+            blocks = torch.empty(B, S, HV, V, K, dtype=BF16, device=q.device)
+            start_state = torch.where(from_rec[:, None, None, None], rec[layer].index_select(0, slots),
+                                      inter[layer].index_select(0, start))
+            blocks[:, 0] = start_state.to(BF16)
+            o = op(q[layer].reshape(T, HV, K).to(BF16), k[layer].reshape(T, HV, K).to(BF16),
+                   v[layer].reshape(T, HV, V).to(BF16), blocks.view(T, HV, V, K),
+                   beta=beta[layer].reshape(T, HV).to(BF16), scale=1.0, actual_seq_lengths=lengths,
+                   ssm_state_indices=indices, num_accepted_tokens=None, g=args.g[layer].reshape(T, HV).to(F32),
+                   gk=None)
+            inter[layer].index_copy_(0, dst.reshape(-1), blocks.view(T, HV, V, K).to(inter.dtype))
+            out[layer] = o.reshape(B, S, HV, V).to(BF16)
+        return out
+
+    verify.__name__ = verify.__qualname__ = f"legacy_adapter({getattr(op, '__qualname__', op)!s})"
+    return verify
+
+
+def torch_npu_legacy_op() -> Callable:
+    if not npu_available():
+        raise LoadError("--kernel npu-legacy needs torch_npu with an NPU present")
+    import torch_npu
 
     op = getattr(torch_npu, "npu_recurrent_gated_delta_rule", None)
     if op is None:
-        raise LoadError("this torch_npu has no npu_recurrent_gated_delta_rule; upgrade torch_npu")
+        raise LoadError("this torch_npu has no npu_recurrent_gated_delta_rule")
     return op

@@ -1,27 +1,35 @@
-"""Portable reference kernels (torch only), vectorised over layers, rows and heads.
+"""Portable kernels of the simulated deployment (torch only), vectorised over layers, rows and heads.
 
-Each has a float64 naive counterpart in :mod:`drift.naive` that tests compare it to.
+Each has a float64 per-head definition in :mod:`drift.sim.naive` that tests compare it to.
+The stages, in the order a decode step runs them (docs/semantics.md):
 
-Conventions (one tensor-parallel rank):
-  L layers, S pool slots, N batch rows, D verify tokens, HK / HV key / value heads,
-  K / V head dims, C = 2*HK*K + HV*V conv channels, Kc conv kernel,
-  W = (Kc-1) + (D-1) conv window rows (the NPU extended window).
-States are handled in ``[.., K, V]`` orientation (``h`` in docs/semantics.md §5);
-the pool hands out ``[K, V]`` views whatever its storage layout.
+* input stages (§10): :func:`conv_verify` -- the conv + SiLU of each row's verify window, in
+  float64, rounded once to the op's input ``mix_qkv`` (bf16) -- and :func:`gdn_gating` -- the
+  log-decay ``g`` in float64 rounded once to fp32; the beta logit ``b`` goes to the op as is;
+* the verify op (§5-§6): :func:`recurrent_gated_delta_rule`, SGLang's NPU op semantics on
+  :class:`VerifyArgs` built the way SGLang's Ascend backend builds them
+  (:mod:`drift.sim.backend`); sequential (non-MTP) decode: :func:`gdn_decode`;
+* the update kernels (§3): :func:`move_intermediate_cache` (a raw block copy, as
+  sgl-kernel-npu's Triton kernel) and :func:`conv_state_rollback` (in place), the exact
+  signatures of ``sgl_kernel_npu.mamba.mamba_state_update_triton``: the shim serves them when
+  that package is absent.
 
-The update kernels ``move_intermediate_cache`` and ``conv_state_rollback`` have
-exactly the signatures and semantics of ``sgl_kernel_npu.mamba.mamba_state_update_triton``
-and are what the sgl_kernel_npu shim serves when that package is absent.
+Conventions (one tensor-parallel rank): L layers, S pool slots, N batch rows, D verify tokens,
+HK / HV key / value heads, K / V head dims, C = 2*HK*K + HV*V conv channels, Kc conv kernel,
+W = (Kc-1) + (D-1) conv window rows. States are ``[.., V, K]`` blocks, the op's order, read by
+their raw meaning (:func:`drift.sim.pool.raw_state`): ``S <- a S; delta = (v - S k) beta;
+S <- S + delta k^T; o = S q``.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
 from . import native
+from .pool import raw_state
 
 STATE_CHUNK_BYTES = 4 << 20  # fp32 working set per kernel chunk (fits L2/L3 with room)
 # On plain CPU tensors an index tensor already lives in host memory: reading it is no
@@ -30,13 +38,13 @@ STATE_CHUNK_BYTES = 4 << 20  # fp32 working set per kernel chunk (fits L2/L3 wit
 # drift's virtual sync-detection device) the device path runs. Tests switch this off to
 # check the device path on the CPU too.
 HOST_INDEX_PATHS = True
-# gdn_verify on the CPU runs drift.native's C kernel when it can be built (same arithmetic,
-# two passes over each state per token instead of five tensor ops). Tests switch it off to
+# The verify op on the CPU runs drift.native's C kernel when it can be built (same arithmetic,
+# one pass over each state row per token instead of five tensor ops). Tests switch it off to
 # compare it with the torch-op path.
 USE_NATIVE = True
-# The verify-kernel plug point: a callable with the signature of :func:`gdn_verify`
-# (``kernel(state_kv, slots, q, k, v, g, beta, inter_kv, rounding="rne", key=0) -> out``).
-VerifyKernel = Callable[..., torch.Tensor]
+L2NORM_EPS = 1e-6  # the op's EPSILON_FOR_STABILITY (docs/semantics.md §5)
+SOFTPLUS_THRESHOLD = 20.0  # fused_gdn_gating's threshold (docs/semantics.md §5)
+F64, F32, BF16 = torch.float64, torch.float32, torch.bfloat16
 _MASK_HI16 = -65536  # int32 0xFFFF0000: keeps sign, exponent and the 7 bf16 mantissa bits
 
 
@@ -45,56 +53,75 @@ def _host_indexed(*tensors: torch.Tensor) -> bool:
     return HOST_INDEX_PATHS and all(type(t) is torch.Tensor and t.device.type == "cpu" for t in tensors)
 
 
-# ------------------------------------------------------------------ gating, norms
-def gdn_gating(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-               dtype: torch.dtype = torch.float32):
-    """``g = -exp(A_log) * softplus(a + dt_bias)`` (threshold 20) and ``beta = sigmoid(b)``.
-
-    a, b: ``[L, N, D, HV]``; A_log, dt_bias: ``[L, HV]``. Returns (g, beta) of a's shape in dtype.
-    """
-    sp = F.softplus(a.to(dtype) + dt_bias.to(dtype)[:, None, None, :], beta=1.0, threshold=20.0)
-    g = -torch.exp(A_log.to(dtype))[:, None, None, :] * sp
-    return g, torch.sigmoid(b.to(dtype))
+# -------------------------------------------------------------- input stages
+def quantize_mix(x: torch.Tensor) -> torch.Tensor:
+    """float64 conv output -> the op's ``mix_qkv``: rounded to fp32 (the conv op's accumulator),
+    then to bf16 (its output dtype), each round to nearest even."""
+    return x.to(F32).to(BF16)
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """``x * rsqrt(sum(x^2) + eps)`` over the last dim, in x's dtype."""
+def conv_mix(window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``mix_qkv`` bf16 ``[L, N, D, C]`` of the D tokens ``x [L, N, D, C]`` given the ``Kc-1`` tokens
+    before them, ``window [L, N, Kc-1, C]``; weight ``[L, C, Kc]`` (tap m multiplies token
+    ``t - (Kc-1) + m``). SiLU(depthwise causal conv) in float64, taps summed in order m = 0 .. Kc-1,
+    SiLU as ``z / (1 + exp(-z))``, then :func:`quantize_mix`."""
+    D, Kc = x.shape[2], weight.shape[-1]
+    seq = torch.cat([window.to(F64), x.to(F64)], dim=2)  # [L, N, Kc-1+D, C]
+    taps = weight.to(F64).permute(2, 0, 1)[:, :, None, None, :]  # [Kc, L, 1, 1, C]
+    acc = seq[:, :, 0:D] * taps[0]
+    for m in range(1, Kc):
+        acc = acc + seq[:, :, m:m + D] * taps[m]
+    return quantize_mix(acc / (1.0 + torch.exp(-acc)))
+
+
+def gdn_gating(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """The op's ``g`` fp32 ``[L, N, D, HV]``: ``-exp(A_log) * softplus(a + dt_bias)`` (threshold 20)
+    in float64, rounded once to fp32. a ``[L, N, D, HV]``; A_log, dt_bias ``[L, HV]``."""
+    z = a.to(F64) + dt_bias.to(F64)[:, None, None, :]
+    sp = torch.where(z > SOFTPLUS_THRESHOLD, z, torch.log1p(torch.exp(torch.clamp(z, max=SOFTPLUS_THRESHOLD))))
+    return (-torch.exp(A_log.to(F64))[:, None, None, :] * sp).to(F32)
+
+
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """``x * rsqrt(sum(x^2) + eps)`` over the last dim, in x's dtype (the op's kL2Norm / qL2Norm)."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def split_qkv(qkv: torch.Tensor, num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int):
-    """Split conv output ``[L, N, D, C]`` into q, k ``[L, N, D, HV, K]`` (l2-normalised,
-    q scaled by ``K**-0.5``, key heads repeated over their value-head group) and
-    v ``[L, N, D, HV, V]``."""
-    L, N, D, _ = qkv.shape
+def op_inputs(mix: torch.Tensor, beta_logit: torch.Tensor, g: torch.Tensor, num_k_heads: int,
+              head_k_dim: int, num_v_heads: int, head_v_dim: int, scale: float,
+              dtype: torch.dtype = F32):
+    """What the op derives from its inputs, in ``dtype`` (fp32 in the op, float64 for the truth).
+
+    mix ``[..., C]``, beta_logit / g ``[..., HV]``. Returns q, k ``[..., HV, K]`` (L2-normalised,
+    q times ``scale`` after it, key heads repeated over their value-head group), v ``[..., HV, V]``,
+    decay = ``exp(g)`` and beta = ``sigmoid(b)`` ``[..., HV]``.
+    """
     HK, K, HV, V = num_k_heads, head_k_dim, num_v_heads, head_v_dim
-    q = qkv[..., : HK * K].reshape(L, N, D, HK, K)
-    k = qkv[..., HK * K: 2 * HK * K].reshape(L, N, D, HK, K)
-    v = qkv[..., 2 * HK * K:].reshape(L, N, D, HV, V)
-    q = l2norm(q) * (K ** -0.5)
-    k = l2norm(k)
+    lead = mix.shape[:-1]
+    x = mix.to(dtype)
+    q = l2norm(x[..., : HK * K].reshape(*lead, HK, K)) * scale
+    k = l2norm(x[..., HK * K: 2 * HK * K].reshape(*lead, HK, K))
+    v = x[..., 2 * HK * K:].reshape(*lead, HV, V)
     if HV != HK:
         group = HV // HK
-        q = q.unsqueeze(4).expand(L, N, D, HK, group, K).reshape(L, N, D, HV, K)
-        k = k.unsqueeze(4).expand(L, N, D, HK, group, K).reshape(L, N, D, HV, K)
-    return q, k, v
+        q = q.unsqueeze(-2).expand(*lead, HK, group, K).reshape(*lead, HV, K)
+        k = k.unsqueeze(-2).expand(*lead, HK, group, K).reshape(*lead, HV, K)
+    return q, k, v, torch.exp(g.to(dtype)), torch.sigmoid(beta_logit.to(dtype))
 
 
 # ----------------------------------------------------------------------- conv
 def conv_verify(conv_states: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
                 weight: torch.Tensor) -> torch.Tensor:
-    """Causal depthwise conv1d + SiLU over the verify window, NPU extended-window layout.
-
-    conv_states ``[L, S, W, C]`` (any dtype): the last ``Kc-1`` rows of a slot are the
-    committed window. x ``[L, N, D, C]``: the D verify tokens. weight ``[L, C, Kc]``.
-    Returns float32 ``[L, N, D, C]``. Leaves each slot's buffer rolled:
-    ``[old[D:], x_0 .. x_{D-1}]`` (what conv_state_rollback later undoes).
-    """
+    """The verify conv, NPU extended-window layout: ``mix_qkv`` bf16 ``[L, N, D, C]``
+    (:func:`conv_mix`) of each row's window ``x [L, N, D, C]``, given the last ``Kc-1`` rows of its
+    slot's buffer in ``conv_states [L, S, W, C]`` (any dtype and strides); weight ``[L, C, Kc]``.
+    Leaves each slot's buffer rolled: ``[old[D:], x_0 .. x_{D-1}]`` (what conv_state_rollback
+    later undoes; docs/semantics.md §3)."""
     L, S, W, C = conv_states.shape
     N, D, Kc = x.shape[1], x.shape[2], weight.shape[-1]
     slots = slots.to(torch.int64)
     # Whole-slot row copies when each slot's window is one dense block ([W, C] or, for the
-    # channel-major NPU layout, [C, W] storage): rows [L * S, W * C] in storage order.
+    # channel-major layout, [C, W] storage): rows [L * S, W * C] in storage order.
     rows, cw = _slot_rows(conv_states)
     flat = _flat_rows(slots, L, S).reshape(-1)
     if rows is None:
@@ -103,7 +130,7 @@ def conv_verify(conv_states: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
         buf = rows.index_select(0, flat).view(L, N, C, W).transpose(-1, -2)
     else:
         buf = rows.index_select(0, flat).view(L, N, W, C)
-    out = conv_silu(buf[:, :, W - (Kc - 1):], x, weight, torch.float32)
+    out = conv_mix(buf[:, :, W - (Kc - 1):], x, weight)
     xs = x.to(conv_states.dtype)
     if cw:  # the rolled windows built in storage order [L, N, C, W]
         rolled = torch.cat([buf.transpose(-1, -2)[..., D:], xs.transpose(-1, -2)], dim=-1)
@@ -112,9 +139,10 @@ def conv_verify(conv_states: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
     if rows is None:
         conv_states.index_copy_(1, slots, rolled)
     else:
-        dst, src = _wide_rows(rows, rolled.view(L * N, W * C))
+        dst, src = _wide_rows(rows, rolled.reshape(L * N, W * C))
         dst.index_copy_(0, flat, src)
     return out
+
 
 
 def _slot_rows(conv_states: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
@@ -126,30 +154,6 @@ def _slot_rows(conv_states: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
         return rows, False
     rows = _as_rows(conv_states.transpose(-1, -2), 2)
     return rows, rows is not None
-
-
-def conv_silu(window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-              dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """SiLU(causal depthwise conv) of the D tokens ``x [L, N, D, C]`` given the ``Kc-1`` tokens
-    before them, ``window [L, N, Kc-1, C]``; weight ``[L, C, Kc]``. Returns ``[L, N, D, C]`` in dtype,
-    stored in memory order ``[L, C, N, D]`` (see the end)."""
-    D, Kc = x.shape[2], weight.shape[-1]
-    # .contiguous() first: casting a strided bf16 view (a window of channel-major conv storage)
-    # is ~7x slower than copying it dense and casting that; the values are the same.
-    seq = torch.cat([window.contiguous().to(dtype), x.contiguous().to(dtype)], dim=2)  # [L, N, Kc-1+D, C]
-    taps = weight.to(dtype).permute(2, 0, 1).contiguous()[:, :, None, None, :]  # [Kc, L, 1, 1, C]
-    # Taps summed in order m = 0 .. Kc-1, each product rounded then added (no FMA).
-    acc = seq[:, :, 0:D] * taps[0]
-    tmp = torch.empty_like(acc)
-    for m in range(1, Kc):
-        acc.add_(torch.mul(seq[:, :, m:m + D], taps[m], out=tmp))
-    F.silu(acc, inplace=True)
-    # Returned in memory order [L, C, N, D] (the layout an einsum over the unfolded window
-    # produced): reductions over C downstream (split_qkv's l2norm) sum in memory order, so
-    # this keeps their rounding, and every value after them, bit-identical to that version.
-    L, N, _, C = acc.shape
-    out = torch.empty(L, C, N, D, dtype=dtype, device=acc.device).permute(0, 2, 3, 1)
-    return out.copy_(acc)
 
 
 def conv_state_rollback(conv_states: torch.Tensor, state_indices: torch.Tensor,
@@ -255,7 +259,6 @@ def round_to(h: torch.Tensor, dtype: torch.dtype, rounding: str = "rne", key: in
     return tmp.to(h.dtype)
 
 
-# ------------------------------------------------------------------------ GDN
 def _layer_chunk(shape_per_layer: tuple[int, ...], itemsize: int = 4) -> int:
     n = itemsize
     for s in shape_per_layer:
@@ -263,105 +266,210 @@ def _layer_chunk(shape_per_layer: tuple[int, ...], itemsize: int = 4) -> int:
     return max(1, STATE_CHUNK_BYTES // max(n, 1))
 
 
-def _gdn_token(h: torch.Tensor, q, k, v, decay, beta, o_out) -> None:
-    """One gated delta-rule token on flattened heads, in place.
+# ------------------------------------------------------------------------ GDN
+@dataclass
+class VerifyArgs:
+    """The verify op's arguments for every layer at once: what SGLang's Ascend backend passes
+    ``torch.ops.npu.recurrent_gated_delta_rule`` per layer (docs/semantics.md §5-§6).
 
-    h ``[B, K, V]`` (float32 or float64); q, k ``[B, K]``; v ``[B, V]``; decay, beta ``[B]``.
-    ``h <- h*decay; v' = (v - k^T h)*beta; h <- h + k v'^T; o = q^T h`` (o written to o_out ``[B, V]``).
+    mix_qkv bf16 ``[L, B, S, C]``; beta bf16 ``[L, B, S, HV]`` (pre-sigmoid logits); g fp32
+    ``[L, B, S, HV]``; recurrent_state ``[L, slots, HV, V, K]`` (the pool's ``temporal``);
+    intermediate_state ``[L, rows + 1, D, HV, V, K]`` (the pool's ``intermediate_ssm``, whose
+    blocks the op addresses by flat index ``row * D + step``; S = D); cache_indices int32 ``[B]``;
+    ssm_state_indices int32 ``[B, S]``; num_accepted_tokens int32 ``[B]``; actual_seq_lengths
+    int32 ``[B]``; nk / nv key / value heads; scale (``K ** -0.5``). rounding / key: how states are
+    stored -- the op's own is ``"rne"``; ``stochastic`` and ``truncate`` are drift's variants.
+    """
+
+    mix_qkv: torch.Tensor
+    beta: torch.Tensor
+    g: torch.Tensor
+    recurrent_state: torch.Tensor
+    intermediate_state: torch.Tensor
+    cache_indices: torch.Tensor
+    ssm_state_indices: torch.Tensor
+    num_accepted_tokens: torch.Tensor
+    actual_seq_lengths: torch.Tensor
+    nk: int
+    nv: int
+    scale: float
+    rounding: str = "rne"
+    key: int = 0
+
+    @property
+    def dims(self) -> tuple[int, int, int, int, int, int]:
+        """(L, B, S, HV, V, K)."""
+        L, B, S, _ = self.mix_qkv.shape
+        V, K = self.recurrent_state.shape[-2:]
+        return L, B, S, self.nv, V, K
+
+    def inputs(self, dtype: torch.dtype = F32):
+        """q, k, v, decay, beta as the op derives them (:func:`op_inputs`), in ``dtype``."""
+        L, B, S, HV, V, K = self.dims
+        return op_inputs(self.mix_qkv, self.beta, self.g, self.nk, K, HV, V, self.scale, dtype)
+
+
+# The verify-kernel plug point: ``kernel(args: VerifyArgs) -> bf16 [L, B, S, HV, V]``, writing the
+# state after every token into ``args.intermediate_state`` where the indices say.
+VerifyKernel = Callable[[VerifyArgs], torch.Tensor]
+
+
+def scratch_blocks(intermediate: torch.Tensor) -> torch.Tensor:
+    """``intermediate [L, rows + 1, D, HV, V, K]`` as the op addresses it: ``[L, (rows + 1) * D,
+    HV, V, K]`` raw blocks by flat index ``row * D + step`` (a view)."""
+    raw = raw_state(intermediate)
+    L, R, D = raw.shape[:3]
+    if raw.stride(1) != D * raw.stride(2):
+        raise ValueError("the scratch's rows and draft steps are not one flat run of blocks; the verify op "
+                         f"addresses them by flat index (strides {raw.stride()})")
+    return torch.as_strided(raw, (L, R * D, *raw.shape[3:]), (raw.stride(0), raw.stride(2), *raw.stride()[3:]),
+                            raw.storage_offset())
+
+
+def start_blocks(args: VerifyArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each row starts (docs/semantics.md §6): ``i = ssm_state_indices[b, num_accepted[b] - 1]``;
+    the committed state ``recurrent_state[cache_indices[b]]`` when ``i % S == 0``, else the scratch
+    block ``i``. Returns (i int64 ``[B]``, from_committed bool ``[B]``), on the indices' device."""
+    S = args.mix_qkv.shape[2]
+    idx = args.ssm_state_indices.to(torch.int64)
+    n = args.num_accepted_tokens.to(torch.int64)
+    start = idx.gather(1, (n - 1).clamp(min=0)[:, None]).squeeze(1)
+    return start, (start % S) == 0
+
+
+def _gdn_token(h: torch.Tensor, q, k, v, decay, beta, o_out) -> None:
+    """One gated delta-rule token on flattened heads, in place, ``[V, K]`` orientation.
+
+    h ``[B, V, K]`` (float32 or float64); q, k ``[B, K]``; v ``[B, V]``; decay, beta ``[B]``.
+    ``h <- h*decay; u = (v - h k)*beta; h <- h + u k^T; o = h q`` (o written to o_out ``[B, V]``).
     """
     h.mul_(decay[:, None, None])
-    kh = torch.bmm(k.unsqueeze(1), h)  # [B, 1, V]
-    u = (v.unsqueeze(1) - kh).mul_(beta[:, None, None])
-    h.addcmul_(k.unsqueeze(2), u)  # rank-1 update (elementwise: faster than a k=1 baddbmm)
-    torch.bmm(q.unsqueeze(1), h, out=o_out.unsqueeze(1))
+    hk = torch.bmm(h, k.unsqueeze(2))  # [B, V, 1]
+    u = (v.unsqueeze(2) - hk).mul_(beta[:, None, None])
+    h.addcmul_(u, k.unsqueeze(1))  # rank-1 update (elementwise: faster than a k=1 baddbmm)
+    torch.bmm(h, q.unsqueeze(2), out=o_out.unsqueeze(2))
 
 
-def gdn_verify(state_kv: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, inter_kv: torch.Tensor,
-               rounding: str = "rne", key: int = 0, compute_dtype: torch.dtype = torch.float32
-               ) -> torch.Tensor:
-    """GDN verify with NPU semantics: every intermediate state stored, committed state untouched.
-
-    state_kv ``[L, S, HV, K, V]`` (any dtype/strides): committed states, read at ``slots [N]``.
-    q, k ``[L, N, D, HV, K]``; v ``[L, N, D, HV, V]``; g, beta ``[L, N, D, HV]`` float32.
-    inter_kv ``[L, N, D, HV, K, V]`` (any dtype/strides): receives the state after each
-    token, stored with ``rounding`` (``key`` seeds stochastic rounding).
-    The state is loaded into ``compute_dtype`` and kept there across the D tokens.
-    Returns outputs ``[L, N, D, HV, V]`` in compute_dtype.
-    On plain CPU tensors the C kernel of :mod:`drift.native` runs when it applies
-    (:func:`drift.native.supports`): the same float32 arithmetic in another summation order.
-    """
-    L, N, D, HV, K = q.shape
-    V = v.shape[-1]
-    cd = compute_dtype
-    if uses_native(state_kv, slots, inter_kv, rounding, cd):
-        out = torch.empty(L, N, D, HV, V, dtype=cd)
-        f32 = (t.to(cd).contiguous() for t in (q, k, v, torch.exp(g.to(cd)), beta))
-        native.gdn_verify(state_kv, slots.tolist(), *f32, inter_kv, out)
-        return out
-    slots = slots.to(torch.int64)
-    # Token-major copies ([D, L, N, HV, ...]) so every per-token slice below is a plain view.
-    qt, kt, vt, dect, bt = (_token_major(t, cd) for t in (q, k, v, torch.exp(g.to(cd)), beta))
-    out = torch.empty(D, L, N, HV, V, dtype=cd, device=q.device)
-    step = _layer_chunk((N, HV, K, V), torch.finfo(cd).bits // 8)
-    h_buf = torch.empty(min(step, L) * N * HV, K, V, dtype=cd, device=q.device)
-    host_slots = slots.tolist() if _host_indexed(state_kv, slots) else None
-    for l0 in range(0, L, step):
-        l1 = min(L, l0 + step)
-        B = (l1 - l0) * N * HV
-        h = h_buf[:B]
-        if host_slots is not None:  # one converting copy per row (index_select + cast is two passes)
-            hv = h.view(l1 - l0, N, HV, K, V)
-            for n, slot in enumerate(host_slots):
-                hv[:, n].copy_(state_kv[l0:l1, slot])
-        else:
-            h.copy_(state_kv[l0:l1].index_select(1, slots).view(B, K, V))
-        for t in range(D):
-            _gdn_token(h, qt[t, l0:l1].view(B, K), kt[t, l0:l1].view(B, K), vt[t, l0:l1].view(B, V),
-                       dect[t, l0:l1].view(B), bt[t, l0:l1].view(B), out[t, l0:l1].view(B, V))
-            store_state(inter_kv[l0:l1, :, t], h.view(l1 - l0, N, HV, K, V), rounding,
-                        key * 1_000_003 + t * 4099, offset=l0 * N * HV * K * V)
-    return out.permute(1, 2, 0, 3, 4).contiguous()
-
-
-def uses_native(state_kv: torch.Tensor, slots: torch.Tensor, inter_kv: torch.Tensor, rounding: str = "rne",
-                compute_dtype: torch.dtype = torch.float32) -> bool:
-    """Whether :func:`gdn_verify` with these arguments runs :mod:`drift.native`'s C kernel."""
-    return USE_NATIVE and _host_indexed(slots) and native.supports(state_kv, inter_kv, rounding, compute_dtype)
-
-
-def _token_major(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``[L, N, D, ...]`` -> contiguous ``[D, L, N, ...]`` in dtype (values unchanged)."""
+def _layer_major(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[L, B, S, ...]`` -> contiguous ``[S, L, B, ...]`` in dtype (values unchanged)."""
     return t.to(dtype).movedim(2, 0).contiguous()
 
 
-def gdn_decode(state_kv: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, num_tokens: torch.Tensor,
-               rounding: str = "rne", key: int = 0, compute_dtype: torch.dtype = torch.float32,
+def recurrent_gated_delta_rule(args: VerifyArgs, compute_dtype: torch.dtype = F32,
+                               beta_round: Optional[torch.dtype] = None,
+                               round_every_token: bool = False) -> torch.Tensor:
+    """The verify op, SGLang's NPU semantics (docs/semantics.md §5-§6), for every layer at once.
+
+    Each row b starts where :func:`start_blocks` says, runs its ``actual_seq_lengths[b]`` tokens
+    in ``compute_dtype`` (the op: fp32) and stores the state after token t into the scratch block
+    ``ssm_state_indices[b, t]`` (``args.rounding``); the committed states are never written.
+    Returns the outputs ``o = S q`` (of the unrounded running state) as bf16 ``[L, B, S, HV, V]``.
+    ``beta_round`` / ``round_every_token`` are regressions of the mutant catalogue: beta rounded
+    to that dtype after the sigmoid; the running state kept in the store dtype between tokens.
+    On plain CPU tensors the C kernel of :mod:`drift.sim.native` runs when it applies.
+    """
+    L, B, S, HV, V, K = args.dims
+    cd = compute_dtype
+    q, k, v, decay, beta = args.inputs(cd)
+    if beta_round is not None:
+        beta = beta.to(beta_round).to(cd)
+    rec = raw_state(args.recurrent_state)
+    inter = scratch_blocks(args.intermediate_state)
+    sdt = inter.dtype
+    plain = _host_indexed(rec, inter, args.cache_indices, args.ssm_state_indices, args.num_accepted_tokens,
+                          args.actual_seq_lengths)
+    start, from_rec = start_blocks(args)
+    lengths = args.actual_seq_lengths.to(torch.int64)
+    if plain:
+        host_len = lengths.tolist()
+        if any(n != S for n in host_len) or not all(0 < n <= S for n in host_len):
+            raise ValueError(f"actual_seq_lengths {host_len}: drift's verify runs every row's S = {S} tokens")
+        if uses_native(args, cd, beta_round, round_every_token):
+            out = torch.empty(L, B, S, HV, V, dtype=cd)
+            fr = from_rec.tolist()
+            src = [slot if f else i for slot, f, i in zip(args.cache_indices.tolist(), fr, start.tolist())]
+            native.recurrent_gated_delta_rule(rec, inter, src, fr, args.ssm_state_indices.to(torch.int64).tolist(),
+                                              *(t.contiguous() for t in (q, k, v, decay, beta)), out)
+            return out.to(BF16)
+    qt, kt, vt, dect, bt = (_layer_major(t, cd) for t in (q, k, v, decay, beta))
+    out = torch.empty(S, L, B, HV, V, dtype=cd, device=q.device)
+    step = _layer_chunk((B, HV, V, K), torch.finfo(cd).bits // 8)
+    h_buf = torch.empty(min(step, L) * B * HV, V, K, dtype=cd, device=q.device)
+    dst_idx = args.ssm_state_indices.to(device=inter.device, dtype=torch.int64)
+    host = (start.tolist(), from_rec.tolist(), args.cache_indices.tolist(), dst_idx.tolist()) if plain else None
+    if not plain:
+        slots = args.cache_indices.to(device=rec.device, dtype=torch.int64)
+        start_d, from_d = start.to(rec.device), from_rec.to(rec.device)
+    for l0 in range(0, L, step):
+        l1 = min(L, l0 + step)
+        nb = (l1 - l0) * B * HV
+        h = h_buf[:nb]
+        hv = h.view(l1 - l0, B, HV, V, K)
+        if host is not None:  # one converting copy per row
+            for b, (i, fr, slot) in enumerate(zip(host[0], host[1], host[2])):
+                hv[:, b].copy_(rec[l0:l1, slot] if fr else inter[l0:l1, i])
+        else:
+            cand_rec = rec[l0:l1].index_select(1, slots)
+            cand_int = inter[l0:l1].index_select(1, start_d)
+            hv.copy_(torch.where(from_d[None, :, None, None, None], cand_rec, cand_int))
+        for t in range(S):
+            _gdn_token(h, qt[t, l0:l1].view(nb, K), kt[t, l0:l1].view(nb, K), vt[t, l0:l1].view(nb, V),
+                       dect[t, l0:l1].view(nb), bt[t, l0:l1].view(nb), out[t, l0:l1].view(nb, V))
+            stored = torch.empty(l1 - l0, B, HV, V, K, dtype=sdt, device=h.device)
+            store_state(stored, hv, args.rounding, args.key * 1_000_003 + t * 4099, offset=l0 * B * HV * V * K)
+            if round_every_token and sdt != cd:
+                h.copy_(stored.view(nb, V, K))
+            if host is not None:
+                for b in range(B):
+                    inter[l0:l1, host[3][b][t]].copy_(stored[:, b])
+            else:
+                inter[l0:l1].index_copy_(1, dst_idx[:, t], stored)
+    return out.permute(1, 2, 0, 3, 4).to(BF16)
+
+
+def uses_native(args: VerifyArgs, compute_dtype: torch.dtype = F32, beta_round=None,
+                round_every_token: bool = False) -> bool:
+    """Whether :func:`recurrent_gated_delta_rule` with these arguments runs the C kernel."""
+    if not USE_NATIVE or beta_round is not None or round_every_token or compute_dtype != F32:
+        return False
+    rec, inter = raw_state(args.recurrent_state), args.intermediate_state
+    if not (_host_indexed(rec, inter, args.cache_indices, args.ssm_state_indices) and rec.is_contiguous()):
+        return False
+    try:
+        blocks = scratch_blocks(inter)
+    except ValueError:
+        return False
+    return blocks.is_contiguous() and native.supports(rec, blocks, args.rounding)
+
+
+def gdn_decode(state: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor, num_tokens: torch.Tensor,
+               rounding: str = "rne", key: int = 0, compute_dtype: torch.dtype = F32,
                captures=(), norms_out: torch.Tensor | None = None) -> torch.Tensor:
     """Sequential (non-MTP) decode: one token at a time, the state stored after every token.
 
-    Same shapes as :func:`gdn_verify`; row n processes its first ``num_tokens[n]`` tokens
-    (a token beyond that gets decay 1 and beta 0, an exact identity). The state is
-    rounded to ``state_kv``'s dtype after each token (nothing to round when that is the
-    compute dtype) and written back to ``slots``. Each ``(steps, out)`` in ``captures``
-    (steps a host int array ``[N]``, -1 = none; out ``[L, N, HV, K, V]``) receives the state
-    of row n after token ``steps[n]``; ``norms_out [L, N, D, HV]`` receives ``||h||_F^2`` after
-    every token. Returns outputs ``[L, N, D, HV, V]`` in compute_dtype
-    (entries past num_tokens are meaningless).
+    state ``[L, S, HV, V, K]`` (any dtype; a raw view of the pool, or the truth's own float64
+    states) is read at ``slots [N]``; q, k ``[L, N, D, HV, K]``, v ``[L, N, D, HV, V]``, decay and
+    beta ``[L, N, D, HV]`` as :func:`op_inputs` derives them. Row n processes its first
+    ``num_tokens[n]`` tokens (a token beyond gets decay 1 and beta 0, an exact identity); the
+    state is rounded to ``state``'s dtype after each token (nothing to round when that is the
+    compute dtype) and written back to ``slots``. Each ``(steps, out)`` in ``captures`` (steps a
+    host int array ``[N]``, -1 = none; out ``[L, N, HV, V, K]``) receives the state of row n after
+    token ``steps[n]``; ``norms_out [L, N, D, HV]`` receives ``||S||_F^2`` after every token.
+    Returns outputs ``[L, N, D, HV, V]`` in compute_dtype (entries past num_tokens are meaningless).
     """
     L, N, D, HV, K = q.shape
     V = v.shape[-1]
     cd = compute_dtype
     slots = slots.to(torch.int64)
-    sdt = state_kv.dtype
+    sdt = state.dtype
     active = torch.arange(D, device=q.device)[None, :] < num_tokens.to(q.device)[:, None]  # [N, D]
     act = active[None, :, :, None]
-    decay = torch.where(act, torch.exp(g.to(cd)), torch.ones((), dtype=cd, device=q.device))
+    dec = torch.where(act, decay.to(cd), torch.ones((), dtype=cd, device=q.device))
     bt = torch.where(act, beta.to(cd), torch.zeros((), dtype=cd, device=q.device))
     qc, kc, vc = q.to(cd), k.to(cd), v.to(cd)
     out = torch.empty(L, N, D, HV, V, dtype=cd, device=q.device)
-    step = _layer_chunk((N, HV, K, V), torch.finfo(cd).bits // 8)
+    step = _layer_chunk((N, HV, V, K), torch.finfo(cd).bits // 8)
     cap_masks: dict[int, list] = {}
     for cap_steps, cap_out in captures:
         for t in range(D):
@@ -372,22 +480,22 @@ def gdn_decode(state_kv: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: 
                 cap_masks.setdefault(t, []).append((m.to(q.device)[:, None, None, None], cap_out))
     for l0 in range(0, L, step):
         l1 = min(L, l0 + step)
-        B = (l1 - l0) * N * HV
-        h = state_kv[l0:l1].index_select(1, slots).to(cd).reshape(B, K, V)
+        nb = (l1 - l0) * N * HV
+        h = state[l0:l1].index_select(1, slots).to(cd).reshape(nb, V, K)
         for t in range(D):
-            o_t = torch.empty(B, V, dtype=cd, device=q.device)
-            _gdn_token(h, qc[l0:l1, :, t].reshape(B, K), kc[l0:l1, :, t].reshape(B, K),
-                       vc[l0:l1, :, t].reshape(B, V), decay[l0:l1, :, t].reshape(B),
-                       bt[l0:l1, :, t].reshape(B), o_t)
+            o_t = torch.empty(nb, V, dtype=cd, device=q.device)
+            _gdn_token(h, qc[l0:l1, :, t].reshape(nb, K), kc[l0:l1, :, t].reshape(nb, K),
+                       vc[l0:l1, :, t].reshape(nb, V), dec[l0:l1, :, t].reshape(nb),
+                       bt[l0:l1, :, t].reshape(nb), o_t)
             out[l0:l1, :, t] = o_t.view(l1 - l0, N, HV, V)
             if sdt != cd:
-                h.copy_(round_to(h, sdt, rounding, key * 1_000_003 + t * 4099, offset=l0 * N * HV * K * V))
+                h.copy_(round_to(h, sdt, rounding, key * 1_000_003 + t * 4099, offset=l0 * N * HV * V * K))
             if norms_out is not None:
                 norms_out[l0:l1, :, t] = h.square().sum((-1, -2)).view(l1 - l0, N, HV).to(norms_out.dtype)
             for mask, cap_out in cap_masks.get(t, ()):
-                hv = h.view(l1 - l0, N, HV, K, V)
-                cap_out[l0:l1] = torch.where(mask, hv.to(cap_out.dtype), cap_out[l0:l1])
-        state_kv[l0:l1].index_copy_(1, slots, h.view(l1 - l0, N, HV, K, V).to(sdt))
+                hvw = h.view(l1 - l0, N, HV, V, K)
+                cap_out[l0:l1] = torch.where(mask, hvw.to(cap_out.dtype), cap_out[l0:l1])
+        state[l0:l1].index_copy_(1, slots, h.view(l1 - l0, N, HV, V, K).to(sdt))
     return out
 
 
@@ -395,19 +503,22 @@ def gdn_decode(state_kv: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: 
 def move_intermediate_cache(ssm_states: torch.Tensor, intermediate_state_cache: torch.Tensor,
                             dst_indices: torch.Tensor, src_indices: torch.Tensor,
                             last_steps: torch.Tensor) -> torch.Tensor:
-    """``ssm[l, dst[i]] = inter[l, src[i], last_steps[i]]`` for every layer and every i with
-    ``0 <= last_steps[i] < D``; other rows untouched. In place; honours the strides of
-    both views (a transposed ``[HV, V, K]`` view copies logically); no host sync (on plain
-    CPU tensors: one row copy per committed row, indices read on the host, :data:`HOST_INDEX_PATHS`).
+    """For every layer and every i with ``last_steps[i] >= 0``: the block
+    ``intermediate_state_cache[l, src[i], last_steps[i]]`` copied into ``ssm_states[l, dst[i]]`` as
+    raw memory in flat order, whatever the views' inner strides (docs/semantics.md §3: the
+    sgl-kernel-npu Triton kernel; on blocks of one layout the logical copy, on a transposed
+    destination not). In place; no host sync (on plain CPU tensors: one block copy per committed
+    row, indices read on the host, :data:`HOST_INDEX_PATHS`).
 
-    ssm_states ``[L, S, HV, ., .]``; intermediate_state_cache ``[L, rows, D, HV, ., .]``.
-    To stay sync free, skipped rows still write: each layer's first skipped destination
-    gets its own current bits back, so a skipped row must not share its destination with
-    a committed one (padded rows use the dummy slot 0, which no request owns).
+    ssm_states ``[L, S, HV, V, K]``; intermediate_state_cache ``[L, rows, D, HV, V, K]``; the block
+    read is the flat one ``src[i] * D + last_steps[i]`` (the kernel checks no upper bound; drift
+    raises IndexError past the buffer). To stay sync free, skipped rows still write: each layer's
+    first skipped destination gets its own current bits back, so a skipped row must not share its
+    destination with a committed one (padded rows use the dummy slot 0, which no request owns).
     """
     if ssm_states.ndim != 5 or intermediate_state_cache.ndim != 6:
-        raise ValueError("move_intermediate_cache expects ssm_states [L, S, HV, ., .] and "
-                         "intermediate_state_cache [L, rows, D, HV, ., .]; got shapes "
+        raise ValueError("move_intermediate_cache expects ssm_states [L, S, HV, V, K] and "
+                         "intermediate_state_cache [L, rows, D, HV, V, K]; got shapes "
                          f"{tuple(ssm_states.shape)} and {tuple(intermediate_state_cache.shape)}")
     if ssm_states.dtype != intermediate_state_cache.dtype:
         raise ValueError("move_intermediate_cache copies raw values and does not cast: dtypes "
@@ -415,40 +526,71 @@ def move_intermediate_cache(ssm_states: torch.Tensor, intermediate_state_cache: 
     if ssm_states.shape[2:] != intermediate_state_cache.shape[3:]:
         raise ValueError(f"state shapes differ: {tuple(ssm_states.shape[2:])} vs "
                          f"{tuple(intermediate_state_cache.shape[3:])}")
-    dev = ssm_states.device
-    D = intermediate_state_cache.shape[2]
+    L, S = ssm_states.shape[:2]
+    R, D = intermediate_state_cache.shape[1:3]
+    ssm3 = _blocks(raw_state(ssm_states))  # [L, S, E]: each slot's raw block, any layer / slot strides
+    inter3 = _blocks(scratch_blocks(intermediate_state_cache))  # [L, R * D, E]
     if _host_indexed(ssm_states, intermediate_state_cache, dst_indices, src_indices, last_steps):
-        S, rows = ssm_states.shape[1], intermediate_state_cache.shape[1]
         for d, r, st in zip(dst_indices.tolist(), src_indices.tolist(), last_steps.tolist()):
-            if 0 <= st < D:
-                if not (0 <= d < S and 0 <= r < rows):  # Python indexing would wrap a negative one
-                    raise IndexError(f"move_intermediate_cache: destination slot {d} (of {S}) or "
-                                     f"source row {r} (of {rows}) out of range")
-                ssm_states[:, d].copy_(intermediate_state_cache[:, r, st])
+            if st >= 0:
+                flat = r * D + st
+                if not (0 <= d < S and 0 <= flat < R * D):  # Python indexing would wrap a negative one
+                    raise IndexError(f"move_intermediate_cache: destination slot {d} (of {S}) or source "
+                                     f"block {r} * {D} + {st} (of {R * D}) out of range")
+                ssm3[:, d].copy_(inter3[:, flat])
         return ssm_states
+    dev = ssm_states.device
     step = last_steps.to(device=dev, dtype=torch.int64)
-    ok = (step >= 0) & (step < D)
+    ok = step >= 0
     dst = dst_indices.to(device=dev, dtype=torch.int64)
-    src = src_indices.to(device=dev, dtype=torch.int64)
-    step0 = torch.where(ok, step, torch.zeros_like(step))
-    ssm, inter = _dense_last(ssm_states, intermediate_state_cache)
-    ssm2, inter2 = _as_rows(ssm, 2), _as_rows(inter, 3)
-    if ssm2 is None or inter2 is None:  # strides that do not flatten: generic gather/select/scatter
-        vals = inter[:, src, step0]
-        keep = ssm[:, dst]
-        ssm[:, dst] = torch.where(ok[None, :, None, None, None], vals, keep)
-        return ssm_states
-    _select_rows(ssm2, _flat_rows(dst, ssm.shape[0], ssm.shape[1]),
-                 inter2, _flat_rows(src * D + step0, inter.shape[0], inter.shape[1] * D), ok)
+    src = src_indices.to(device=dev, dtype=torch.int64) * D + step
+    try:
+        _select_blocks(ssm3, dst, inter3, src, ok)
+    except (RuntimeError, IndexError) as exc:
+        if "out of" not in str(exc):
+            raise
+        raise IndexError(f"move_intermediate_cache: a destination slot (of {S}) or source block (of {R * D}) "
+                         f"is out of range ({exc})") from exc
     return ssm_states
 
 
-def _dense_last(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(a, b)``, or both transposed in their last two dims when that makes the last dim the
-    densest in both (an elementwise copy between them means the same either way)."""
-    if a.stride(-1) > a.stride(-2) and b.stride(-1) > b.stride(-2):
-        return a.transpose(-1, -2), b.transpose(-1, -2)
-    return a, b
+def _blocks(raw: torch.Tensor) -> torch.Tensor:
+    """``raw [L, n, HV, V, K]`` (dense ``[HV, V, K]`` blocks, any outer strides) as ``[L, n, E]``."""
+    L, n = raw.shape[:2]
+    E = raw[0, 0].numel() if raw.numel() else 0
+    inner = raw.stride()[2:]
+    if tuple(inner) != tuple(torch.empty(raw.shape[2:], device="meta").stride()):
+        raise ValueError(f"a state block of strides {inner} is not dense")
+    return torch.as_strided(raw, (L, n, E), (raw.stride(0), raw.stride(1), 1), raw.storage_offset())
+
+
+def _select_blocks(dst3: torch.Tensor, dst: torch.Tensor, src3: torch.Tensor, src: torch.Tensor,
+                   ok: torch.Tensor) -> None:
+    """``dst3[l, dst[i]] = src3[l, src[i]]`` for every layer l and every i with ``ok[i]``; when the
+    call returns, no other block of dst3 has changed, and a skipped row's indices are never used
+    (the real kernel returns before it reads them).
+
+    dst3 / src3: ``[L, n, E]`` block views of one dtype; dst / src int64 ``[N]``; ok bool ``[N]``.
+    Sync free, so skipped rows still copy: they copy the first committed row's block onto that
+    row's destination ``T`` (the value it gets anyway), and when no row commits ``T`` gets its own
+    bits back. Per chunk of layers: gather the candidates and ``T``, scatter, set ``T``.
+    """
+    N = dst.shape[0]
+    # The first committed row as a 1-element index tensor (a 0-dim index would be read on the host).
+    first = torch.argmax(ok.to(torch.int32), dim=0, keepdim=True)
+    any_ok = ok.any()
+    src = torch.where(ok, src, src.index_select(0, first).clamp(0, src3.shape[1] - 1))
+    dst = torch.where(ok, dst, dst.index_select(0, first).clamp(0, dst3.shape[1] - 1))
+    target = dst.index_select(0, first)  # T
+    L = dst3.shape[0]
+    lc = _layer_chunk((N + 1, dst3.shape[2]), dst3.element_size())
+    for l0 in range(0, L, lc):
+        l1 = min(L, l0 + lc)
+        d3, s3 = _wide_rows(dst3[l0:l1], src3[l0:l1])
+        before = d3.index_select(1, target)
+        cand = s3.index_select(1, src)
+        d3.index_copy_(1, dst, cand)
+        d3.index_copy_(1, target, torch.where(any_ok, cand.index_select(1, first), before))
 
 
 def _as_rows(t: torch.Tensor, lead: int) -> torch.Tensor | None:
@@ -488,36 +630,3 @@ def _wide_rows(*rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def _flat_rows(idx: torch.Tensor, L: int, per_layer: int) -> torch.Tensor:
     """Row numbers ``l * per_layer + idx[i]`` of a ``[L * per_layer, E]`` view: int64 ``[L, len(idx)]``."""
     return torch.arange(L, device=idx.device, dtype=torch.int64)[:, None] * per_layer + idx[None, :]
-
-
-def _select_rows(dst2: torch.Tensor, dst_rows: torch.Tensor, src2: torch.Tensor,
-                 src_rows: torch.Tensor, ok: torch.Tensor) -> None:
-    """``dst2[dst_rows[l, i]] = src2[src_rows[l, i]]`` for every layer l and every i with ``ok[i]``;
-    when the call returns, no other row of dst2 has changed.
-
-    dst2 / src2: ``[rows, E]`` views of one dtype; dst_rows / src_rows int64 ``[L, N]``; ok bool
-    ``[N]``. Sync free, so skipped rows still copy, but only within one row per layer: they
-    all write the first committed row's candidate into the first skipped row's destination
-    ``T`` (by the caller's contract no committed row writes there), and ``T`` then gets its
-    own bits back, so skipped rows cost no memory traffic of their own. Per chunk of layers:
-    gather the candidates and the ``T`` rows, scatter the candidates, restore the ``T`` rows.
-    """
-    dst2, src2 = _wide_rows(dst2, src2)
-    L, N = dst_rows.shape
-    # First committed / first skipped row as 1-element index tensors (indexing with a 0-dim
-    # tensor would read it on the host); 0 when there is none.
-    first_ok = torch.argmax(ok.to(torch.int32), dim=0, keepdim=True)
-    first_skip = torch.argmax((~ok).to(torch.int32), dim=0, keepdim=True)
-    any_skip = (~ok).any()
-    src_rows = torch.where(ok[None, :], src_rows, src_rows.index_select(1, first_ok))
-    keep_rows = dst_rows.index_select(1, first_skip).view(L)  # T of each layer
-    dst_rows = torch.where(ok[None, :], dst_rows, keep_rows[:, None])
-    lc = _layer_chunk((N + 1, dst2.shape[1]), dst2.element_size())
-    for l0 in range(0, L, lc):
-        l1 = min(L, l0 + lc)
-        before = dst2.index_select(0, keep_rows[l0:l1])
-        cand = src2.index_select(0, src_rows[l0:l1].reshape(-1))
-        dst2.index_copy_(0, dst_rows[l0:l1].reshape(-1), cand)
-        # T's final bits: its own when a row was skipped; else T is row 0's destination.
-        row0 = cand.view(l1 - l0, N, -1)[:, 0]
-        dst2.index_copy_(0, keep_rows[l0:l1], torch.where(any_skip, before, row0))

@@ -1,8 +1,8 @@
-"""Naive per-layer, per-request, per-head, per-token counterparts of :mod:`drift.kernels`.
+"""Naive per-layer, per-row, per-head, per-token definitions of :mod:`drift.sim.kernels`.
 
-A direct transcription of docs/semantics.md §3 and §5, in float64 by default: the
-definition the vectorised kernels are tested against, and the baseline the
-benchmark compares them with (run there in the simulator's own dtypes).
+A direct transcription of docs/semantics.md §3, §5 and §6 in Python loops, float64 by default:
+the definition the vectorised kernels are tested against, and the baseline ``drift bench``
+compares them with (run there in the simulator's own dtypes). States are ``[V, K]`` blocks.
 """
 
 from __future__ import annotations
@@ -11,90 +11,123 @@ import math
 
 import torch
 
+from .pool import raw_state
 
-def gating(a: float, b: float, A_log: float, dt_bias: float) -> tuple[float, float]:
-    """Scalar ``g = -exp(A_log) * softplus(a + dt_bias)`` (threshold 20), ``beta = sigmoid(b)``."""
+F64 = torch.float64
+
+
+def gating(a: float, A_log: float, dt_bias: float) -> float:
+    """Scalar ``g = -exp(A_log) * softplus(a + dt_bias)`` (threshold 20), float64."""
     z = a + dt_bias
     sp = z if z > 20.0 else math.log1p(math.exp(z))
-    return -math.exp(A_log) * sp, 1.0 / (1.0 + math.exp(-b))
+    return -math.exp(A_log) * sp
 
 
-def conv_verify(conv_states: torch.Tensor, slots: list[int], x: torch.Tensor, weight: torch.Tensor,
-                dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """Loop version of :func:`drift.kernels.conv_verify`; updates ``conv_states`` the same way."""
-    L, _, W, C = conv_states.shape
-    N, D = x.shape[1], x.shape[2]
+def sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+def quantize_mix(x: float) -> float:
+    """A float64 conv output rounded as the op receives it: to fp32, then to bf16."""
+    return float(torch.tensor(x, dtype=F64).to(torch.float32).to(torch.bfloat16).to(F64))
+
+
+def conv_mix(window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Loop version of :func:`drift.sim.kernels.conv_mix` (per layer, row, token and tap; channels
+    as vectors): window ``[L, N, Kc-1, C]``, x ``[L, N, D, C]``, weight ``[L, C, Kc]`` -> mix_qkv
+    float64 ``[L, N, D, C]`` holding bf16 values."""
+    L, N, D, C = x.shape
     Kc = weight.shape[-1]
-    out = torch.empty(L, N, D, C, dtype=dtype)
-    new_bufs = {}
+    out = torch.empty(L, N, D, C, dtype=F64)
     for l in range(L):
-        w = weight[l].to(dtype)  # [C, Kc]
-        for n, s in enumerate(slots):
-            buf = conv_states[l, s]
-            seq = torch.cat([buf[W - (Kc - 1):].to(dtype), x[l, n].to(dtype)], 0)  # [Kc-1+D, C]
-            for j in range(D):
-                acc = torch.zeros(C, dtype=dtype)
+        w = weight[l].to(F64)  # [C, Kc]
+        for n in range(N):
+            seq = torch.cat([window[l, n].to(F64), x[l, n].to(F64)], 0)  # [Kc-1+D, C]
+            for t in range(D):
+                acc = torch.zeros(C, dtype=F64)
                 for m in range(Kc):
-                    acc += w[:, m] * seq[j + m]
-                out[l, n, j] = acc * torch.sigmoid(acc)
-            new_bufs[(l, s)] = torch.cat([buf[D:], x[l, n].to(buf.dtype)], 0)
-    for (l, s), nb in new_bufs.items():
-        conv_states[l, s] = nb
+                    acc = acc + w[:, m] * seq[t + m]
+                out[l, n, t] = (acc / (1.0 + torch.exp(-acc))).to(torch.float32).to(torch.bfloat16).to(F64)
     return out
 
 
-def qkv_heads(qkv_token: torch.Tensor, HK: int, K: int, HV: int, V: int):
-    """One token's conv output ``[C]`` -> per value head (q ``[HV, K]``, k ``[HV, K]``, v ``[HV, V]``)."""
-    q = qkv_token[: HK * K].reshape(HK, K)
-    k = qkv_token[HK * K: 2 * HK * K].reshape(HK, K)
-    v = qkv_token[2 * HK * K:].reshape(HV, V)
-    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * K ** -0.5
+def conv_verify(conv_states: torch.Tensor, slots: list[int], x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Loop version of :func:`drift.sim.kernels.conv_verify`: mix_qkv (float64 holding bf16 values)
+    ``[L, N, D, C]``; rolls ``conv_states [L, S, W, C]`` the same way: ``[old[D:], x_0 .. x_{D-1}]``."""
+    L, _, W, C = conv_states.shape
+    D, Kc = x.shape[2], weight.shape[-1]
+    windows = torch.stack([torch.stack([conv_states[l, s, W - (Kc - 1):] for s in slots]) for l in range(L)])
+    out = conv_mix(windows, x, weight)
+    for l in range(L):
+        for n, s in enumerate(slots):
+            conv_states[l, s] = torch.cat([conv_states[l, s, D:], x[l, n].to(conv_states.dtype)], 0)
+    return out
+
+
+def head_inputs(mix_token: torch.Tensor, HK: int, K: int, HV: int, V: int, scale: float, dtype: torch.dtype = F64):
+    """One token's mix_qkv ``[C]`` -> per value head q, k ``[HV, K]`` (``x / sqrt(sum x^2 + 1e-6)``,
+    q times scale), v ``[HV, V]``, in dtype."""
+    x = mix_token.to(dtype)
+    q = x[: HK * K].reshape(HK, K)
+    k = x[HK * K: 2 * HK * K].reshape(HK, K)
+    v = x[2 * HK * K:].reshape(HV, V)
+    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * scale
     k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
     rep = HV // HK
     return q.repeat_interleave(rep, 0, output_size=HV), k.repeat_interleave(rep, 0, output_size=HV), v
 
 
-def gdn_token(h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def gdn_token(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               decay: float, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One head, one token: returns (new h ``[K, V]``, output ``[V]``)."""
-    h = h * decay
-    vp = (v - k @ h) * beta
-    h = h + torch.outer(k, vp)
-    return h, q @ h
+    """One head, one token: ``S <- decay S; S <- S + beta (v - S k) k^T; o = S q``.
+    S ``[V, K]``; returns (new S, output ``[V]``)."""
+    S = S * decay
+    u = (v - S @ k) * beta
+    S = S + torch.outer(u, k)
+    return S, S @ q
 
 
-def gdn_verify(h0: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-               beta: torch.Tensor, dtype: torch.dtype = torch.float64, store=None):
-    """Loop version of :func:`drift.kernels.gdn_verify`.
+def recurrent_gated_delta_rule(mix, beta, g, recurrent_state, blocks, cache_indices, ssm_state_indices,
+                               num_accepted_tokens, actual_seq_lengths, nk: int, nv: int, scale: float,
+                               dtype: torch.dtype = F64, store=None) -> torch.Tensor:
+    """Loop version of :func:`drift.sim.kernels.recurrent_gated_delta_rule`, the op's definition.
 
-    h0 ``[L, N, HV, K, V]``; q, k ``[L, N, D, HV, K]``; v ``[L, N, D, HV, V]``; g, beta
-    ``[L, N, D, HV]``. Returns (intermediates ``[L, N, D, HV, K, V]``, outputs
-    ``[L, N, D, HV, V]``) in ``dtype``; ``store(h)`` maps a kept state to its stored value.
+    mix ``[L, B, S, C]``, beta (logits) and g ``[L, B, S, HV]``; recurrent_state ``[L, slots, HV, V, K]``;
+    blocks ``[L, I, HV, V, K]`` scratch blocks by flat index (written in place); the index tensors
+    as in :class:`drift.sim.kernels.VerifyArgs`. Row b starts at ``i = ssm_state_indices[b,
+    num_accepted[b] - 1]`` -- the committed state ``recurrent_state[cache_indices[b]]`` when
+    ``i % S == 0``, else block ``i`` -- runs its ``actual_seq_lengths[b]`` tokens in ``dtype`` and
+    stores the state after token t, mapped through ``store`` (default: a cast to the blocks'
+    dtype), into block ``ssm_state_indices[b, t]``. Returns outputs ``[L, B, S, HV, V]`` in dtype
+    (zero past a row's length).
     """
-    L, N, D, HV, K = q.shape
-    V = v.shape[-1]
-    inter = torch.empty(L, N, D, HV, K, V, dtype=dtype)
-    out = torch.empty(L, N, D, HV, V, dtype=dtype)
+    L, B, S, _ = mix.shape
+    V, K = recurrent_state.shape[-2:]
+    out = torch.zeros(L, B, S, nv, V, dtype=dtype)
     for l in range(L):
-        for n in range(N):
-            for hd in range(HV):
-                h = h0[l, n, hd].to(dtype)
-                for t in range(D):
-                    h, o = gdn_token(h, q[l, n, t, hd].to(dtype), k[l, n, t, hd].to(dtype),
-                                     v[l, n, t, hd].to(dtype), math.exp(float(g[l, n, t, hd])),
-                                     float(beta[l, n, t, hd]))
-                    out[l, n, t, hd] = o
-                    inter[l, n, t, hd] = h if store is None else store(h)
-    return inter, out
+        for b in range(B):
+            i = int(ssm_state_indices[b, int(num_accepted_tokens[b]) - 1])
+            src = recurrent_state[l, int(cache_indices[b])] if i % S == 0 else blocks[l, i]
+            for hd in range(nv):
+                h = src[hd].to(dtype)
+                for t in range(int(actual_seq_lengths[b])):
+                    q, k, v = head_inputs(mix[l, b, t], nk, K, nv, V, scale)
+                    decay = math.exp(float(g[l, b, t, hd]))
+                    bt = sigmoid(float(beta[l, b, t, hd]))
+                    h, o = gdn_token(h, q[hd].to(dtype), k[hd].to(dtype), v[hd].to(dtype), decay, bt)
+                    out[l, b, t, hd] = o
+                    blocks[l, int(ssm_state_indices[b, t]), hd] = h if store is None else store(h)
+    return out
 
 
-def gdn_decode(h0: torch.Tensor, q, k, v, g, beta, num_tokens: list[int], state_dtype: torch.dtype,
-               dtype: torch.dtype = torch.float64):
-    """Loop version of :func:`drift.kernels.gdn_decode`: the state rounded to ``state_dtype``
-    after each token. Returns (final states ``[L, N, HV, K, V]``, outputs)."""
+def gdn_decode(h0: torch.Tensor, q, k, v, decay, beta, num_tokens: list[int], state_dtype: torch.dtype,
+               dtype: torch.dtype = F64):
+    """Loop version of :func:`drift.sim.kernels.gdn_decode`: the state rounded to ``state_dtype``
+    after each token. h0 ``[L, N, HV, V, K]``; q, k ``[L, N, D, HV, K]``, v ``[L, N, D, HV, V]``,
+    decay, beta ``[L, N, D, HV]``. Returns (final states ``[L, N, HV, V, K]``, outputs)."""
     L, N, D, HV, K = q.shape
     V = v.shape[-1]
-    final = torch.empty(L, N, HV, K, V, dtype=dtype)
+    final = torch.empty(L, N, HV, V, K, dtype=dtype)
     out = torch.zeros(L, N, D, HV, V, dtype=dtype)
     for l in range(L):
         for n in range(N):
@@ -102,8 +135,7 @@ def gdn_decode(h0: torch.Tensor, q, k, v, g, beta, num_tokens: list[int], state_
                 h = h0[l, n, hd].to(dtype)
                 for t in range(num_tokens[n]):
                     h, o = gdn_token(h, q[l, n, t, hd].to(dtype), k[l, n, t, hd].to(dtype),
-                                     v[l, n, t, hd].to(dtype), math.exp(float(g[l, n, t, hd])),
-                                     float(beta[l, n, t, hd]))
+                                     v[l, n, t, hd].to(dtype), float(decay[l, n, t, hd]), float(beta[l, n, t, hd]))
                     h = h.to(state_dtype).to(dtype)
                     out[l, n, t, hd] = o
                 final[l, n, hd] = h
@@ -111,12 +143,16 @@ def gdn_decode(h0: torch.Tensor, q, k, v, g, beta, num_tokens: list[int], state_
 
 
 def move_intermediate_cache(ssm_states, intermediate_state_cache, dst_indices, src_indices, last_steps):
-    """The definition: ``ssm[l, dst[i]] = inter[l, src[i], step[i]]`` for step in [0, D)."""
-    D = intermediate_state_cache.shape[2]
+    """The definition (docs/semantics.md §3): for every i with ``last_steps[i] >= 0`` and every layer,
+    the raw ``[HV, V, K]`` block at flat scratch index ``src[i] * D + last_steps[i]`` copied into
+    slot ``dst[i]``. Both tensors are taken as their raw blocks (:func:`drift.sim.pool.raw_state`)."""
+    ssm, inter = raw_state(ssm_states), raw_state(intermediate_state_cache)
+    D = inter.shape[2]
     for d, s, st in zip(dst_indices.tolist(), src_indices.tolist(), last_steps.tolist()):
-        if 0 <= st < D:
-            for l in range(ssm_states.shape[0]):
-                ssm_states[l, d] = intermediate_state_cache[l, s, st]
+        if st >= 0:
+            flat = s * D + st
+            for l in range(ssm.shape[0]):
+                ssm[l, d] = inter[l, flat // D, flat % D]
     return ssm_states
 
 

@@ -1,8 +1,9 @@
-"""Native CPU kernel for the hot loop of :func:`drift.kernels.gdn_verify` (optional, built on demand).
+"""Native CPU kernel for the hot loop of :func:`drift.sim.kernels.recurrent_gated_delta_rule`
+(optional, built on demand).
 
-On the CPU the torch-op GDN verify makes five passes over every float32 state per verify
-token (decay, ``k^T h``, rank-1 update, ``q^T h``, store), each a separate tensor op. The C
-kernel in ``_native/gdn_verify.c`` makes two, with each head's state kept in a float32
+On the CPU the torch-op verify makes five passes over every float32 state per verify token
+(decay, ``h k``, rank-1 update, ``h q``, store), each a separate tensor op. The C kernel in
+``_native/gdn_verify.c`` makes one per state row, with each head's state kept in a float32
 scratch buffer across the D tokens, and is what lets ``drift run`` afford more decode steps.
 It computes the same thing: float32 arithmetic (summation order may differ, so results agree
 to float32 rounding, not bit for bit), round-to-nearest-even stores that give the same bits
@@ -34,7 +35,7 @@ from typing import Optional
 import torch
 
 SOURCE = Path(__file__).resolve().parent / "_native" / "gdn_verify.c"
-ABI = 1  # drift_native_abi() of the source this module drives
+ABI = 2  # drift_native_abi() of the source this module drives
 FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=c99"]
 OPENMP = "-fopenmp"  # tried first; without it the kernel runs on one thread
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
@@ -140,10 +141,10 @@ def _load() -> Optional[ctypes.CDLL]:
         else:
             _status = f"unavailable: build or load failed: {'; '.join(errors)}: torch-op path"
             return None
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        lib.drift_gdn_verify.argtypes = ([i64, ctypes.c_int] + [i64] * 5 + [ptr, ctypes.c_int, ptr, i64, i64, i64,
-                                         ptr, ctypes.c_int] + [i64] * 4 + [ptr] * 7)
-        lib.drift_gdn_verify.restype = None
+        i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        lib.drift_rgdr.argtypes = ([i64] * 6 + [c_int] + [ptr, c_int, i64, i64, ptr, c_int, i64, i64]
+                                   + [ptr] * 3 + [ptr] * 7)
+        lib.drift_rgdr.restype = None
         if not lib.drift_native_openmp():
             threads = "one thread (built without OpenMP)"
         elif len(_openmp_runtimes() - before) == 0:
@@ -164,56 +165,58 @@ def available() -> bool:
     return _load() is not None
 
 
-def supports(state_kv: torch.Tensor, inter_kv: torch.Tensor, rounding: str,
-             compute_dtype: torch.dtype) -> bool:
-    """Whether :func:`gdn_verify` handles this call: plain CPU tensors, float32 compute,
-    float32/bfloat16 states and scratch with dense ``[K, V]`` blocks, round-to-nearest-even
-    stores (or none: a float32 scratch stores exactly)."""
-    if not (type(state_kv) is torch.Tensor and type(inter_kv) is torch.Tensor
-            and state_kv.device.type == "cpu" and inter_kv.device.type == "cpu"):
+def supports(rec: torch.Tensor, blocks: torch.Tensor, rounding: str) -> bool:
+    """Whether :func:`recurrent_gated_delta_rule` handles this call: plain dense CPU tensors of
+    float32 / bfloat16 states (committed ``[L, S, HV, V, K]``, scratch blocks ``[L, I, HV, V, K]``),
+    round-to-nearest-even stores (or none: a float32 scratch stores exactly)."""
+    for t in (rec, blocks):
+        if not (type(t) is torch.Tensor and t.device.type == "cpu" and t.dtype in _DTYPE_CODE and t.is_contiguous()):
+            return False
+    if rounding != "rne" and blocks.dtype != torch.float32:
         return False
-    if compute_dtype != torch.float32 or state_kv.dtype not in _DTYPE_CODE or inter_kv.dtype not in _DTYPE_CODE:
-        return False
-    if rounding != "rne" and inter_kv.dtype != torch.float32:
-        return False
-    K, V = state_kv.shape[-2:]
-    dense = lambda t: t.stride(-1) == 1 and t.stride(-2) == V  # noqa: E731
-    return dense(state_kv) and dense(inter_kv) and available()
+    return available()
 
 
-def gdn_verify(state_kv: torch.Tensor, slots: list[int], q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor, inter_kv: torch.Tensor,
-               out: torch.Tensor) -> None:
+def recurrent_gated_delta_rule(rec: torch.Tensor, blocks: torch.Tensor, start: list[int], from_rec: list[bool],
+                               dst: list[list[int]], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               decay: torch.Tensor, beta: torch.Tensor, out: torch.Tensor) -> None:
     """Run the C kernel (check :func:`supports` first).
 
-    state_kv ``[L, S, HV, K, V]``, inter_kv ``[L, N, D, HV, K, V]`` (float32 or bfloat16, dense
-    ``[K, V]`` blocks, any outer strides); slots: N host ints; q, k ``[L, N, D, HV, K]``, v and
-    out ``[L, N, D, HV, V]``, decay (= exp(g)) and beta ``[L, N, D, HV]``: dense float32.
+    rec ``[L, S, HV, V, K]`` committed states and blocks ``[L, I, HV, V, K]`` scratch blocks by flat
+    index (float32 or bfloat16, dense); start / from_rec: B host values, where each row starts
+    (a slot of rec, or a block of the scratch); dst: B lists of S scratch blocks receiving the
+    state after each token; q, k ``[L, B, S, HV, K]``, v and out ``[L, B, S, HV, V]``, decay
+    (= exp(g)) and beta (= sigmoid(b)) ``[L, B, S, HV]``: dense float32.
     """
     lib = _load()
     if lib is None:
-        raise RuntimeError(f"the native GDN verify kernel is {status()}")
-    L, N, D, HV, K = q.shape
+        raise RuntimeError(f"the native verify kernel is {status()}")
+    L, B, S, HV, K = q.shape
     V = v.shape[-1]
     for t in (q, k, v, decay, beta, out):
         if t.dtype != torch.float32 or not t.is_contiguous():
-            raise ValueError("native gdn_verify takes dense float32 q, k, v, decay, beta and out")
-    S = state_kv.shape[1]
+            raise ValueError("native recurrent_gated_delta_rule takes dense float32 q, k, v, decay, beta and out")
+    slots, n_blocks = rec.shape[1], blocks.shape[1]
     # The C kernel trusts these (it reads and writes through raw pointers): check them all.
-    if (tuple(state_kv.shape[2:]) != (HV, K, V) or tuple(inter_kv.shape) != (L, N, D, HV, K, V)
-            or k.shape != q.shape or v.shape != out.shape or tuple(v.shape) != (L, N, D, HV, V)
-            or decay.shape != beta.shape or tuple(decay.shape) != (L, N, D, HV)
-            or len(slots) != N or any(not 0 <= s < S for s in slots)):
-        raise ValueError(f"native gdn_verify: inconsistent shapes: state {tuple(state_kv.shape)}, scratch "
-                         f"{tuple(inter_kv.shape)}, q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
-                         f"out {tuple(out.shape)}, decay {tuple(decay.shape)}, beta {tuple(beta.shape)}, "
-                         f"{len(slots)} slots in [0, {S})")
-    slot_t = torch.tensor(slots, dtype=torch.int64)
-    B = L * N * HV
-    nthreads = max(1, min(torch.get_num_threads(), B))
-    work = torch.empty(nthreads, 2 * K * V + 2 * V, dtype=torch.float32)
-    ss, st = state_kv.stride(), inter_kv.stride()
-    lib.drift_gdn_verify(B, nthreads, N, D, HV, K, V, state_kv.data_ptr(), _DTYPE_CODE[state_kv.dtype],
-                         slot_t.data_ptr(), ss[0], ss[1], ss[2], inter_kv.data_ptr(), _DTYPE_CODE[inter_kv.dtype],
-                         st[0], st[1], st[2], st[3], q.data_ptr(), k.data_ptr(), v.data_ptr(), decay.data_ptr(),
-                         beta.data_ptr(), out.data_ptr(), work.data_ptr())
+    ok = (tuple(rec.shape[2:]) == (HV, V, K) and tuple(blocks.shape[2:]) == (HV, V, K) and rec.shape[0] == L
+          and blocks.shape[0] == L and k.shape == q.shape and v.shape == out.shape and tuple(v.shape) == (L, B, S, HV, V)
+          and decay.shape == beta.shape and tuple(decay.shape) == (L, B, S, HV)
+          and len(start) == len(from_rec) == len(dst) == B and all(len(d) == S for d in dst)
+          and all(0 <= i < (slots if fr else n_blocks) for i, fr in zip(start, from_rec))
+          and all(0 <= i < n_blocks for d in dst for i in d)
+          and rec.is_contiguous() and blocks.is_contiguous())
+    if not ok:
+        raise ValueError(f"native recurrent_gated_delta_rule: inconsistent arguments: states {tuple(rec.shape)}, "
+                         f"scratch {tuple(blocks.shape)}, q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}, out {tuple(out.shape)}, decay {tuple(decay.shape)}, "
+                         f"beta {tuple(beta.shape)}, start {start} (from committed {from_rec}), dst {dst}")
+    start_t = torch.tensor(start, dtype=torch.int64)
+    from_t = torch.tensor([bool(x) for x in from_rec], dtype=torch.uint8)
+    dst_t = torch.tensor(dst, dtype=torch.int64).reshape(B * S)
+    items = L * B * HV
+    nthreads = max(1, min(torch.get_num_threads(), items))
+    work = torch.empty(nthreads, 2 * K * V, dtype=torch.float32)
+    lib.drift_rgdr(L, B, S, HV, K, V, nthreads, rec.data_ptr(), _DTYPE_CODE[rec.dtype], rec.stride(0),
+                   rec.stride(1), blocks.data_ptr(), _DTYPE_CODE[blocks.dtype], blocks.stride(0), blocks.stride(1),
+                   start_t.data_ptr(), from_t.data_ptr(), dst_t.data_ptr(), q.data_ptr(), k.data_ptr(),
+                   v.data_ptr(), decay.data_ptr(), beta.data_ptr(), out.data_ptr(), work.data_ptr())

@@ -1,14 +1,18 @@
 """State pool and the backend harness the update under test receives as ``self``.
 
-Pool layout follows SGLang's MambaPool (docs/semantics.md §4):
+Pool layout follows SGLang 0.5.23's MambaPool (docs/semantics.md §4):
   temporal          ``[L, slots, HV, V, K]`` committed SSM states
   intermediate_ssm  ``[L, rows + 1, D, HV, V, K]`` verify scratch (row ``rows`` is spare)
   conv[0]           ``[L, slots, W, C]`` conv windows, NPU extended window
-With the ``npu`` layout, temporal and intermediate_ssm are transposed views of
-``[.., K, V]`` storage, as on Ascend with MTP, and the conv windows a transposed view of
-channel-major ``[L, slots, C, W]`` storage, so that code which silently works on a
-``.contiguous()`` copy or a ``reshape`` of them loses its writes (sgl-kernel-npu #748);
-with ``contiguous`` every tensor is dense.
+Layouts (``Config.layout``): ``contiguous`` (the deployment: every tensor dense);
+``transposed`` (temporal and intermediate_ssm transposed views of ``[.., K, V]`` storage, conv
+a transposed view of channel-major ``[.., C, W]`` storage: code that silently works on a
+``.contiguous()`` copy or a ``reshape`` loses its writes, sgl-kernel-npu #748); ``mixed``
+(temporal transposed, scratch and conv dense: a logical copy and a raw copy differ).
+
+A state's meaning is its raw memory in ``[HV, V, K]`` order, the verify op's ABI
+(docs/semantics.md §4-§5): :func:`raw_state` reinterprets a slot's block that way whatever the
+view's strides, and every kernel, check and report of drift reads states through it.
 Slot 0 is the dummy that padded rows point at; request and track slots are a
 seeded permutation of the rest, with spare slots nobody owns.
 """
@@ -43,21 +47,19 @@ class StatePool:
         self.device = device
         L, S, N, D = cfg.num_layers, cfg.num_slots, cfg.num_rows, cfg.num_draft_tokens
         HV, K, V = cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
-        sdt = cfg.torch_ssm_dtype
-        if cfg.layout == "npu":
-            storage = torch.zeros(L, S, HV, K, V, dtype=sdt, device=device)
-            inter = torch.zeros(L, N + 1, D, HV, K, V, dtype=sdt, device=device)
-            self.temporal = storage.transpose(-1, -2)
-            self.intermediate_ssm = inter.transpose(-1, -2)
+        sdt, cdt = cfg.torch_ssm_dtype, cfg.torch_conv_dtype
+        W, C = cfg.conv_window, cfg.conv_channels
+        kw = dict(device=device)
+        if cfg.layout in ("transposed", "mixed"):
+            self.temporal = torch.zeros(L, S, HV, K, V, dtype=sdt, **kw).transpose(-1, -2)
         else:
-            self.temporal = torch.zeros(L, S, HV, V, K, dtype=sdt, device=device)
-            self.intermediate_ssm = torch.zeros(L, N + 1, D, HV, V, K, dtype=sdt, device=device)
-        conv_shape = (L, S, cfg.conv_window, cfg.conv_channels)
-        if cfg.layout == "npu":
-            self.conv = torch.zeros(L, S, cfg.conv_channels, cfg.conv_window, dtype=cfg.torch_conv_dtype,
-                                    device=device).transpose(-1, -2)
+            self.temporal = torch.zeros(L, S, HV, V, K, dtype=sdt, **kw)
+        if cfg.layout == "transposed":
+            self.intermediate_ssm = torch.zeros(L, N + 1, D, HV, K, V, dtype=sdt, **kw).transpose(-1, -2)
+            self.conv = torch.zeros(L, S, C, W, dtype=cdt, **kw).transpose(-1, -2)
         else:
-            self.conv = torch.zeros(conv_shape, dtype=cfg.torch_conv_dtype, device=device)
+            self.intermediate_ssm = torch.zeros(L, N + 1, D, HV, V, K, dtype=sdt, **kw)
+            self.conv = torch.zeros(L, S, W, C, dtype=cdt, **kw)
         rng = np.random.default_rng([cfg.seed, 0x5107])
         perm = 1 + rng.permutation(S - 1)
         R = cfg.num_requests
@@ -81,16 +83,16 @@ class StatePool:
             self.temporal[:, s] = 3.0 + s
             self.conv[:, s] = -3.0 - s
 
-    # -------------------------------------------------------------- kernel views
+    # -------------------------------------------------------------- raw views
     @property
-    def ssm_kv(self) -> torch.Tensor:
-        """Committed states as ``[L, S, HV, K, V]`` (the kernel's orientation)."""
-        return self.temporal.transpose(-1, -2)
+    def states(self) -> torch.Tensor:
+        """Committed states by their meaning: ``[L, S, HV, V, K]`` raw blocks (docs/semantics.md §4)."""
+        return raw_state(self.temporal)
 
     @property
-    def inter_kv(self) -> torch.Tensor:
-        """Verify scratch as ``[L, rows + 1, D, HV, K, V]``."""
-        return self.intermediate_ssm.transpose(-1, -2)
+    def scratch(self) -> torch.Tensor:
+        """Verify scratch by its meaning: ``[L, rows + 1, D, HV, V, K]`` raw blocks."""
+        return raw_state(self.intermediate_ssm)
 
     def params(self) -> SpeculativeParams:
         return SpeculativeParams(conv=[self.conv], temporal=self.temporal,
@@ -109,7 +111,25 @@ class StatePool:
 
     def bits(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Integer views of (temporal, conv) for bit-exact comparisons (NaN-safe)."""
-        return as_bits(self.temporal), as_bits(self.conv)
+        return as_bits(self.states), as_bits(self.conv)
+
+
+def raw_state(t: torch.Tensor) -> torch.Tensor:
+    """``t [..., V, K]`` read as its memory holds it: each trailing ``[V, K]`` block reinterpreted
+    as dense row-major ``[V, K]``, outer strides kept (a view, never a copy).
+
+    The verify op and sgl-kernel-npu's raw copy see a state this way (docs/semantics.md §3-§4).
+    For a dense block this is ``t`` itself; for a transposed view of ``[K, V]`` storage it is
+    that storage read as ``[V, K]``. Raises ValueError when a block is not dense in either order.
+    """
+    V, K = t.shape[-2:]
+    sv, sk = t.stride()[-2:]
+    if (sv, sk) == (K, 1) or t.numel() == 0:
+        return t
+    if (sv, sk) != (1, V):
+        raise ValueError(f"a state block of shape [{V}, {K}] with strides ({sv}, {sk}) is not dense; "
+                         "drift's pool layouts keep every [V, K] block dense")
+    return torch.as_strided(t, t.shape, (*t.stride()[:-2], K, 1), t.storage_offset())
 
 
 def as_bits(t: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,12 @@
 """The float64 twin: the true trajectory of the stream, advanced alongside a run.
 
 It shares no state-handling code with the run under test: it keeps each request's
-state and conv window (the last Kc-1 true inputs) itself, computes conv, gating
-and the recurrence in float64, and advances each request by exactly its accepted
-tokens. Drafts after a rejection are never seen: its trajectory depends on the
-true tokens alone.
+state and conv window (the last Kc-1 true inputs) itself and advances each request by
+exactly its accepted tokens. Drafts after a rejection are never seen: its trajectory
+depends on the true tokens alone. Its inputs are the op's quantised inputs computed from
+the true window (the same input stages as the run: bf16 ``mix_qkv``, fp32 ``g``, the bf16
+beta logit; docs/semantics.md §10); everything after them (L2 norm, sigmoid, exp, the
+recurrence) is float64. States are ``[.., V, K]`` like the op's.
 """
 
 from __future__ import annotations
@@ -20,22 +22,23 @@ F64 = torch.float64
 PREFILL_CHUNK = 8  # prompt tokens per prefill recurrence call
 
 
-def _qkv_gating(cfg: Config, params: StreamParams, window: torch.Tensor, x: torch.Tensor,
-                a: torch.Tensor, b: torch.Tensor):
-    qkv = kernels.conv_silu(window, x, params.conv_weight, F64)
-    q, k, v = kernels.split_qkv(qkv, cfg.num_k_heads, cfg.head_k_dim, cfg.num_v_heads, cfg.head_v_dim)
-    g, beta = kernels.gdn_gating(a, b, params.A_log, params.dt_bias, F64)
-    return q, k, v, g, beta
+def _inputs(cfg: Config, params: StreamParams, window: torch.Tensor, x: torch.Tensor,
+            a: torch.Tensor, b: torch.Tensor):
+    """q, k, v, decay, beta in float64 from the op's quantised inputs of true tokens x, a, b."""
+    mix = kernels.conv_mix(window, x, params.conv_weight)
+    g = kernels.gdn_gating(a, params.A_log, params.dt_bias)
+    return kernels.op_inputs(mix, b.to(torch.bfloat16), g, cfg.num_k_heads, cfg.head_k_dim, cfg.num_v_heads,
+                             cfg.head_v_dim, cfg.head_k_dim ** -0.5, F64)
 
 
 def prefill(cfg: Config, tokens: TrueTokens, params: StreamParams, lengths: list[int],
             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact state and conv window of every request after its prompt (float64).
 
-    Returns states ``[L, R, HV, K, V]`` and windows ``[L, R, Kc-1, C]`` (the last Kc-1 inputs).
+    Returns states ``[L, R, HV, V, K]`` and windows ``[L, R, Kc-1, C]`` (the last Kc-1 inputs).
     """
     L, R, Kc = cfg.num_layers, cfg.num_requests, cfg.conv_kernel
-    state = torch.zeros(L, R, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim, dtype=F64, device=device)
+    state = torch.zeros(L, R, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim, dtype=F64, device=device)
     window = torch.zeros(L, R, Kc - 1, cfg.conv_channels, dtype=F64, device=device)
     rows = torch.arange(R, device=device)
     prm = params.to(device)
@@ -50,8 +53,8 @@ def prefill(cfg: Config, tokens: TrueTokens, params: StreamParams, lengths: list
         a = torch.from_numpy(np.stack(as_, 1)).to(device=device, dtype=F64).permute(2, 1, 0, 3)
         b = torch.from_numpy(np.stack(bs, 1)).to(device=device, dtype=F64).permute(2, 1, 0, 3)
         take = torch.tensor([max(0, min(n, ln - p0)) for ln in lengths], device=device)
-        q, k, v, g, beta = _qkv_gating(cfg, prm, window, x, a, b)
-        kernels.gdn_decode(state, rows, q, k, v, g, beta, take, compute_dtype=F64)
+        q, k, v, decay, beta = _inputs(cfg, prm, window, x, a, b)
+        kernels.gdn_decode(state, rows, q, k, v, decay, beta, take, compute_dtype=F64)
         window = _advance_window(window, x, take)
     return state, window
 
@@ -67,9 +70,10 @@ def _advance_window(window: torch.Tensor, x: torch.Tensor, take: torch.Tensor) -
 class Float64Twin:
     """Exact committed states, tracked states, conv windows and outputs of the active rows.
 
-    After :meth:`advance`: ``state [L, R, HV, K, V]`` and ``window [L, R, Kc-1, C]`` at each
+    After :meth:`advance`: ``state [L, R, HV, V, K]`` and ``window [L, R, Kc-1, C]`` at each
     row's new position; ``track_state`` / ``track_window`` at its track boundary (rows
-    tracked this step); ``out [L, R, D, HV, V]`` (first accept_len tokens meaningful).
+    tracked this step); ``out [L, R, D, HV, V]`` (first accept_len tokens meaningful);
+    ``decay``, ``beta`` ``[L, R, D, HV]`` and ``q_sq`` (``q^2``, ``[L, R, D, HV, K]``) of the step's tokens.
     """
 
     def __init__(self, cfg: Config, params: StreamParams, device: torch.device,
@@ -83,7 +87,7 @@ class Float64Twin:
         self.track_window = torch.zeros_like(self.window)
         self.mark_state = torch.zeros_like(self.state)  # state at a marked position (golden checkpoints)
         self.mark_window = torch.zeros_like(self.window)
-        self.out = self.g = self.beta = None
+        self.out = self.decay = self.beta = self.q_sq = None
         self.norm2 = torch.zeros(cfg.num_layers, cfg.num_requests, cfg.num_draft_tokens, cfg.num_v_heads,
                                  dtype=F64, device=device)  # ||h||^2 after each token of the step
         self._rows = torch.arange(cfg.num_requests, device=device)
@@ -95,10 +99,11 @@ class Float64Twin:
         (optional, same form) selects a second draft step to capture into mark_state/window."""
         dev = self.device
         x, a, b = (t.to(device=dev, dtype=F64) for t in (x, a, b))
-        q, k, v, self.g, self.beta = _qkv_gating(self.cfg, self.params, self.window, x, a, b)
+        q, k, v, self.decay, self.beta = _inputs(self.cfg, self.params, self.window, x, a, b)
+        self.q_sq = q.square()  # [L, R, D, HV, K]
         take = torch.from_numpy(np.asarray(accept, np.int64)).to(dev)
         captures = [(track, self.track_state)] + ([(mark, self.mark_state)] if mark is not None else [])
-        self.out = kernels.gdn_decode(self.state, self._rows, q, k, v, self.g, self.beta, take,
+        self.out = kernels.gdn_decode(self.state, self._rows, q, k, v, self.decay, self.beta, take,
                                       compute_dtype=F64, captures=captures, norms_out=self.norm2)
         for steps, attr in ((track, "track_window"), (mark, "mark_window")):
             if steps is not None and (np.asarray(steps) >= 0).any():

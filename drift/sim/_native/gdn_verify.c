@@ -1,19 +1,21 @@
-/* drift native CPU kernel: GDN verify (NPU semantics) for float32 compute and
- * round-to-nearest-even stores. It computes what drift.kernels.gdn_verify's torch-op
- * path computes, per head with the state kept in a float32 scratch buffer across the
- * D verify tokens: two passes over the state per token instead of five tensor ops, then
- * one copy of the stored state (bf16: half its size) out to the scratch.
- * Built and loaded by drift/native.py; no torch or Python headers.
+/* drift native CPU kernel: the GDN verify op (SGLang's NPU op semantics, docs/semantics.md
+ * §5-§6) for float32 compute and round-to-nearest-even stores. It computes what
+ * drift.sim.kernels.recurrent_gated_delta_rule's torch-op path computes: per (layer, row, value
+ * head) the state is loaded once into a float32 scratch block and kept there across the row's
+ * tokens; per token each of its V rows takes one pass (decay, h.k, the rank-1 update, h.q) and
+ * the state after the token is staged in the scratch's dtype and streamed out.
+ * Built and loaded by drift/sim/native.py; no torch or Python headers.
  *
- * Heads are flattened b = (l * N + n) * HV + hv; drift_gdn_verify splits [0, B) over
- * OpenMP threads, each running gdn_heads on its range [b0, b1).
- * state : committed states, element (l, slot, hv, i, j) at
- *         l*ss_l + slot*ss_s + hv*ss_h + i*V + j (each head's [K, V] block dense);
- * inter : scratch, element (l, n, t, hv, i, j) at l*is_l + n*is_n + t*is_t + hv*is_h + i*V + j;
- * sdt / idt: element type of state / inter, 0 = float32, 1 = bfloat16;
- * q, k  : float32 dense [L, N, D, HV, K]; v, out: float32 dense [L, N, D, HV, V];
- * dec, beta: float32 dense [L, N, D, HV] (dec = exp(g), computed by the caller);
- * work  : float32 scratch of 2*K*V + 2*V elements per thread.
+ * Work items are w = (l * B + b) * HV + hv; drift_rgdr splits [0, L*B*HV) over OpenMP threads.
+ * States are [V][K] blocks (row v holds K contiguous elements), HV blocks per state block:
+ * rec   : committed states, element (l, slot, hv, v, k) at l*rl + slot*rs + (hv*V + v)*K + k;
+ * inter : scratch blocks by flat index i, element (l, i, hv, v, k) at l*il + i*is + (hv*V + v)*K + k;
+ * sdt / idt: element type of rec / inter, 0 = float32, 1 = bfloat16;
+ * start : int64 [B], the block a row starts from: a slot of rec when from_rec[b], else a flat
+ *         scratch index; dst: int64 [B, S], the scratch block receiving the state after token t;
+ * q, k  : float32 dense [L, B, S, HV, K]; v, out: float32 dense [L, B, S, HV, V];
+ * dec, beta: float32 dense [L, B, S, HV] (dec = exp(g), beta = sigmoid(b): computed by the caller);
+ * work  : float32 scratch of 2*K*V floats per thread.
  */
 #include <stdint.h>
 #include <string.h>
@@ -23,7 +25,6 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-
 
 static inline float bf16_load(uint16_t b) {
     uint32_t u = (uint32_t)b << 16;
@@ -57,69 +58,63 @@ static void stream_out(char *dst, const void *src, size_t nbytes) {
     memcpy(dst, src, nbytes);
 }
 
-int drift_native_abi(void) { return 1; }
+int drift_native_abi(void) { return 2; }
 
-static void gdn_heads(int64_t b0, int64_t b1, int64_t N, int64_t D, int64_t HV, int64_t K,
-                      int64_t V, const void *state, int sdt, const int64_t *slots, int64_t ss_l,
-                      int64_t ss_s, int64_t ss_h, void *inter, int idt, int64_t is_l, int64_t is_n,
-                      int64_t is_t, int64_t is_h, const float *q, const float *k, const float *v,
-                      const float *dec, const float *beta, float *out, float *work) {
+static void load_block(float *h, const void *base, int dt, int64_t off, int64_t n) {
+    if (dt == 1) {
+        const uint16_t *s = (const uint16_t *)base + off;
+        for (int64_t e = 0; e < n; ++e) h[e] = bf16_load(s[e]);
+    } else {
+        memcpy(h, (const float *)base + off, (size_t)n * sizeof(float));
+    }
+}
+
+static void rgdr_items(int64_t w0, int64_t w1, int64_t B, int64_t S, int64_t HV, int64_t K, int64_t V,
+                       const void *rec, int sdt, int64_t rl, int64_t rs, void *inter, int idt, int64_t il,
+                       int64_t is, const int64_t *start, const uint8_t *from_rec, const int64_t *dst,
+                       const float *q, const float *k, const float *v, const float *dec, const float *beta,
+                       float *out, float *work) {
     float *restrict h = work;
-    float *restrict acc = work + K * V;
-    float *restrict u = acc + V;
-    void *restrict stage = u + V; /* the state after a token, in the scratch's dtype */
+    void *restrict stage = work + K * V; /* the state after a token, in the scratch's dtype */
     const size_t esize = idt == 1 ? sizeof(uint16_t) : sizeof(float);
     const int64_t KV = K * V;
-    for (int64_t b = b0; b < b1; ++b) {
-        const int64_t hv = b % HV, n = (b / HV) % N, l = b / (HV * N);
-        const int64_t src = l * ss_l + slots[n] * ss_s + hv * ss_h;
-        if (sdt == 1) {
-            const uint16_t *restrict s = (const uint16_t *)state + src;
-            for (int64_t e = 0; e < KV; ++e) h[e] = bf16_load(s[e]);
-        } else {
-            memcpy(h, (const float *)state + src, (size_t)KV * sizeof(float));
-        }
-        for (int64_t t = 0; t < D; ++t) {
-            const int64_t tok = ((l * N + n) * D + t) * HV + hv;
+    for (int64_t w = w0; w < w1; ++w) {
+        const int64_t hv = w % HV, b = (w / HV) % B, l = w / (HV * B);
+        if (from_rec[b])
+            load_block(h, rec, sdt, l * rl + start[b] * rs + hv * KV, KV);
+        else
+            load_block(h, inter, idt, l * il + start[b] * is + hv * KV, KV);
+        for (int64_t t = 0; t < S; ++t) {
+            const int64_t tok = ((l * B + b) * S + t) * HV + hv;
             const float *restrict qt = q + tok * K, *restrict kt = k + tok * K;
             const float *restrict vt = v + tok * V;
             float *restrict ot = out + tok * V;
             const float d = dec[tok], bt = beta[tok];
-            /* Pass 1: decay, and k^T h of the decayed state. */
-            for (int64_t j = 0; j < V; ++j) acc[j] = 0.0f;
-            for (int64_t i = 0; i < K; ++i) {
-                float *restrict hi = h + i * V;
-                const float ki = kt[i];
-                for (int64_t j = 0; j < V; ++j) {
-                    const float x = hi[j] * d;
-                    hi[j] = x;
-                    acc[j] += ki * x;
+            for (int64_t r = 0; r < V; ++r) {
+                float *restrict hr = h + r * K;
+                float hk = 0.0f;
+                for (int64_t c = 0; c < K; ++c) {
+                    const float x = hr[c] * d;
+                    hr[c] = x;
+                    hk += x * kt[c];
                 }
-            }
-            for (int64_t j = 0; j < V; ++j) {
-                u[j] = (vt[j] - acc[j]) * bt;
-                acc[j] = 0.0f;
-            }
-            /* Pass 2: rank-1 update, q^T h, and the state after token t staged in the
-             * scratch's dtype. */
-            const int64_t dst = l * is_l + n * is_n + t * is_t + hv * is_h;
-            for (int64_t i = 0; i < K; ++i) {
-                float *restrict hi = h + i * V;
-                const float ki = kt[i], qi = qt[i];
-                uint16_t *restrict s16 = (uint16_t *)stage + i * V;
-                float *restrict s32 = (float *)stage + i * V;
-                for (int64_t j = 0; j < V; ++j) {
-                    const float x = hi[j] + ki * u[j];
-                    hi[j] = x;
-                    acc[j] += qi * x;
+                const float u = (vt[r] - hk) * bt;
+                float o = 0.0f;
+                uint16_t *restrict s16 = (uint16_t *)stage + r * K;
+                float *restrict s32 = (float *)stage + r * K;
+                for (int64_t c = 0; c < K; ++c) {
+                    const float x = hr[c] + u * kt[c];
+                    hr[c] = x;
+                    o += x * qt[c];
                     if (idt == 1)
-                        s16[j] = bf16_store(x);
+                        s16[c] = bf16_store(x);
                     else
-                        s32[j] = x;
+                        s32[c] = x;
                 }
+                ot[r] = o;
             }
-            for (int64_t j = 0; j < V; ++j) ot[j] = acc[j];
-            stream_out((char *)inter + dst * (int64_t)esize, stage, (size_t)KV * esize);
+            const int64_t to = l * il + dst[b * S + t] * is + hv * KV;
+            stream_out((char *)inter + to * (int64_t)esize, stage, (size_t)KV * esize);
         }
     }
 #if defined(__SSE2__)
@@ -127,28 +122,27 @@ static void gdn_heads(int64_t b0, int64_t b1, int64_t N, int64_t D, int64_t HV, 
 #endif
 }
 
-/* Heads [0, B) split statically over nthreads OpenMP threads (one when built without
- * OpenMP); work holds nthreads scratch blocks of 2*K*V + 2*V floats. */
-void drift_gdn_verify(int64_t B, int nthreads, int64_t N, int64_t D, int64_t HV, int64_t K,
-                      int64_t V, const void *state, int sdt, const int64_t *slots, int64_t ss_l,
-                      int64_t ss_s, int64_t ss_h, void *inter, int idt, int64_t is_l, int64_t is_n,
-                      int64_t is_t, int64_t is_h, const float *q, const float *k, const float *v,
-                      const float *dec, const float *beta, float *out, float *work) {
+/* Items [0, L*B*HV) split statically over nthreads OpenMP threads (one when built without
+ * OpenMP); work holds nthreads scratch blocks of 2*K*V floats. */
+void drift_rgdr(int64_t L, int64_t B, int64_t S, int64_t HV, int64_t K, int64_t V, int nthreads,
+                const void *rec, int sdt, int64_t rl, int64_t rs, void *inter, int idt, int64_t il, int64_t is,
+                const int64_t *start, const uint8_t *from_rec, const int64_t *dst, const float *q,
+                const float *k, const float *v, const float *dec, const float *beta, float *out, float *work) {
+    const int64_t items = L * B * HV;
 #ifdef _OPENMP
     if (nthreads > 1) {
 #pragma omp parallel num_threads(nthreads)
         {
             const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
-            gdn_heads(B * tid / nt, B * (tid + 1) / nt, N, D, HV, K, V, state, sdt, slots, ss_l, ss_s,
-                      ss_h, inter, idt, is_l, is_n, is_t, is_h, q, k, v, dec, beta, out,
-                      work + tid * (2 * K * V + 2 * V));
+            rgdr_items(items * tid / nt, items * (tid + 1) / nt, B, S, HV, K, V, rec, sdt, rl, rs, inter, idt,
+                       il, is, start, from_rec, dst, q, k, v, dec, beta, out, work + tid * (2 * K * V));
         }
         return;
     }
 #endif
     (void)nthreads;
-    gdn_heads(0, B, N, D, HV, K, V, state, sdt, slots, ss_l, ss_s, ss_h, inter, idt, is_l, is_n,
-              is_t, is_h, q, k, v, dec, beta, out, work);
+    rgdr_items(0, items, B, S, HV, K, V, rec, sdt, rl, rs, inter, idt, il, is, start, from_rec, dst, q, k, v,
+               dec, beta, out, work);
 }
 
 int drift_native_openmp(void) {

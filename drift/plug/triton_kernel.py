@@ -1,0 +1,87 @@
+"""SGLang's Triton MTP verify kernel (its CUDA path) as a drift verify kernel: ``--kernel sglang-triton``.
+
+SGLang 0.5.23 ``kernels/ops/attention/fla/fused_recurrent.py:
+fused_recurrent_gated_delta_rule_update`` (docs/semantics.md §9) takes q, k ``[B, T, HK, K]``,
+v ``[B, T, HV, V]``, g and beta ``[B, T, HV]`` (beta post-sigmoid), an initial-state source
+``[slots, HV, V, K]`` with per-row indices, and with ``intermediate_states_buffer`` it writes the
+state after every token to ``buffer[intermediate_state_indices[b] * cache_steps + t]``
+(``[.., HV, V, K]`` blocks, stored with Triton's cast to the buffer's dtype). The adapter calls
+it per layer with:
+
+* ``initial_state_source`` = each row's start block gathered into a contiguous ``[B, HV, V, K]``
+  tensor (the committed state ``temporal[slot]`` in SGLang's flow, the previous step's scratch
+  block in the accepted flow: :func:`drift.sim.kernels.start_blocks`) and
+  ``initial_state_indices = arange(B)`` (int32): the same start states as the committed states
+  with the slots as indices, read without a host sync so a captured step can replay it;
+* ``disable_state_update=True``; ``intermediate_states_buffer`` a contiguous ``[B, D, HV, V, K]``
+  buffer, ``intermediate_state_indices = arange(B)``, ``cache_steps = D``; the buffer is copied
+  into drift's scratch blocks afterwards, so no write is lost to a layout;
+* q and k L2-normalised by drift in fp32 with the op's formula, q times the scale, passed with
+  ``scale=1.0`` and ``use_qk_l2norm_in_kernel=False``; v, g in fp32; beta = sigmoid(b) in fp32.
+
+It needs an installed ``sglang`` whose package imports; drift does not stub sglang's packages.
+Triton runs it on a GPU; on a CPU only under ``TRITON_INTERPRET=1`` (slow: tests run a few steps).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+import torch
+
+from ..errors import LoadError
+from ..sim import kernels
+from ..sim.kernels import VerifyArgs, VerifyKernel
+from ..sim.pool import raw_state
+
+MODULE = "sglang.kernels.ops.attention.fla.fused_recurrent"
+FUNCTION = "fused_recurrent_gated_delta_rule_update"
+F32, I32 = torch.float32, torch.int32
+
+
+def sglang_triton_function() -> Callable:
+    """SGLang's ``fused_recurrent_gated_delta_rule_update``; LoadError saying what is missing."""
+    try:
+        module = importlib.import_module(MODULE)
+    except Exception as exc:
+        raise LoadError(f"--kernel sglang-triton needs an installed sglang (0.5.23 was modelled) with triton; "
+                        f"importing {MODULE} raised {exc!r}") from exc
+    fn = getattr(module, FUNCTION, None)
+    if fn is None:
+        raise LoadError(f"{MODULE} has no {FUNCTION}; this sglang is not the one drift models (0.5.23)")
+    return fn
+
+
+def triton_adapter(fn: Callable) -> VerifyKernel:
+    """A verify kernel calling SGLang's Triton kernel ``fn`` per layer (the mapping above)."""
+
+    def verify(args: VerifyArgs) -> torch.Tensor:
+        L, B, S, HV, V, K = args.dims
+        HK = args.nk
+        q, k, v, _, beta = args.inputs(F32)
+        # op_inputs repeats key heads over their value-head group; the kernel groups them itself.
+        group = HV // HK
+        q = q[..., ::group, :].contiguous()
+        k = k[..., ::group, :].contiguous()
+        g = args.g.to(F32)
+        rec, blocks = raw_state(args.recurrent_state), kernels.scratch_blocks(args.intermediate_state)
+        start, from_rec = kernels.start_blocks(args)
+        slots = args.cache_indices.to(torch.int64)
+        rows = torch.arange(B, dtype=I32, device=q.device)
+        dst = args.ssm_state_indices.to(torch.int64)
+        out = torch.empty(L, B, S, HV, V, dtype=torch.bfloat16, device=q.device)
+        for layer in range(L):
+            source = torch.where(from_rec[:, None, None, None], rec[layer].index_select(0, slots),
+                                 blocks[layer].index_select(0, start)).contiguous()
+            buf = torch.empty(B, S, HV, V, K, dtype=blocks.dtype, device=q.device)
+            o = fn(q[layer], k[layer], v[layer].contiguous(), g[layer].contiguous(), beta=beta[layer].contiguous(),
+                   scale=1.0, initial_state_source=source, initial_state_indices=rows,
+                   use_qk_l2norm_in_kernel=False, disable_state_update=True, intermediate_states_buffer=buf,
+                   intermediate_state_indices=rows, cache_steps=S)
+            blocks[layer].index_copy_(0, dst.reshape(-1), buf.view(B * S, HV, V, K))
+            out[layer] = o.reshape(B, S, HV, V).to(torch.bfloat16)
+        return out
+
+    verify.__name__ = verify.__qualname__ = f"sglang-triton ({MODULE}.{FUNCTION})"
+    return verify
