@@ -16,6 +16,7 @@ import torch
 
 from ..checkpoint import saveable
 from ..devices import supports_float64
+from ..sim import native
 from ..sim.pool import as_bits
 from ..sim.twin import F64, Float64Twin
 from ..simulate import StopRun
@@ -138,6 +139,8 @@ class Comparison:
         self.ulp2_initial = u2.sum((-1, -2)).cpu().numpy()
         self.ulp4_initial = u2.square().sum((-1, -2)).cpu().numpy()
         self._col_frac = self._columns(u2)
+        self._native_metrics = (dev.type == "cpu" and native.available() and pool.temporal.dtype in MANTISSA_BITS
+                                and pool.temporal.dtype != torch.float16)
         for c in self.consumers:
             c.start(self)
 
@@ -159,16 +162,8 @@ class Comparison:
         self._host.append((view.step, view.pre.copy(), view.accept.copy(), view.track.copy()))
         mark = self._marks(view)
         twin.advance(view.x[:, :R], view.a[:, :R], view.b[:, :R], view.accept, view.track, mark)
-        run = pool.states[:, pool.active_slots].to(dev, F64)  # [L, R, HV, V, K]
-        buf["err2"][i] = (run - twin.state).square().sum((-1, -2))
-        buf["ref2"][i] = twin.state.square().sum((-1, -2))
-        buf["run2"][i] = run.square().sum((-1, -2))
-        u2 = ulp_sq(run, pool.temporal.dtype)
-        buf["ulp2_run"][i] = u2.sum((-1, -2))
-        buf["ulp4_run"][i] = u2.square().sum((-1, -2))
-        col_frac, self._col_frac = self._col_frac, self._columns(u2)
-        buf["ulp2_bf16"][i] = ulp2_sum(twin.state, torch.bfloat16)
-        buf["finite"][i] = torch.isfinite(run).all(-1).all(-1)
+        run = pool.states[:, pool.active_slots]  # [L, R, HV, V, K] in the state dtype
+        col_frac, self._col_frac = self._col_frac, self._state_metrics(run, i)
         acc = torch.from_numpy(view.accept).to(dev)
         m = (torch.arange(cfg.num_draft_tokens, device=dev)[None, :] < acc[:, None])  # [R, D]
         self._bound_terms(i, m, col_frac)
@@ -186,6 +181,29 @@ class Comparison:
             self._tracked(view, i)
         if self.golden is not None:
             self._validate(view, i, m, mark)
+
+    def _state_metrics(self, run: torch.Tensor, i: int) -> torch.Tensor:
+        """The per-head state comparisons of step i into the chunk buffers (err2, ref2, run2, ulp2_run,
+        ulp4_run, ulp2_bf16, finite); returns the run's key-column shares of its rounding energy. One
+        pass of drift.sim.native's C kernel on plain CPU tensors; torch ops elsewhere (same sums)."""
+        buf, twin = self._buf, self.twin
+        dtype = self.sim.pool.temporal.dtype
+        if self._native_metrics and type(run) is torch.Tensor and run.device.type == "cpu":
+            m, col = native.state_metrics(run.contiguous(), twin.state, MANTISSA_BITS[dtype])
+            for j, name in enumerate(("err2", "ref2", "run2", "ulp2_run", "ulp4_run", "ulp2_bf16")):
+                buf[name][i] = m[..., j]
+            buf["finite"][i] = m[..., 6] > 0
+            return col / col.sum(-1, keepdim=True).clamp(min=1e-300)
+        run = run.to(self.ref_device, F64)
+        buf["err2"][i] = (run - twin.state).square().sum((-1, -2))
+        buf["ref2"][i] = twin.state.square().sum((-1, -2))
+        buf["run2"][i] = run.square().sum((-1, -2))
+        u2 = ulp_sq(run, dtype)
+        buf["ulp2_run"][i] = u2.sum((-1, -2))
+        buf["ulp4_run"][i] = u2.square().sum((-1, -2))
+        buf["ulp2_bf16"][i] = ulp2_sum(twin.state, torch.bfloat16)
+        buf["finite"][i] = torch.isfinite(run).all(-1).all(-1)
+        return self._columns(u2)
 
     @staticmethod
     def _columns(u2: torch.Tensor) -> torch.Tensor:

@@ -461,6 +461,8 @@ def gdn_decode(state: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: tor
     L, N, D, HV, K = q.shape
     V = v.shape[-1]
     cd = compute_dtype
+    if _native_decode(state, slots, cd, norms_out, captures):
+        return _decode_f64_native(state, q, k, v, decay, beta, num_tokens, captures, norms_out)
     slots = slots.to(torch.int64)
     sdt = state.dtype
     active = torch.arange(D, device=q.device)[None, :] < num_tokens.to(q.device)[:, None]  # [N, D]
@@ -496,6 +498,30 @@ def gdn_decode(state: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: tor
                 hvw = h.view(l1 - l0, N, HV, V, K)
                 cap_out[l0:l1] = torch.where(mask, hvw.to(cap_out.dtype), cap_out[l0:l1])
         state[l0:l1].index_copy_(1, slots, h.view(l1 - l0, N, HV, V, K).to(sdt))
+    return out
+
+
+def _native_decode(state: torch.Tensor, slots: torch.Tensor, compute_dtype, norms_out, captures) -> bool:
+    """Whether :func:`gdn_decode` runs :func:`drift.sim.native.decode_f64`: the float64 truth's own
+    dense states, every row its own slot, on plain CPU tensors, when the C kernel builds."""
+    if not (USE_NATIVE and compute_dtype == F64 and state.dtype == F64 and _host_indexed(state, slots)
+            and state.is_contiguous() and native.available()):
+        return False
+    if slots.shape[0] != state.shape[1] or slots.tolist() != list(range(state.shape[1])):
+        return False
+    if norms_out is not None and not (type(norms_out) is torch.Tensor and norms_out.dtype == F64
+                                      and norms_out.is_contiguous()):
+        return False
+    return all(type(c) is torch.Tensor and c.dtype == F64 and c.is_contiguous() for _, c in captures)
+
+
+def _decode_f64_native(state, q, k, v, decay, beta, num_tokens, captures, norms_out) -> torch.Tensor:
+    L, N, D, HV, K = q.shape
+    out = torch.empty(L, N, D, HV, v.shape[-1], dtype=F64)
+    norms = norms_out if norms_out is not None else torch.empty(L, N, D, HV, dtype=F64)
+    dense = (t.to(F64).contiguous() for t in (q, k, v, decay, beta))
+    native.decode_f64(state, [int(n) for n in num_tokens.tolist()], *dense, out, norms,
+                      [([int(x) for x in steps], cap) for steps, cap in captures])
     return out
 
 

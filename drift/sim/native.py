@@ -35,8 +35,8 @@ from typing import Optional
 import torch
 
 SOURCE = Path(__file__).resolve().parent / "_native" / "gdn_verify.c"
-ABI = 2  # drift_native_abi() of the source this module drives
-FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=c99"]
+ABI = 3  # drift_native_abi() of the source this module drives
+FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=c99", "-lm"]
 OPENMP = "-fopenmp"  # tried first; without it the kernel runs on one thread
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -145,6 +145,10 @@ def _load() -> Optional[ctypes.CDLL]:
         lib.drift_rgdr.argtypes = ([i64] * 6 + [c_int] + [ptr, c_int, i64, i64, ptr, c_int, i64, i64]
                                    + [ptr] * 3 + [ptr] * 7)
         lib.drift_rgdr.restype = None
+        lib.drift_decode_f64.argtypes = [i64] * 6 + [c_int] + [ptr] * 9 + [i64, ptr, ptr]
+        lib.drift_decode_f64.restype = None
+        lib.drift_state_metrics.argtypes = [i64, i64, i64, c_int, ptr, c_int, c_int, ptr, ptr, ptr]
+        lib.drift_state_metrics.restype = None
         if not lib.drift_native_openmp():
             threads = "one thread (built without OpenMP)"
         elif len(_openmp_runtimes() - before) == 0:
@@ -220,3 +224,69 @@ def recurrent_gated_delta_rule(rec: torch.Tensor, blocks: torch.Tensor, start: l
                    rec.stride(1), blocks.data_ptr(), _DTYPE_CODE[blocks.dtype], blocks.stride(0), blocks.stride(1),
                    start_t.data_ptr(), from_t.data_ptr(), dst_t.data_ptr(), q.data_ptr(), k.data_ptr(),
                    v.data_ptr(), decay.data_ptr(), beta.data_ptr(), out.data_ptr(), work.data_ptr())
+
+
+def _dense(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
+    if type(t) is not torch.Tensor or t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous():
+        raise ValueError(f"native: {name} must be a dense CPU {dtype} tensor, got {t.dtype} "
+                         f"{'dense' if t.is_contiguous() else 'strided'} on {t.device}")
+
+
+def decode_f64(state: torch.Tensor, num_tokens: list[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               decay: torch.Tensor, beta: torch.Tensor, out: torch.Tensor, norms: torch.Tensor,
+               captures: list[tuple[list[int], torch.Tensor]] = ()) -> None:
+    """The float64 truth's sequential decode in C (check :func:`available` first): state
+    ``[L, R, HV, V, K]`` updated in place, all dense float64; num_tokens: R host ints (tokens past
+    them are identities); q, k ``[L, R, D, HV, K]``, v and out ``[L, R, D, HV, V]``, decay, beta,
+    norms ``[L, R, D, HV]``; captures: (R host steps, -1 = none; out ``[L, R, HV, V, K]``)."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the native kernels are {status()}")
+    L, R, D, HV, K = q.shape
+    V = v.shape[-1]
+    f64 = torch.float64
+    for name, t in (("state", state), ("q", q), ("k", k), ("v", v), ("decay", decay), ("beta", beta),
+                    ("out", out), ("norms", norms)):
+        _dense(t, f64, name)
+    for steps, cap in captures:
+        _dense(cap, f64, "capture")
+        if tuple(cap.shape) != (L, R, HV, V, K) or len(steps) != R:
+            raise ValueError(f"native decode_f64: capture {tuple(cap.shape)} / {len(steps)} steps do not fit")
+    if (tuple(state.shape) != (L, R, HV, V, K) or k.shape != q.shape or tuple(v.shape) != (L, R, D, HV, V)
+            or v.shape != out.shape or tuple(decay.shape) != (L, R, D, HV) or beta.shape != decay.shape
+            or norms.shape != decay.shape or len(num_tokens) != R):
+        raise ValueError(f"native decode_f64: inconsistent shapes: state {tuple(state.shape)}, q {tuple(q.shape)}, "
+                         f"v {tuple(v.shape)}, decay {tuple(decay.shape)}, {len(num_tokens)} token counts")
+    ntok = torch.tensor(num_tokens, dtype=torch.int64)
+    cap_steps = torch.tensor([list(s) for s, _ in captures] or [[-1] * R], dtype=torch.int64)
+    cap_ptrs = (ctypes.c_void_p * max(1, len(captures)))(*[c.data_ptr() for _, c in captures])
+    items = L * R * HV
+    nthreads = max(1, min(torch.get_num_threads(), items))
+    lib.drift_decode_f64(L, R, D, HV, K, V, nthreads, state.data_ptr(), ntok.data_ptr(), q.data_ptr(), k.data_ptr(),
+                         v.data_ptr(), decay.data_ptr(), beta.data_ptr(), out.data_ptr(), norms.data_ptr(),
+                         len(captures), cap_steps.data_ptr(), cap_ptrs)
+
+
+def state_metrics(run: torch.Tensor, truth: torch.Tensor, mantissa_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per state block of ``run`` (dense bfloat16 or float32 ``[..., V, K]``) against ``truth`` (dense
+    float64, same shape): ``m [..., 7]`` = err2, ref2, run2, ulp2_run, ulp4_run, ulp2_bf16(truth),
+    finite, and ``col [..., K]`` (the run's ulp^2 per key column); ulps on the grid with
+    ``mantissa_bits`` significant bits for the run, bf16's for the truth. Float64 sums."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the native kernels are {status()}")
+    if run.dtype not in _DTYPE_CODE:
+        raise ValueError(f"native state_metrics: run dtype {run.dtype} is not float32 or bfloat16")
+    _dense(run, run.dtype, "run")
+    _dense(truth, torch.float64, "truth")
+    if run.shape != truth.shape:
+        raise ValueError(f"native state_metrics: shapes {tuple(run.shape)} and {tuple(truth.shape)} differ")
+    V, K = run.shape[-2:]
+    lead = run.shape[:-2]
+    items = run.numel() // (V * K) if run.numel() else 0
+    m = torch.empty(*lead, 7, dtype=torch.float64)
+    col = torch.empty(*lead, K, dtype=torch.float64)
+    nthreads = max(1, min(torch.get_num_threads(), max(items, 1)))
+    lib.drift_state_metrics(items, K, V, nthreads, run.data_ptr(), _DTYPE_CODE[run.dtype], mantissa_bits,
+                            truth.data_ptr(), m.data_ptr(), col.data_ptr())
+    return m, col

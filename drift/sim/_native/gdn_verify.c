@@ -18,6 +18,7 @@
  * work  : float32 scratch of 2*K*V floats per thread.
  */
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -58,7 +59,7 @@ static void stream_out(char *dst, const void *src, size_t nbytes) {
     memcpy(dst, src, nbytes);
 }
 
-int drift_native_abi(void) { return 2; }
+int drift_native_abi(void) { return 3; }
 
 static void load_block(float *h, const void *base, int dt, int64_t off, int64_t n) {
     if (dt == 1) {
@@ -143,6 +144,138 @@ void drift_rgdr(int64_t L, int64_t B, int64_t S, int64_t HV, int64_t K, int64_t 
     (void)nthreads;
     rgdr_items(0, items, B, S, HV, K, V, rec, sdt, rl, rs, inter, idt, il, is, start, from_rec, dst, q, k, v,
                dec, beta, out, work);
+}
+
+/* The float64 truth's sequential decode (drift.sim.kernels.gdn_decode with float64 state and
+ * compute): per item w = (l * R + r) * HV + hv the [V][K] block of state (dense [L, R, HV, V, K],
+ * updated in place) runs all D tokens, those past ntok[r] as identities (decay 1, beta 0), as the
+ * torch path does. q, k [L, R, D, HV, K]; v, out [L, R, D, HV, V]; dec, beta, norms [L, R, D, HV]:
+ * dense float64; norms[tok] = ||S||_F^2 after token t. ncap captures: cap_steps[c * R + r] is the
+ * token after which row r's state is copied into cap_out[c] (dense [L, R, HV, V, K]; -1: none). */
+static void decode_items(int64_t w0, int64_t w1, int64_t R, int64_t D, int64_t HV, int64_t K, int64_t V,
+                         double *state, const int64_t *ntok, const double *q, const double *k, const double *v,
+                         const double *dec, const double *beta, double *out, double *norms, int64_t ncap,
+                         const int64_t *cap_steps, double *const *cap_out) {
+    const int64_t KV = K * V;
+    for (int64_t w = w0; w < w1; ++w) {
+        const int64_t hv = w % HV, r = (w / HV) % R, l = w / (HV * R);
+        double *restrict S = state + w * KV;
+        for (int64_t t = 0; t < D; ++t) {
+            const int64_t tok = ((l * R + r) * D + t) * HV + hv;
+            const double *restrict qt = q + tok * K, *restrict kt = k + tok * K;
+            const double *restrict vt = v + tok * V;
+            const int active = t < ntok[r];
+            const double d = active ? dec[tok] : 1.0, bt = active ? beta[tok] : 0.0;
+            double n2 = 0.0;
+            for (int64_t row = 0; row < V; ++row) {
+                double *restrict Sr = S + row * K;
+                double sk = 0.0;
+                for (int64_t c = 0; c < K; ++c) {
+                    const double x = Sr[c] * d;
+                    Sr[c] = x;
+                    sk += x * kt[c];
+                }
+                const double u = (vt[row] - sk) * bt;
+                double o = 0.0;
+                for (int64_t c = 0; c < K; ++c) {
+                    const double x = Sr[c] + u * kt[c];
+                    Sr[c] = x;
+                    o += x * qt[c];
+                    n2 += x * x;
+                }
+                out[tok * V + row] = o;
+            }
+            norms[tok] = n2;
+            for (int64_t c = 0; c < ncap; ++c)
+                if (cap_steps[c * R + r] == t) memcpy(cap_out[c] + w * KV, S, (size_t)KV * sizeof(double));
+        }
+    }
+}
+
+void drift_decode_f64(int64_t L, int64_t R, int64_t D, int64_t HV, int64_t K, int64_t V, int nthreads, double *state,
+                      const int64_t *ntok, const double *q, const double *k, const double *v, const double *dec,
+                      const double *beta, double *out, double *norms, int64_t ncap, const int64_t *cap_steps,
+                      double *const *cap_out) {
+    const int64_t items = L * R * HV;
+#ifdef _OPENMP
+    if (nthreads > 1) {
+#pragma omp parallel num_threads(nthreads)
+        {
+            const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
+            decode_items(items * tid / nt, items * (tid + 1) / nt, R, D, HV, K, V, state, ntok, q, k, v, dec, beta,
+                         out, norms, ncap, cap_steps, cap_out);
+        }
+        return;
+    }
+#endif
+    (void)nthreads;
+    decode_items(0, items, R, D, HV, K, V, state, ntok, q, k, v, dec, beta, out, norms, ncap, cap_steps, cap_out);
+}
+
+/* ulp(x)^2 of the grid with p significant bits: x = m 2^e, m in [0.5, 1), ulp = 2^(e - p), built
+ * from x's exponent bits (frexp's e = biased exponent - 1022 for normal x); 0 at 0, for subnormal
+ * x (a negligible ulp) and for Inf / NaN (the finite flag reports those). */
+static inline double ulp2(double x, int p) {
+    uint64_t u;
+    memcpy(&u, &x, sizeof u);
+    const int64_t biased = (int64_t)((u >> 52) & 0x7FF);
+    if (biased == 0 || biased == 0x7FF) return 0.0;
+    const int64_t f = 2 * (biased - 1022 - p) + 1023; /* biased exponent of 2^(2 (e - p)) */
+    if (f <= 0) return 0.0;
+    const uint64_t r = (uint64_t)f << 52;
+    double out;
+    memcpy(&out, &r, sizeof out);
+    return out;
+}
+
+/* Per item w = (l * R + r) * HV + hv, the comparison of a run's committed state ([V][K] blocks of
+ * run: element type rdt (0 float32, 1 bfloat16), dense [L, R, HV, V, K]) with the truth's (truth:
+ * dense float64 [L, R, HV, V, K]): m[w * 7 + j] for j = err2, ref2, run2, ulp2_run, ulp4_run (ulp on
+ * the run dtype's grid, rp significant bits), ulp2_bf16 of the truth, finite (1 or 0); col[w * K + c]
+ * the run's ulp^2 summed over the V rows of key column c. */
+static void metric_items(int64_t w0, int64_t w1, int64_t K, int64_t V, const void *run, int rdt, int rp,
+                         const double *truth, double *m, double *col) {
+    const int64_t KV = K * V;
+    for (int64_t w = w0; w < w1; ++w) {
+        double err2 = 0, ref2 = 0, run2 = 0, u2 = 0, u4 = 0, ub = 0;
+        int finite = 1;
+        double *restrict cw = col + w * K;
+        for (int64_t c = 0; c < K; ++c) cw[c] = 0.0;
+        const double *restrict tb = truth + w * KV;
+        for (int64_t e = 0; e < KV; ++e) {
+            const double x = rdt == 1 ? (double)bf16_load(((const uint16_t *)run)[w * KV + e])
+                                      : (double)((const float *)run)[w * KV + e];
+            const double y = tb[e];
+            if (!isfinite(x)) finite = 0;
+            const double d = x - y;
+            err2 += d * d;
+            ref2 += y * y;
+            run2 += x * x;
+            const double q = ulp2(x, rp);
+            u2 += q;
+            u4 += q * q;
+            cw[e % K] += q;
+            ub += ulp2(y, 8);
+        }
+        double *restrict mw = m + w * 7;
+        mw[0] = err2; mw[1] = ref2; mw[2] = run2; mw[3] = u2; mw[4] = u4; mw[5] = ub; mw[6] = finite;
+    }
+}
+
+void drift_state_metrics(int64_t items, int64_t K, int64_t V, int nthreads, const void *run, int rdt, int rp,
+                         const double *truth, double *m, double *col) {
+#ifdef _OPENMP
+    if (nthreads > 1) {
+#pragma omp parallel num_threads(nthreads)
+        {
+            const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
+            metric_items(items * tid / nt, items * (tid + 1) / nt, K, V, run, rdt, rp, truth, m, col);
+        }
+        return;
+    }
+#endif
+    (void)nthreads;
+    metric_items(0, items, K, V, run, rdt, rp, truth, m, col);
 }
 
 int drift_native_openmp(void) {
