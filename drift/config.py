@@ -14,8 +14,10 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from .errors import ConfigError
@@ -55,6 +57,12 @@ DEFAULT_PROFILE = "ascend"
 # drift.stream keys its generators with the seed masked to 32 bits: a larger seed would
 # silently replay the stream of seed % 2^32 under a different stream_hash.
 SEED_MAX = 2**32 - 1
+# Request r's prompt is prefill_len + PREFILL_STAGGER * r tokens long, so rows cross track
+# boundaries apart (drift.sim.stream.prefill_lengths).
+PREFILL_STAGGER = 3
+# The fields a trace fixes (its model's head shapes); num_layers may be cut to the trace's first
+# N layers and num_requests to its first R sequences, but these must be the trace's own.
+TRACE_SHAPE_FIELDS = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_kernel")
 
 
 @dataclass(frozen=True)
@@ -96,6 +104,14 @@ class Config:
     graph_mode: bool = True  # the verify op's metadata as SGLang's graph mode builds it (else eager)
     device: str = "cpu"
     description: str = ""
+    # Replay of a captured trace (drift.sim.tracefile) instead of the synthetic stream: its path
+    # ("" = the synthetic stream), whether positions past its end wrap around (position p reads
+    # token p mod tokens), and -- set by Config.from_trace, checked by the stream on load -- the
+    # npz's sha256 (part of stream_hash) and its tokens per sequence (bounds the horizon).
+    trace: str = ""
+    trace_loop: bool = False
+    trace_sha256: str = ""
+    trace_tokens: int = 0
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -134,8 +150,64 @@ class Config:
         return {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 2.0**-24}[self.ssm_dtype]
 
     def replace(self, **changes: Any) -> "Config":
-        """A copy with some fields changed (validated again)."""
+        """A copy with some fields changed (validated again).
+
+        A trace fixes the model's head shapes (:data:`TRACE_SHAPE_FIELDS`): a copy of a trace
+        config with other head shapes is another model, so it drops the trace and reads the
+        synthetic stream (the schedule-only copies drift.syncs.scan makes; every field that
+        shapes the acceptance schedule -- seed, batch, acceptance, prefill -- is kept).
+        """
+        if self.trace and "trace" not in changes and any(
+                f in changes and changes[f] != getattr(self, f) for f in TRACE_SHAPE_FIELDS):
+            changes = {**changes, "trace": "", "trace_loop": False, "trace_sha256": "", "trace_tokens": 0}
         return dataclasses.replace(self, **changes)
+
+    @property
+    def max_position(self) -> int:
+        """The furthest position any request reaches in ``steps`` decode steps (every row accepting
+        D tokens every step): its prompt, the longest, plus steps * D."""
+        return self.prefill_len + PREFILL_STAGGER * (self.num_requests - 1) + self.steps * self.num_draft_tokens
+
+    @staticmethod
+    def from_trace(trace: Any, base: "Config", steps: int | None = None, loop: bool = False) -> "Config":
+        """A config replaying ``trace`` (a :class:`drift.sim.tracefile.Trace`) on ``base``'s batch.
+
+        The trace gives the model: num_layers, num_k_heads, num_v_heads, head_k_dim, head_v_dim and
+        conv_kernel, one request per recorded sequence (num_requests), the prompt length (the
+        manifest's ``model.prompt_tokens`` when recorded, else Kc - 1, at least Kc - 1). ``base``
+        keeps everything else: padded rows, D, acceptance and pattern, track interval, profile,
+        flow, device, seed. ``decays`` becomes the trace's median per-token decay of each value
+        head (informational: with a trace, A_log and dt_bias come from the trace). ``steps``
+        (None: the whole trace, the most decode steps whose positions all exist, i.e.
+        ``(tokens - longest prompt) // D``) must not need positions past the trace's end unless
+        ``loop`` (ConfigError naming the trace, its tokens and the steps asked).
+        """
+        m = trace.manifest
+        path = str(trace.path)
+        T, R, Kc, D = int(m["tokens"]), int(m["sequences"]), int(m["conv_kernel"]), base.num_draft_tokens
+        prompt = m.get("model", {}).get("prompt_tokens")
+        prefill = max(int(prompt), Kc - 1) if isinstance(prompt, int) and not isinstance(prompt, bool) else Kc - 1
+        longest = prefill + PREFILL_STAGGER * (R - 1)
+        whole = (T - longest) // D
+        if steps is None:
+            if whole < 1 and not loop:
+                raise ConfigError(f"trace {path} has {T} tokens per sequence: too few for one decode step of D = {D} "
+                                  f"after the longest prompt ({longest} tokens: {prefill} + {PREFILL_STAGGER} per "
+                                  f"request for {R} requests); capture more tokens, or pass --loop to wrap around")
+            steps = max(1, whole)
+        z = trace.a.astype(np.float64) + trace.dt_bias.astype(np.float64)[None, None]
+        g = -np.exp(trace.A_log.astype(np.float64))[None, None] * np.logaddexp(0.0, z)
+        med = np.median(np.exp(g), axis=(0, 1, 2))  # [HV], over sequences, tokens and layers
+        decays = tuple(float(min(max(d, 1e-300), 1.0 - 2.0**-53)) for d in med)
+        name = f"{base.name}+trace:{Path(path).stem}"
+        desc = (f"{base.name}'s batch and schedule on trace {Path(path).name} "
+                f"({m['model'].get('name', '?')}, {R} sequences x {T} tokens)")
+        return base.replace(
+            name=name, description=desc, num_layers=int(m["num_layers"]), num_requests=R,
+            num_k_heads=int(m["num_k_heads"]), num_v_heads=int(m["num_v_heads"]), head_k_dim=int(m["head_k_dim"]),
+            head_v_dim=int(m["head_v_dim"]), conv_kernel=Kc, decays=decays, key_rank=0, beta_bias=0.0,
+            prefill_len=prefill, steps=int(steps), trace=path, trace_loop=bool(loop),
+            trace_sha256=str(m["sha256"]), trace_tokens=T)
 
     @property
     def profile(self) -> str:
@@ -161,6 +233,8 @@ class Config:
             "num_layers", "num_requests", "num_k_heads", "num_v_heads", "head_k_dim",
             "head_v_dim", "conv_kernel", "seed", "decays", "key_rank", "beta_bias", "prefill_len",
         )
+        if self.trace:  # the trace's content, never its path: golden data of one trace serves no other
+            keys += ("trace_sha256",)
         payload = json.dumps({k: self.to_dict()[k] for k in keys}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
@@ -224,6 +298,34 @@ def _validate(cfg: Config) -> None:
                           "(offset of the gate input b)")
     if cfg.num_draft_tokens > cfg.conv_window + 1:  # guaranteed by the formula, kept as a guard
         raise ConfigError("num_draft_tokens exceeds conv window + 1")
+    _validate_trace(cfg)
+
+
+def _validate_trace(cfg: Config) -> None:
+    if not isinstance(cfg.trace, str):
+        raise ConfigError(f"trace={cfg.trace!r} is invalid; allowed: the path of a trace .npz, or '' (synthetic)")
+    if not isinstance(cfg.trace_loop, bool):
+        raise ConfigError(f"trace_loop={cfg.trace_loop!r} is invalid; allowed: True or False")
+    if not cfg.trace:
+        if cfg.trace_loop or cfg.trace_sha256 or cfg.trace_tokens:
+            raise ConfigError("trace_loop / trace_sha256 / trace_tokens are set without a trace; allowed: "
+                              "only with trace (build trace configs with Config.from_trace)")
+        return
+    if not (isinstance(cfg.trace_sha256, str) and len(cfg.trace_sha256) == 64
+            and all(c in "0123456789abcdef" for c in cfg.trace_sha256)):
+        raise ConfigError(f"trace_sha256={cfg.trace_sha256!r} is invalid for trace {cfg.trace}; allowed: the "
+                          "npz's sha256 from its manifest (build trace configs with Config.from_trace)")
+    _positive_int(cfg, "trace_tokens")
+    if cfg.key_rank or cfg.beta_bias:
+        raise ConfigError(f"key_rank={cfg.key_rank} / beta_bias={cfg.beta_bias} with trace {cfg.trace}; allowed: "
+                          "0 (the trace supplies the keys and the beta logits)")
+    if not cfg.trace_loop and cfg.max_position > cfg.trace_tokens:
+        longest = cfg.prefill_len + PREFILL_STAGGER * (cfg.num_requests - 1)
+        most = max(0, (cfg.trace_tokens - longest) // cfg.num_draft_tokens)
+        raise ConfigError(f"steps={cfg.steps} needs positions up to {cfg.max_position}, but trace {cfg.trace} has "
+                          f"{cfg.trace_tokens} tokens per sequence (longest prompt {longest}, D = "
+                          f"{cfg.num_draft_tokens}): at most {most} steps; pass fewer --steps, none (the whole "
+                          "trace), or --loop to wrap around")
 
 
 PRESETS: dict[str, Config] = {

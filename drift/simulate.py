@@ -96,9 +96,8 @@ class SlotGuard:
 
     def after(self, index: int, touched: torch.Tensor) -> None:
         t_bits, c_bits = self.pool.bits()
-        S = t_bits.shape[1]
-        changed = ((t_bits != self._before_t).transpose(0, 1).reshape(S, -1).any(1)
-                   | (c_bits != self._before_c).transpose(0, 1).reshape(S, -1).any(1))
+        changed = ((t_bits != self._before_t).flatten(2).any(2).any(0)
+                   | (c_bits != self._before_c).flatten(2).any(2).any(0))  # [S]: no transposed copy
         self.violations[index] = changed & ~touched
 
     def flush(self, step0: int, count: int, offset: int = 0) -> None:

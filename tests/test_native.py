@@ -133,7 +133,14 @@ def test_native_and_torch_bf16_stores_agree_but_for_rounding_boundaries(monkeypa
     n = len(SLOTS) - 1
     a, b = written(a_n, n).double(), written(a_t, n).double()
     diff = (a - b).abs()
-    assert (diff <= bf16_ulp(torch.maximum(a.abs(), b.abs()))).all()
+    # The two kernels sum the K-term dot products h_r.k in different fp32 orders: they differ by at
+    # most 2 gamma_K sum_c |h_rc k_c| <= 2 K U32 ||h_r|| (||k|| = 1, Higham's gamma_K ~ K U32); a
+    # token moves h_r by beta (<= 1) times that along k (|k_c| <= 1); D tokens add up (decay and
+    # I - beta k k^T do not grow it); ||h_r|| <= sqrt(K) max |h|. A near-cancelling element sees that
+    # absolute slack, not one relative to itself; every other element stays within one bf16 ulp.
+    D, K = a.shape[2], a.shape[-1]
+    slack = D * 2 * K * U32 * K ** 0.5 * torch.maximum(a.abs(), b.abs()).amax((-1, -2), keepdim=True)
+    assert (diff <= bf16_ulp(torch.maximum(a.abs(), b.abs())) + slack).all()
     assert (diff > 0).double().mean() < FRAC
     # Every block the rows name was written (the scratch was finite random values before).
     assert not (a == kernels.scratch_blocks(args.intermediate_state)[:, args.ssm_state_indices[:n].long()].double()).all()

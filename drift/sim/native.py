@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 
 SOURCE = Path(__file__).resolve().parent / "_native" / "gdn_verify.c"
-ABI = 3  # drift_native_abi() of the source this module drives
+ABI = 4  # drift_native_abi() of the source this module drives
 FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=c99", "-lm"]
 OPENMP = "-fopenmp"  # tried first; without it the kernel runs on one thread
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
@@ -147,7 +147,7 @@ def _load() -> Optional[ctypes.CDLL]:
         lib.drift_rgdr.restype = None
         lib.drift_decode_f64.argtypes = [i64] * 6 + [c_int] + [ptr] * 9 + [i64, ptr, ptr]
         lib.drift_decode_f64.restype = None
-        lib.drift_state_metrics.argtypes = [i64, i64, i64, c_int, ptr, c_int, c_int, ptr, ptr, ptr]
+        lib.drift_state_metrics.argtypes = [i64, i64, i64, c_int, ptr, c_int, c_int, ptr, ptr, ptr, ptr]
         lib.drift_state_metrics.restype = None
         if not lib.drift_native_openmp():
             threads = "one thread (built without OpenMP)"
@@ -287,6 +287,7 @@ def state_metrics(run: torch.Tensor, truth: torch.Tensor, mantissa_bits: int) ->
     m = torch.empty(*lead, 7, dtype=torch.float64)
     col = torch.empty(*lead, K, dtype=torch.float64)
     nthreads = max(1, min(torch.get_num_threads(), max(items, 1)))
+    acc = torch.empty(nthreads, 7 * K, dtype=torch.float64)  # per-thread column sums
     lib.drift_state_metrics(items, K, V, nthreads, run.data_ptr(), _DTYPE_CODE[run.dtype], mantissa_bits,
-                            truth.data_ptr(), m.data_ptr(), col.data_ptr())
+                            truth.data_ptr(), m.data_ptr(), col.data_ptr(), acc.data_ptr())
     return m, col

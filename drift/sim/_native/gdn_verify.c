@@ -59,7 +59,7 @@ static void stream_out(char *dst, const void *src, size_t nbytes) {
     memcpy(dst, src, nbytes);
 }
 
-int drift_native_abi(void) { return 3; }
+int drift_native_abi(void) { return 4; }
 
 static void load_block(float *h, const void *base, int dt, int64_t off, int64_t n) {
     if (dt == 1) {
@@ -68,6 +68,52 @@ static void load_block(float *h, const void *base, int dt, int64_t off, int64_t 
     } else {
         memcpy(h, (const float *)base + off, (size_t)n * sizeof(float));
     }
+}
+
+/* Lane-split accumulation: NL independent partial sums (lane j takes elements j, j + NL, ..)
+ * added in a fixed order at the end. Deterministic, and written so the compiler vectorises it
+ * without -ffast-math (a single running sum is a dependency chain it may not reorder). */
+#define NL 16
+
+/* h_r <- d * h_r; returns h_r . k (one state row of K elements). */
+static inline float decay_dot(float *restrict hr, const float *restrict kt, float d, int64_t K) {
+    float acc[NL] = {0.0f};
+    int64_t c = 0;
+    for (; c + NL <= K; c += NL)
+        for (int j = 0; j < NL; ++j) {
+            const float x = hr[c + j] * d;
+            hr[c + j] = x;
+            acc[j] += x * kt[c + j];
+        }
+    float s = 0.0f;
+    for (int j = 0; j < NL; ++j) s += acc[j];
+    for (; c < K; ++c) {
+        const float x = hr[c] * d;
+        hr[c] = x;
+        s += x * kt[c];
+    }
+    return s;
+}
+
+/* h_r <- h_r + u k; returns h_r . q. */
+static inline float axpy_dot(float *restrict hr, const float *restrict kt, const float *restrict qt, float u,
+                             int64_t K) {
+    float acc[NL] = {0.0f};
+    int64_t c = 0;
+    for (; c + NL <= K; c += NL)
+        for (int j = 0; j < NL; ++j) {
+            const float x = hr[c + j] + u * kt[c + j];
+            hr[c + j] = x;
+            acc[j] += x * qt[c + j];
+        }
+    float s = 0.0f;
+    for (int j = 0; j < NL; ++j) s += acc[j];
+    for (; c < K; ++c) {
+        const float x = hr[c] + u * kt[c];
+        hr[c] = x;
+        s += x * qt[c];
+    }
+    return s;
 }
 
 static void rgdr_items(int64_t w0, int64_t w1, int64_t B, int64_t S, int64_t HV, int64_t K, int64_t V,
@@ -93,26 +139,14 @@ static void rgdr_items(int64_t w0, int64_t w1, int64_t B, int64_t S, int64_t HV,
             const float d = dec[tok], bt = beta[tok];
             for (int64_t r = 0; r < V; ++r) {
                 float *restrict hr = h + r * K;
-                float hk = 0.0f;
-                for (int64_t c = 0; c < K; ++c) {
-                    const float x = hr[c] * d;
-                    hr[c] = x;
-                    hk += x * kt[c];
-                }
-                const float u = (vt[r] - hk) * bt;
-                float o = 0.0f;
-                uint16_t *restrict s16 = (uint16_t *)stage + r * K;
-                float *restrict s32 = (float *)stage + r * K;
-                for (int64_t c = 0; c < K; ++c) {
-                    const float x = hr[c] + u * kt[c];
-                    hr[c] = x;
-                    o += x * qt[c];
-                    if (idt == 1)
-                        s16[c] = bf16_store(x);
-                    else
-                        s32[c] = x;
-                }
-                ot[r] = o;
+                const float u = (vt[r] - decay_dot(hr, kt, d, K)) * bt;
+                ot[r] = axpy_dot(hr, kt, qt, u, K);
+            }
+            if (idt == 1) {
+                uint16_t *restrict s16 = (uint16_t *)stage;
+                for (int64_t e = 0; e < KV; ++e) s16[e] = bf16_store(h[e]);
+            } else {
+                memcpy(stage, h, (size_t)KV * sizeof(float));
             }
             const int64_t to = l * il + dst[b * S + t] * is + hv * KV;
             stream_out((char *)inter + to * (int64_t)esize, stage, (size_t)KV * esize);
@@ -146,6 +180,52 @@ void drift_rgdr(int64_t L, int64_t B, int64_t S, int64_t HV, int64_t K, int64_t 
                dec, beta, out, work);
 }
 
+/* The float64 twins of decay_dot / axpy_dot; axpy_dot64 also adds ||h_r||^2 to *n2. */
+static inline double decay_dot64(double *restrict hr, const double *restrict kt, double d, int64_t K) {
+    double acc[NL] = {0.0};
+    int64_t c = 0;
+    for (; c + NL <= K; c += NL)
+        for (int j = 0; j < NL; ++j) {
+            const double x = hr[c + j] * d;
+            hr[c + j] = x;
+            acc[j] += x * kt[c + j];
+        }
+    double s = 0.0;
+    for (int j = 0; j < NL; ++j) s += acc[j];
+    for (; c < K; ++c) {
+        const double x = hr[c] * d;
+        hr[c] = x;
+        s += x * kt[c];
+    }
+    return s;
+}
+
+static inline double axpy_dot64(double *restrict hr, const double *restrict kt, const double *restrict qt, double u,
+                                int64_t K, double *n2) {
+    double acc[NL] = {0.0}, sq[NL] = {0.0};
+    int64_t c = 0;
+    for (; c + NL <= K; c += NL)
+        for (int j = 0; j < NL; ++j) {
+            const double x = hr[c + j] + u * kt[c + j];
+            hr[c + j] = x;
+            acc[j] += x * qt[c + j];
+            sq[j] += x * x;
+        }
+    double s = 0.0, s2 = 0.0;
+    for (int j = 0; j < NL; ++j) {
+        s += acc[j];
+        s2 += sq[j];
+    }
+    for (; c < K; ++c) {
+        const double x = hr[c] + u * kt[c];
+        hr[c] = x;
+        s += x * qt[c];
+        s2 += x * x;
+    }
+    *n2 += s2;
+    return s;
+}
+
 /* The float64 truth's sequential decode (drift.sim.kernels.gdn_decode with float64 state and
  * compute): per item w = (l * R + r) * HV + hv the [V][K] block of state (dense [L, R, HV, V, K],
  * updated in place) runs all D tokens, those past ntok[r] as identities (decay 1, beta 0), as the
@@ -169,21 +249,8 @@ static void decode_items(int64_t w0, int64_t w1, int64_t R, int64_t D, int64_t H
             double n2 = 0.0;
             for (int64_t row = 0; row < V; ++row) {
                 double *restrict Sr = S + row * K;
-                double sk = 0.0;
-                for (int64_t c = 0; c < K; ++c) {
-                    const double x = Sr[c] * d;
-                    Sr[c] = x;
-                    sk += x * kt[c];
-                }
-                const double u = (vt[row] - sk) * bt;
-                double o = 0.0;
-                for (int64_t c = 0; c < K; ++c) {
-                    const double x = Sr[c] + u * kt[c];
-                    Sr[c] = x;
-                    o += x * qt[c];
-                    n2 += x * x;
-                }
-                out[tok * V + row] = o;
+                const double u = (vt[row] - decay_dot64(Sr, kt, d, K)) * bt;
+                out[tok * V + row] = axpy_dot64(Sr, kt, qt, u, K, &n2);
             }
             norms[tok] = n2;
             for (int64_t c = 0; c < ncap; ++c)
@@ -215,67 +282,91 @@ void drift_decode_f64(int64_t L, int64_t R, int64_t D, int64_t HV, int64_t K, in
 /* ulp(x)^2 of the grid with p significant bits: x = m 2^e, m in [0.5, 1), ulp = 2^(e - p), built
  * from x's exponent bits (frexp's e = biased exponent - 1022 for normal x); 0 at 0, for subnormal
  * x (a negligible ulp) and for Inf / NaN (the finite flag reports those). */
+static inline int64_t bits64(double x) {
+    int64_t i;
+    memcpy(&i, &x, sizeof i);
+    return i;
+}
+
 static inline double ulp2(double x, int p) {
-    uint64_t u;
-    memcpy(&u, &x, sizeof u);
-    const int64_t biased = (int64_t)((u >> 52) & 0x7FF);
-    if (biased == 0 || biased == 0x7FF) return 0.0;
+    const int64_t biased = (bits64(x) >> 52) & 0x7FF;
     const int64_t f = 2 * (biased - 1022 - p) + 1023; /* biased exponent of 2^(2 (e - p)) */
-    if (f <= 0) return 0.0;
-    const uint64_t r = (uint64_t)f << 52;
+    const int64_t keep = -(int64_t)((biased != 0) & (biased != 0x7FF) & (f > 0)); /* all ones or 0 */
+    const int64_t r = (f << 52) & keep; /* bitwise select: the loop stays vectorisable */
     double out;
     memcpy(&out, &r, sizeof out);
     return out;
+}
+
+/* One state row of K elements into the per-column sums (separate restrict parameters, so the
+ * compiler knows the sums do not alias and vectorises over the columns). */
+static void metric_row(int64_t K, const double *restrict xs, const double *restrict y, double *restrict ae,
+                       double *restrict ar, double *restrict ax, double *restrict cw, double *restrict a4,
+                       double *restrict ab, double *restrict an, int rp) {
+    for (int64_t c = 0; c < K; ++c) {
+        const double x = xs[c], d = x - y[c];
+        ae[c] += d * d;
+        ar[c] += y[c] * y[c];
+        ax[c] += x * x;
+        const double q = ulp2(x, rp);
+        cw[c] += q;
+        a4[c] += q * q;
+        ab[c] += ulp2(y[c], 8);
+        an[c] += (double)(((bits64(x) >> 52) & 0x7FF) == 0x7FF); /* Inf or NaN: all exponent bits set */
+    }
 }
 
 /* Per item w = (l * R + r) * HV + hv, the comparison of a run's committed state ([V][K] blocks of
  * run: element type rdt (0 float32, 1 bfloat16), dense [L, R, HV, V, K]) with the truth's (truth:
  * dense float64 [L, R, HV, V, K]): m[w * 7 + j] for j = err2, ref2, run2, ulp2_run, ulp4_run (ulp on
  * the run dtype's grid, rp significant bits), ulp2_bf16 of the truth, finite (1 or 0); col[w * K + c]
- * the run's ulp^2 summed over the V rows of key column c. */
+ * the run's ulp^2 summed over the V rows of key column c. Sums run per key column over the rows
+ * (independent lanes the compiler vectorises), then over the columns in order. */
 static void metric_items(int64_t w0, int64_t w1, int64_t K, int64_t V, const void *run, int rdt, int rp,
-                         const double *truth, double *m, double *col) {
+                         const double *truth, double *m, double *col, double *acc) {
     const int64_t KV = K * V;
+    double *restrict ae = acc, *restrict ar = acc + K, *restrict ax = acc + 2 * K, *restrict a4 = acc + 3 * K,
+                     *restrict ab = acc + 4 * K, *restrict an = acc + 5 * K, *restrict xs = acc + 6 * K;
     for (int64_t w = w0; w < w1; ++w) {
-        double err2 = 0, ref2 = 0, run2 = 0, u2 = 0, u4 = 0, ub = 0;
-        int finite = 1;
         double *restrict cw = col + w * K;
+        for (int64_t c = 0; c < 6 * K; ++c) acc[c] = 0.0;
         for (int64_t c = 0; c < K; ++c) cw[c] = 0.0;
-        const double *restrict tb = truth + w * KV;
-        for (int64_t e = 0; e < KV; ++e) {
-            const double x = rdt == 1 ? (double)bf16_load(((const uint16_t *)run)[w * KV + e])
-                                      : (double)((const float *)run)[w * KV + e];
-            const double y = tb[e];
-            if (!isfinite(x)) finite = 0;
-            const double d = x - y;
-            err2 += d * d;
-            ref2 += y * y;
-            run2 += x * x;
-            const double q = ulp2(x, rp);
-            u2 += q;
-            u4 += q * q;
-            cw[e % K] += q;
-            ub += ulp2(y, 8);
+        for (int64_t row = 0; row < V; ++row) {
+            const int64_t base = w * KV + row * K;
+            const double *restrict y = truth + base;
+            if (rdt == 1) {
+                const uint16_t *restrict s16 = (const uint16_t *)run + base;
+                for (int64_t c = 0; c < K; ++c) xs[c] = (double)bf16_load(s16[c]);
+            } else {
+                const float *restrict s32 = (const float *)run + base;
+                for (int64_t c = 0; c < K; ++c) xs[c] = (double)s32[c];
+            }
+            metric_row(K, xs, y, ae, ar, ax, cw, a4, ab, an, rp);
+        }
+        double err2 = 0, ref2 = 0, run2 = 0, u2 = 0, u4 = 0, ub = 0, bad = 0;
+        for (int64_t c = 0; c < K; ++c) {
+            err2 += ae[c]; ref2 += ar[c]; run2 += ax[c]; u2 += cw[c]; u4 += a4[c]; ub += ab[c]; bad += an[c];
         }
         double *restrict mw = m + w * 7;
-        mw[0] = err2; mw[1] = ref2; mw[2] = run2; mw[3] = u2; mw[4] = u4; mw[5] = ub; mw[6] = finite;
+        mw[0] = err2; mw[1] = ref2; mw[2] = run2; mw[3] = u2; mw[4] = u4; mw[5] = ub; mw[6] = bad == 0.0;
     }
 }
 
 void drift_state_metrics(int64_t items, int64_t K, int64_t V, int nthreads, const void *run, int rdt, int rp,
-                         const double *truth, double *m, double *col) {
+                         const double *truth, double *m, double *col, double *acc) {
 #ifdef _OPENMP
     if (nthreads > 1) {
 #pragma omp parallel num_threads(nthreads)
         {
             const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
-            metric_items(items * tid / nt, items * (tid + 1) / nt, K, V, run, rdt, rp, truth, m, col);
+            metric_items(items * tid / nt, items * (tid + 1) / nt, K, V, run, rdt, rp, truth, m, col,
+                         acc + tid * 7 * K);
         }
         return;
     }
 #endif
     (void)nthreads;
-    metric_items(0, items, K, V, run, rdt, rp, truth, m, col);
+    metric_items(0, items, K, V, run, rdt, rp, truth, m, col, acc);
 }
 
 int drift_native_openmp(void) {
