@@ -16,6 +16,7 @@ from .check.result import CheckResult
 from .check.shadow import SequentialShadow
 from .config import Config
 from .plug.updates import DEFAULT_UPDATE
+from .sim.graph import GraphStatus
 from .sim.twin import F64
 from .simulate import ResumePoint, RunInfo, Simulation
 from .syncs.scan import sync_check
@@ -100,14 +101,42 @@ class CheckedRun:
                    + [s.result() for s in self.shadows])
         if self.mode == "mtp":
             results.append(untouched_result(info.untouched_violation, info.steps))
-            if sync_scan:
-                results.append(sync_check(self.cfg, self.sim.update))
+            syncs = sync_check(self.cfg, self.sim.update) if sync_scan else None
+            if syncs is not None:
+                results.append(syncs)
+            results.append(graph_result(self.sim.graph_status, syncs, self.sim.device))
         if info.stopped_early:
             results.append(CheckResult("run completed", False, None, None, "", f"stopped early: {info.stopped_early}"))
         return results
 
     def report(self, info: RunInfo, sync_scan: bool = True) -> RunReport:
         return RunReport(self.cfg, info, self.results(info, sync_scan), self.comparison.reference_description())
+
+
+def graph_result(status: GraphStatus, syncs: Optional[CheckResult], device: torch.device) -> CheckResult:
+    """The "graph capture" check: could the decode step (update included) be captured as SGLang's
+    graph mode captures it (docs/semantics.md §11)? On a device with graphs the capture answers;
+    where there is none (a CPU) the host-syncs check on the virtual device answers the same
+    question; with graph mode off (``--no-graph``) it is not asked."""
+    name = "graph capture"
+    extra = {"graph": status.state}
+    if status.captured:
+        return CheckResult(name, True, 0.0, 0.0, "", status.note, extra)
+    if status.failed:
+        return CheckResult(name, False, 1.0, 0.0, status.where or "(no line outside torch)",
+                           f"{status.error}; {status.note}. A step that cannot be captured breaks SGLang's "
+                           "graph mode: keep the update device-side (no .item(), bool(tensor), data-dependent "
+                           "shapes).", extra)
+    if status.note.startswith("eager: "):  # not requested, or a host input the step needs
+        return CheckResult(name, True, None, None, "", status.note, {**extra, "applicable": False})
+    if syncs is None:
+        return CheckResult(name, True, None, None, "", f"{status.note}; the host-syncs scan was off",
+                           {**extra, "applicable": False})
+    # Reported, not gated: the host-syncs result above already gates the same finding.
+    return CheckResult(name, syncs.passed, syncs.worst, syncs.limit, syncs.where,
+                       f"{status.note}; the host-syncs check on the virtual device answers: "
+                       f"{'no host sync, capturable' if syncs.passed else 'a host sync, which breaks capture'}",
+                       {**extra, "answered_by": "host syncs", "kind": "info"})
 
 
 def run_checked(cfg: Config, update=DEFAULT_UPDATE, mode: str = "mtp", steps: Optional[int] = None,

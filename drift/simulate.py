@@ -35,6 +35,7 @@ from .plug.shim import kernels_in_use
 from .plug.updates import DEFAULT_UPDATE
 from .sim import kernels
 from .sim.backend import VerifyArgsBuilder
+from .sim.graph import GraphStatus, StepGraph
 from .sim.kernels import VerifyKernel
 from .sim.pool import STALE, Harness, StatePool
 from .sim.stream import InputStream
@@ -94,11 +95,16 @@ class SlotGuard:
         self._before_t.copy_(t_bits)
         self._before_c.copy_(c_bits)
 
-    def after(self, index: int, touched: torch.Tensor) -> None:
+    def after(self, index: int | torch.Tensor, touched: torch.Tensor) -> None:
+        """Record step ``index`` of the chunk (a host int, or a 1-element int64 device tensor in a
+        captured step); touched ``[S]`` bool: the slots the update may write."""
         t_bits, c_bits = self.pool.bits()
         changed = ((t_bits != self._before_t).flatten(2).any(2).any(0)
                    | (c_bits != self._before_c).flatten(2).any(2).any(0))  # [S]: no transposed copy
-        self.violations[index] = changed & ~touched
+        if isinstance(index, torch.Tensor):
+            self.violations.index_copy_(0, index, (changed & ~touched)[None])
+        else:
+            self.violations[index] = changed & ~touched
 
     def flush(self, step0: int, count: int, offset: int = 0) -> None:
         """Read flags ``[offset, offset + count)`` (steps ``step0 ..``) and clear them."""
@@ -151,7 +157,8 @@ class Simulation:
     def __init__(self, cfg: Config, update: str | Update | Callable | None = DEFAULT_UPDATE,
                  mode: str = "mtp", observers: Sequence[Observer] = (),
                  verify_kernel: Optional[VerifyKernel] = None, check_untouched: bool = True,
-                 device: Optional[torch.device] = None, start: Optional[ResumePoint] = None):
+                 device: Optional[torch.device] = None, start: Optional[ResumePoint] = None,
+                 graph: Optional[bool] = None):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not known; allowed: {', '.join(MODES)}")
         self.cfg = cfg
@@ -185,6 +192,25 @@ class Simulation:
         self._touched_chunk = None
         self._in_chunk = 0
         self._guard_read = 0
+        self._static = None  # the captured step's persistent inputs (see _graph_step)
+        self._graph = self._make_graph(cfg.graph_mode if graph is None else graph)
+
+    def _make_graph(self, requested: bool) -> StepGraph:
+        """The step's device graph (docs/semantics.md §11): SGLang's graph mode captures the
+        decode; ``graph`` False (``--no-graph``) or a per-step host input runs it eagerly."""
+        why = ""
+        if not requested:
+            why = "eager: graph mode off (--no-graph)"
+        elif self.mode != "mtp":
+            why = "eager: sequential decode is the reference shadow, never captured"
+        elif self.cfg.store_rounding == "stochastic":
+            why = "eager: stochastic rounding keys its noise by the host's step counter"
+        return StepGraph(self.device, self._graph_body, enabled=not why, why_not=why)
+
+    @property
+    def graph_status(self) -> GraphStatus:
+        """How the decode steps ran: captured and replayed, eagerly, or capture failed (and why)."""
+        return self._graph.status
 
     def _load_start(self, stored: torch.Tensor, window: torch.Tensor) -> None:
         """The starting state as prefill leaves it: stored once in the state dtype, the conv
@@ -326,9 +352,59 @@ class Simulation:
         return torch.from_numpy(t).to(self.device)
 
     def _step(self, chunk, s: int, touched: Optional[torch.Tensor]) -> None:
+        if self._graph.api is not None and not self._graph.status.failed:
+            out = self._graph_step(chunk, s, touched)
+        else:
+            out = self._compute(chunk.x[s], chunk.a[s], chunk.b[s], chunk.last_steps[s], chunk.track_steps[s],
+                                s, touched[s] if touched is not None else None)
+        view = StepView(step=self.step, index=s, x=chunk.x[s], a=chunk.a[s], b=chunk.b[s],
+                        last_steps=chunk.last_steps[s], track_steps=chunk.track_steps[s], out=out,
+                        pre=chunk.pre[s], accept=chunk.accept[s], track=chunk.track_host[s])
+        for obs in self.observers:
+            obs.on_step(view)
+        self.step += 1
+
+    def _graph_step(self, chunk, s: int, touched: Optional[torch.Tensor]) -> torch.Tensor:
+        """Step s of ``chunk`` through the captured graph. The chunk's inputs are copied once into
+        persistent buffers; the graph reads step ``idx`` (a device counter it advances itself), so
+        a replay needs no host input at all. Returns the persistent output buffer."""
+        st = self._static
+        if st is None or st["chunk"] is not chunk:
+            if st is None:
+                cap = self.stream.chunk_steps
+                st = self._static = {name: torch.empty((cap, *t.shape[1:]), dtype=t.dtype, device=self.device)
+                                     for name, t in self._chunk_inputs(chunk, touched).items()}
+                st["idx"] = torch.zeros(1, dtype=torch.int64, device=self.device)
+                st["out"] = None
+            for name, t in self._chunk_inputs(chunk, touched).items():
+                st[name][: t.shape[0]].copy_(t)
+            st["chunk"] = chunk
+            st["idx"].fill_(s)
+        self._graph()
+        return st["out"]
+
+    def _chunk_inputs(self, chunk, touched: Optional[torch.Tensor]) -> dict:
+        inputs = {"x": chunk.x, "a": chunk.a, "b": chunk.b, "last": chunk.last_steps, "trk": chunk.track_steps}
+        if touched is not None:
+            inputs["touched"] = touched
+        return inputs
+
+    def _graph_body(self) -> None:
+        """One decode step on the persistent inputs at ``idx``; the output lands in ``out``."""
+        st = self._static
+        i = st["idx"]
+        pick = {name: st[name].index_select(0, i)[0] for name in ("x", "a", "b", "last", "trk", "touched")
+                if name in st}
+        out = self._compute(pick["x"], pick["a"], pick["b"], pick["last"], pick["trk"], i, pick.get("touched"))
+        if st["out"] is None:  # the warm-up call (eager) allocates the persistent output
+            st["out"] = torch.empty_like(out)
+        st["out"].copy_(out)
+        i.add_(1)
+
+    def _compute(self, x, a, b, last, trk, s, touched) -> torch.Tensor:
+        """The step proper: conv verify, gating, verify op, the update (or sequential decode), the
+        slot guard. s: the step's index in the chunk (host int, or device tensor when captured)."""
         cfg, pool, prm = self.cfg, self.pool, self.params
-        x, a, b = chunk.x[s], chunk.a[s], chunk.b[s]
-        last, trk = chunk.last_steps[s], chunk.track_steps[s]
         mix = kernels.conv_verify(pool.conv, pool.row_slots, x, prm.conv_weight)  # bf16 [L, N, D, C]
         g = kernels.gdn_gating(a, prm.A_log, prm.dt_bias)  # fp32 [L, N, D, HV]
         beta = b.to(torch.bfloat16)  # the beta logit, on the bf16 grid already
@@ -345,16 +421,12 @@ class Simulation:
                 raise UpdateRaised(f"the update under test ({self.update.spec}) raised {exc!r} at decode "
                                    f"step {self.step}") from exc
             if self.guard is not None:
-                self.guard.after(s, touched[s])
-        else:
-            q, k, v, decay, bt = kernels.op_inputs(mix, beta, g, cfg.num_k_heads, cfg.head_k_dim, cfg.num_v_heads,
-                                                   cfg.head_v_dim, cfg.head_k_dim ** -0.5)
-            num = torch.clamp(last + 1, min=0)
-            out = kernels.gdn_decode(pool.states, pool.row_slots, q, k, v, decay, bt, num,
-                                     rounding=cfg.store_rounding, key=self.step).to(torch.bfloat16)
-            kernels.conv_state_rollback(pool.conv, pool.row_slots, last, cfg.num_draft_tokens)
-        view = StepView(step=self.step, index=s, x=x, a=a, b=b, last_steps=last, track_steps=trk,
-                        out=out, pre=chunk.pre[s], accept=chunk.accept[s], track=chunk.track_host[s])
-        for obs in self.observers:
-            obs.on_step(view)
-        self.step += 1
+                self.guard.after(s, touched)
+            return out
+        q, k, v, decay, bt = kernels.op_inputs(mix, beta, g, cfg.num_k_heads, cfg.head_k_dim, cfg.num_v_heads,
+                                               cfg.head_v_dim, cfg.head_k_dim ** -0.5)
+        num = torch.clamp(last + 1, min=0)
+        out = kernels.gdn_decode(pool.states, pool.row_slots, q, k, v, decay, bt, num,
+                                 rounding=cfg.store_rounding, key=self.step).to(torch.bfloat16)
+        kernels.conv_state_rollback(pool.conv, pool.row_slots, last, cfg.num_draft_tokens)
+        return out

@@ -15,6 +15,7 @@ import torch
 from conftest import small_cfg
 from drift import devices
 from drift.devices import DeviceUnavailable, resolve_device, supports_float64
+from drift.config import preset
 from drift.simulate import Simulation
 
 
@@ -59,3 +60,36 @@ def test_float64_support():
     assert supports_float64(torch.device("cpu")) and supports_float64(torch.device("cuda"))
     # torch.device("npu") only parses once torch_npu registered it; the probe reads .type.
     assert not supports_float64(SimpleNamespace(type="npu"))  # the twin then runs on the CPU
+
+
+# ---------------------------------------------------------------- device placement
+# Without an accelerator, the meta device stands in for one: an op mixing a meta tensor with a
+# CPU tensor (anything but a 0-dim scalar) raises, as CUDA and NPU do. So a step that runs on
+# meta creates every tensor on the run's device. Data-dependent code (a host sync) cannot run
+# on meta at all: the sync-free built-in update is what runs here; the syncing ones are the
+# host-syncs check's business.
+META = torch.device("meta")
+
+
+@pytest.mark.parametrize("profile", ["ascend", "ascend-transposed", "ascend-mixed", "fp32"])
+@pytest.mark.parametrize("flow", ["sglang", "accepted"])
+def test_every_tensor_of_a_step_lives_on_the_run_device(profile, flow):
+    cfg = preset("ci-small").with_profile(profile).replace(flow=flow)
+    sim = Simulation(cfg, "sglang-0.5.23", device=META, check_untouched=False, graph=False)
+    sim.run(3)
+    assert sim.pool.temporal.device == META and sim.pool.conv.device == META
+
+
+def test_sequential_decode_and_the_naive_loops_run_on_the_run_device():
+    cfg = preset("ci-small")
+    Simulation(cfg, mode="sequential", device=META, check_untouched=False).run(2)
+    from drift.sim import naive
+    conv = torch.zeros(1, 3, 6, 8, device=META)
+    mix = naive.conv_verify(conv, [0, 2], torch.zeros(1, 2, 3, 8, device=META), torch.zeros(1, 8, 4, device=META))
+    assert mix.device == META
+
+
+def test_the_placement_check_can_fail():
+    """Negative control: a CPU tensor created inside a device step is caught on meta."""
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        torch.zeros(3, device=META) + torch.zeros(3)

@@ -44,6 +44,7 @@ PER_HEAD = (
 # Per row, every step:
 PER_ROW = ("conv_bad", "trk_bits_bad", "trk_conv_bad", "gold_ckpt_bad", "gold_ckpt_dev")
 MANTISSA_BITS = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}
+BATCH_BYTES = 64 << 20  # per-step snapshots held between comparisons (a batch is at most a chunk)
 
 
 def ulp_sq(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -121,6 +122,8 @@ class Comparison:
         self._buf["finite"] = torch.ones(S, L, R, HV, dtype=torch.bool, device=dev)
         self._buf.update({k: torch.zeros(S, R, dtype=F64, device=dev) for k in PER_ROW})
         self._host: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []
+        self._snap = None  # per-step snapshots of the current batch (allocated at the first step)
+        self._pending = []
         self.r_eff = cfg.key_rank or cfg.head_k_dim
         self.golden_positions = 0  # committed positions validated against golden
         self.golden_checkpoints = 0
@@ -145,42 +148,105 @@ class Comparison:
             c.start(self)
 
     # ------------------------------------------------------------------- step
-    def _marks(self, view) -> Optional[np.ndarray]:
+    def _marks(self, pre: np.ndarray, accept: np.ndarray) -> Optional[np.ndarray]:
         """Draft step at which each row passes a golden checkpoint position this step (-1: none)."""
         if self.golden is None:
             return None
-        mark = np.full(len(view.pre), -1, np.int64)
-        for r, (pre, acc) in enumerate(zip(view.pre, view.accept)):
-            for c in range(int(pre) + 1, int(pre + acc) + 1):
+        mark = np.full(len(pre), -1, np.int64)
+        for r, (p0, acc) in enumerate(zip(pre, accept)):
+            for c in range(int(p0) + 1, int(p0 + acc) + 1):
                 if c in self._ckpt:
-                    mark[r] = c - int(pre) - 1
+                    mark[r] = c - int(p0) - 1
         return mark if (mark >= 0).any() else None
 
+    def _views(self, view) -> dict[str, torch.Tensor]:
+        """What a step leaves to compare, as views of the run (its device, its dtypes): committed
+        states, outputs and conv windows of the active rows, and the step's true inputs."""
+        cfg, pool, R = self.sim.cfg, self.sim.pool, self.sim.cfg.num_requests
+        Km1 = cfg.conv_kernel - 1
+        return {"run": pool.states[:, pool.active_slots], "out": view.out[:, :R],
+                "win": pool.conv[:, pool.active_slots, cfg.conv_window - Km1:],
+                "x": view.x[:, :R], "a": view.a[:, :R], "b": view.b[:, :R]}
+
     def on_step(self, view) -> None:
-        sim, cfg, twin, buf, i = self.sim, self.sim.cfg, self.twin, self._buf, view.index
-        pool, R, dev = sim.pool, cfg.num_requests, self.ref_device
+        """Snapshot the step (a few device copies); the comparison itself runs once per batch of
+        up to ``batch`` steps (:data:`BATCH_BYTES` of snapshots, at most a chunk)."""
+        views = self._views(view)
+        if self._snap is None:
+            per_step = sum(t.numel() * t.element_size() for t in views.values())
+            self.batch = int(max(1, min(self.sim.stream.chunk_steps, BATCH_BYTES // max(per_step, 1))))
+            self._snap = {k: torch.empty((self.batch, *t.shape), dtype=t.dtype, device=t.device)
+                          for k, t in views.items()}
+        j = len(self._pending)
+        for k, t in views.items():
+            self._snap[k][j].copy_(t)
+        tracked = self._tracked_snapshot(view) if self.sim.mode == "mtp" and (view.track >= 0).any() else None
         self._host.append((view.step, view.pre.copy(), view.accept.copy(), view.track.copy()))
-        mark = self._marks(view)
-        twin.advance(view.x[:, :R], view.a[:, :R], view.b[:, :R], view.accept, view.track, mark)
-        run = pool.states[:, pool.active_slots]  # [L, R, HV, V, K] in the state dtype
-        col_frac, self._col_frac = self._col_frac, self._state_metrics(run, i)
-        acc = torch.from_numpy(view.accept).to(dev)
-        m = (torch.arange(cfg.num_draft_tokens, device=dev)[None, :] < acc[:, None])  # [R, D]
-        self._bound_terms(i, m, col_frac)
-        o_run = view.out[:, :R].to(dev, F64)
-        m5 = m[None, :, :, None, None]
-        buf["out_err2"][i] = ((o_run - twin.out) * m5).square().sum((2, 4))
-        buf["out_ref2"][i] = (twin.out * m5).square().sum((2, 4))
+        self._pending.append((view.index, view.pre.copy(), view.accept.copy(), view.track.copy(), tracked))
+        if len(self._pending) == self.batch:
+            self._process()
+
+    def _tracked_snapshot(self, view) -> tuple:
+        """What the tracking rows hold now: (rows, tracked states, their windows, bit mismatches of
+        each tracked slot against the scratch block it was copied from [n])."""
+        sim, cfg, pool = self.sim, self.sim.cfg, self.sim.pool
+        rows = np.nonzero(view.track >= 0)[0]
+        rows_t = torch.from_numpy(rows).to(sim.device)
+        tslots = pool.row_track_slots[rows_t]
+        got = pool.states[:, tslots]  # [L, n, HV, V, K] in the state dtype
+        held = pool.scratch[:, rows_t, torch.from_numpy(view.track[rows]).to(sim.device)]
+        bits_bad = (as_bits(got) != as_bits(held)).sum((0, 2, 3, 4))
+        Km1 = cfg.conv_kernel - 1
+        return rows, got.clone(), pool.conv[:, tslots, cfg.conv_window - Km1:].clone(), bits_bad
+
+    def _process(self) -> None:
+        """Advance the twin through the buffered steps and compare: the recurrence and the state
+        comparison step by step (the native C kernels on a CPU), everything else batched."""
+        n = len(self._pending)
+        if n == 0:
+            return
+        sim, cfg, twin, buf, dev = self.sim, self.sim.cfg, self.twin, self._buf, self.ref_device
+        R, D, dtype = cfg.num_requests, cfg.num_draft_tokens, sim.pool.temporal.dtype
+        snap = {k: v[:n].to(dev) for k, v in self._snap.items()}
+        idx = [p[0] for p in self._pending]
+        accept = np.stack([p[2] for p in self._pending])
+        L, HV, V, K = cfg.num_layers, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim
+        tw_out = torch.empty(n, L, R, D, HV, V, dtype=F64, device=dev)
+        tw_win = torch.empty(n, *twin.window.shape, dtype=F64, device=dev)
+        tw = {k: torch.empty(n, L, R, D, HV, dtype=F64, device=dev) for k in ("decay", "beta", "norm2")}
+        tw_qc = torch.empty(n, L, R, D, HV, dtype=F64, device=dev)  # sum_k q_k^2 c_k (bound model)
+        p_twin = torch.empty(n, L, R, HV, dtype=F64, device=dev) if self.golden is not None else None
+        for j, (i, pre, acc, track, tracked) in enumerate(self._pending):
+            mark = self._marks(pre, acc)
+            twin.advance(snap["x"][j], snap["a"][j], snap["b"][j], acc, track, mark)
+            col_frac, self._col_frac = self._col_frac, self._state_metrics(snap["run"][j], i)
+            tw_out[j] = twin.out
+            tw_win[j] = twin.window
+            for k in tw:
+                tw[k][j] = getattr(twin, k)
+            tw_qc[j] = (twin.q_sq * col_frac[:, :, None]).sum(-1)
+            if tracked is not None:
+                self._tracked(i, tracked)
+            if self.golden is not None:
+                g = self._g
+                p_twin[j] = torch.einsum("lhv,lrhvk,lhk->lrh", g["proj_w"], twin.state, g["proj_u"])
+                if mark is not None:
+                    self._checkpoint(i, pre, mark)
+        m = torch.arange(D, device=dev)[None, None, :] < torch.from_numpy(accept).to(dev)[:, :, None]  # [n, R, D]
+        rows = torch.tensor(idx, dtype=torch.int64, device=dev)
+        self._bound_terms(rows, m, tw, tw_qc)
+        o_run = snap["out"].to(F64)
+        m6 = m[:, None, :, :, None, None]
+        buf["out_err2"][rows] = ((o_run - tw_out) * m6).square().sum((3, 5))
+        buf["out_ref2"][rows] = (tw_out * m6).square().sum((3, 5))
         # Round to nearest moves a value by at most half an ulp of the result (an ulp of a bf16
         # output bounds the ulp of the fp32 value it was rounded from).
-        buf["out_round2"][i] = (ulp_sq(o_run, torch.bfloat16) * m5).sum((2, 4)) / 4.0
-        Km1 = cfg.conv_kernel - 1
-        win = pool.conv[:, pool.active_slots, cfg.conv_window - Km1:].to(dev, F64)
-        buf["conv_bad"][i] = (win != twin.window).sum((0, 2, 3)).to(F64)
-        if sim.mode == "mtp" and (view.track >= 0).any():
-            self._tracked(view, i)
+        buf["out_round2"][rows] = (ulp_sq(o_run, torch.bfloat16) * m6).sum((3, 5)) / 4.0
+        buf["conv_bad"][rows] = (snap["win"].to(F64) != tw_win).sum((1, 3, 4)).to(F64)
         if self.golden is not None:
-            self._validate(view, i, m, mark)
+            pre = np.stack([p[1] for p in self._pending])
+            self._validate(rows, pre, accept, m, p_twin, tw_out)
+        self._pending.clear()
 
     def _state_metrics(self, run: torch.Tensor, i: int) -> torch.Tensor:
         """The per-head state comparisons of step i into the chunk buffers (err2, ref2, run2, ulp2_run,
@@ -212,8 +278,8 @@ class Comparison:
         col = u2.sum(-2)
         return col / col.sum(-1, keepdim=True).clamp(min=1e-300)
 
-    def _bound_terms(self, i: int, m: torch.Tensor, col_frac: torch.Tensor) -> None:
-        """Contraction of the error energy over the step, and the weight of its roundings.
+    def _bound_terms(self, rows: torch.Tensor, m: torch.Tensor, tw: dict, qc: torch.Tensor) -> None:
+        """Contraction of the error energy over each step, and the weight of its roundings.
 
         Per token the error is multiplied by ``a (I - beta k k^T)``; for an error spread evenly
         over the ``r_eff``-dimensional key span, E||(I - beta k k^T) e||^2 = (1 - (2 beta -
@@ -221,85 +287,86 @@ class Comparison:
         the tokens after it and scales with the state's size there, ||h_j||^2 / ||h_last||^2
         (the bound multiplies by the ulp^2 of the committed state). MTP stores once, after the
         last accepted token; sequential decode after every token; the fp32 compute rounds
-        at every token in both.
+        at every token in both. rows ``[n]``: chunk indices; m ``[n, R, D]`` accepted tokens;
+        tw: the twin's decay, beta, norm2 ``[n, L, R, D, HV]``; qc: ``sum_k q_k^2 c_k`` likewise.
         """
-        twin, buf = self.twin, self._buf
-        mm = m[None, :, :, None]  # [1, R, D, 1]
-        c = twin.decay.square() * (1.0 - (2.0 * twin.beta - twin.beta.square()) / self.r_eff)  # [L,R,D,HV]
+        buf = self._buf
+        mm = m[:, None, :, :, None]  # [n, 1, R, D, 1]
+        decay, beta, norm2 = tw["decay"], tw["beta"], tw["norm2"]
+        c = decay.square() * (1.0 - (2.0 * beta - beta.square()) / self.r_eff)  # [n, L, R, D, HV]
         c = torch.where(mm, c, torch.ones_like(c))
-        buf["rho2"][i] = c.prod(2)
-        buf["logdecay"][i] = torch.where(mm, torch.log(twin.decay), torch.zeros_like(twin.decay)).sum(2)
+        buf["rho2"][rows] = c.prod(3)
+        buf["logdecay"][rows] = torch.where(mm, torch.log(decay), torch.zeros_like(decay)).sum(3)
         # The output of token t sees the step's starting error E contracted by tokens 1..t, read by
         # q_t: E||E q||^2 = sum_k q_k^2 E||E[:, k]||^2 = ||E||_F^2 sum_k q_k^2 c_k, c_k the share of
         # the error energy in key column k (that of the last store's rounding; 1/K when even).
-        qc = (twin.q_sq * col_frac[:, :, None]).sum(-1)  # [L, R, D, HV]
-        buf["out_w"][i] = (qc * torch.cumprod(c, 2) * mm).sum(2)
-        suffix = torch.flip(torch.cumprod(torch.flip(c, [2]), 2), [2])  # prod_{t >= j}
-        after = torch.cat([suffix[:, :, 1:], torch.ones_like(suffix[:, :, :1])], 2)  # prod_{t > j}
-        last = (m.sum(1) - 1).clamp(min=0)  # [R] index of the last accepted token
-        n_last = twin.norm2.gather(2, last[None, :, None, None].expand(twin.norm2.shape[0], -1, 1,
-                                                                        twin.norm2.shape[3]))
-        size = twin.norm2 / n_last.clamp(min=1e-300)
-        buf["tok_w"][i] = (after * size * mm).sum(2)
-        buf["round_w"][i] = 1.0 if self.sim.mode == "mtp" else buf["tok_w"][i]
+        buf["out_w"][rows] = (qc * torch.cumprod(c, 3) * mm).sum(3)
+        suffix = torch.flip(torch.cumprod(torch.flip(c, [3]), 3), [3])  # prod_{t >= j}
+        after = torch.cat([suffix[..., 1:, :], torch.ones_like(suffix[..., :1, :])], 3)  # prod_{t > j}
+        last = (m.sum(2) - 1).clamp(min=0)  # [n, R] index of the last accepted token
+        n_last = norm2.gather(3, last[:, None, :, None, None].expand(-1, norm2.shape[1], -1, 1, norm2.shape[4]))
+        size = norm2 / n_last.clamp(min=1e-300)
+        tok_w = (after * size * mm).sum(3)
+        buf["tok_w"][rows] = tok_w
+        buf["round_w"][rows] = torch.ones_like(tok_w) if self.sim.mode == "mtp" else tok_w
 
-    def _tracked(self, view, i: int) -> None:
-        sim, cfg, twin, buf, dev, pool = self.sim, self.sim.cfg, self.twin, self._buf, self.ref_device, self.sim.pool
-        rows = np.nonzero(view.track >= 0)[0]
-        rows_t = torch.from_numpy(rows).to(sim.device)
-        tslots = pool.row_track_slots[rows_t]
-        got = pool.states[:, tslots]  # [L, n, HV, V, K] in the state dtype
-        held = pool.scratch[:, rows_t, torch.from_numpy(view.track[rows]).to(sim.device)]
+    def _tracked(self, i: int, tracked: tuple) -> None:
+        """Tracked snapshots of step i (taken when it ran) against the twin's track state now."""
+        twin, buf, dev = self.twin, self._buf, self.ref_device
+        rows, got, win, bits_bad = tracked
         rows_d = torch.from_numpy(rows).to(dev)
-        buf["trk_bits_bad"][i].index_copy_(0, rows_d, (as_bits(got) != as_bits(held)).sum((0, 2, 3, 4)).to(dev, F64))
+        buf["trk_bits_bad"][i].index_copy_(0, rows_d, bits_bad.to(dev, F64))
         got64 = got.to(dev, F64)
         ref = twin.track_state[:, rows_d]
         buf["trk_err2"][i][:, rows_d] = (got64 - ref).square().sum((-1, -2))
         buf["trk_ref2"][i][:, rows_d] = ref.square().sum((-1, -2))
-        Km1 = cfg.conv_kernel - 1
-        w = pool.conv[:, tslots, cfg.conv_window - Km1:].to(dev, F64)
-        buf["trk_conv_bad"][i].index_copy_(0, rows_d, (w != twin.track_window[:, rows_d]).sum((0, 2, 3)).to(F64))
+        buf["trk_conv_bad"][i].index_copy_(0, rows_d, (win.to(dev, F64) != twin.track_window[:, rows_d])
+                                           .sum((0, 2, 3)).to(F64))
 
-    def _validate(self, view, i: int, m: torch.Tensor, mark: Optional[np.ndarray]) -> None:
-        """Twin vs golden: projections at every committed position and accepted output, full
-        state and conv window at checkpoints. Positions past the golden horizon are NaN."""
-        cfg, twin, buf, dev, g = self.sim.cfg, self.twin, self._buf, self.ref_device, self._g
-        post = view.pre + view.accept
-        inside = post <= self.golden_limit
-        if not inside.all():
-            self.beyond_golden_steps += 1
+    def _validate(self, rows: torch.Tensor, pre: np.ndarray, accept: np.ndarray, m: torch.Tensor,
+                  p_twin: torch.Tensor, tw_out: torch.Tensor) -> None:
+        """Twin vs golden for a batch of steps ``[n]``: projections at every committed position and
+        accepted output. Positions past the golden horizon are NaN. pre / accept ``[n, R]`` host;
+        m ``[n, R, D]``; p_twin ``[n, L, R, HV]``; tw_out ``[n, L, R, D, HV, V]``."""
+        cfg, buf, dev, g = self.sim.cfg, self._buf, self.ref_device, self._g
+        post = pre + accept
+        inside = post <= self.golden_limit  # [n, R]
+        self.beyond_golden_steps += int((~inside.all(1)).sum())
         self.golden_positions += int(inside.sum())
-        rows = torch.arange(cfg.num_requests, device=dev)
-        pos = torch.from_numpy(np.minimum(post, self.golden_limit)).to(dev)
+        R = cfg.num_requests
+        r_idx = torch.arange(R, device=dev)
+        pos = torch.from_numpy(np.minimum(post, self.golden_limit)).to(dev)  # [n, R]
         scale_kv = math.sqrt(cfg.head_k_dim * cfg.head_v_dim)
-        p_twin = torch.einsum("lhv,lrhvk,lhk->lrh", g["proj_w"], twin.state, g["proj_u"])
-        p_gold = g["proj_state"][pos, :, rows].permute(1, 0, 2)  # [L, R, HV]
-        n_gold = g["state_norm"][pos, :, rows].permute(1, 0, 2)
+        p_gold = g["proj_state"][pos, :, r_idx[None, :]].permute(0, 2, 1, 3)  # [n, L, R, HV]
+        n_gold = g["state_norm"][pos, :, r_idx[None, :]].permute(0, 2, 1, 3)
         dev_s = (p_twin - p_gold).abs() / (p_gold.abs() + n_gold / scale_kv + 1e-300)
-        inside_t = torch.from_numpy(inside).to(dev)[None, :, None]
-        buf["gold_dev"][i] = torch.where(inside_t, dev_s, torch.full_like(dev_s, math.nan))
+        inside_t = torch.from_numpy(inside).to(dev)[:, None, :, None]
+        buf["gold_dev"][rows] = torch.where(inside_t, dev_s, torch.full_like(dev_s, math.nan))
         # Outputs of accepted tokens j sit at positions pre + j.
-        opos = torch.from_numpy(view.pre).to(dev)[:, None] + torch.arange(cfg.num_draft_tokens, device=dev)[None, :]
+        opos = torch.from_numpy(pre).to(dev)[:, :, None] + torch.arange(cfg.num_draft_tokens, device=dev)  # [n, R, D]
         ok = m & (opos < g["proj_out"].shape[0])
-        o_gold = g["proj_out"][opos.clamp(max=g["proj_out"].shape[0] - 1), :, rows[:, None]]  # [R, D, L, HV]
-        o_twin = torch.einsum("lrdhv,lhv->rdlh", twin.out, g["proj_wo"])
-        o_dev = (o_twin - o_gold).abs() / (o_gold.abs() + torch.linalg.vector_norm(twin.out, dim=-1).permute(1, 2, 0, 3)
-                                           / math.sqrt(cfg.head_v_dim) + 1e-300)
-        o_dev = torch.where(ok[:, :, None, None], o_dev, torch.zeros_like(o_dev)).amax(1)  # [R, L, HV]
-        buf["gold_out_dev"][i] = torch.where(inside_t, o_dev.permute(1, 0, 2), torch.full_like(dev_s, math.nan))
-        if mark is not None:
-            ga = self.golden.arrays
-            for r in np.nonzero(mark >= 0)[0]:
-                c = self._ckpt[int(view.pre[r] + mark[r] + 1)]
-                ref = torch.from_numpy(ga["ckpt_state"][c][:, r]).to(dev, F64)
-                d = torch.linalg.vector_norm(twin.mark_state[:, r] - ref) / torch.linalg.vector_norm(ref)
-                wref = torch.from_numpy(ga["ckpt_window"][c][:, r]).to(dev, F64)
-                buf["gold_ckpt_dev"][i, r] = d
-                buf["gold_ckpt_bad"][i, r] = (twin.mark_window[:, r] != wref).sum().to(F64)
-                self.golden_checkpoints += 1
+        o_gold = g["proj_out"][opos.clamp(max=g["proj_out"].shape[0] - 1), :, r_idx[None, :, None]]  # [n, R, D, L, HV]
+        o_twin = torch.einsum("nlrdhv,lhv->nrdlh", tw_out, g["proj_wo"])
+        o_norm = torch.linalg.vector_norm(tw_out, dim=-1).permute(0, 2, 3, 1, 4) / math.sqrt(cfg.head_v_dim)
+        o_dev = (o_twin - o_gold).abs() / (o_gold.abs() + o_norm + 1e-300)
+        o_dev = torch.where(ok[..., None, None], o_dev, torch.zeros_like(o_dev)).amax(2)  # [n, R, L, HV]
+        buf["gold_out_dev"][rows] = torch.where(inside_t, o_dev.permute(0, 2, 1, 3), torch.full_like(dev_s, math.nan))
+
+    def _checkpoint(self, i: int, pre: np.ndarray, mark: np.ndarray) -> None:
+        """Full state and conv window of the twin against golden checkpoints passed at step i."""
+        ga, buf, dev, twin = self.golden.arrays, self._buf, self.ref_device, self.twin
+        for r in np.nonzero(mark >= 0)[0]:
+            c = self._ckpt[int(pre[r] + mark[r] + 1)]
+            ref = torch.from_numpy(ga["ckpt_state"][c][:, r]).to(dev, F64)
+            d = torch.linalg.vector_norm(twin.mark_state[:, r] - ref) / torch.linalg.vector_norm(ref)
+            wref = torch.from_numpy(ga["ckpt_window"][c][:, r]).to(dev, F64)
+            buf["gold_ckpt_dev"][i, r] = d
+            buf["gold_ckpt_bad"][i, r] = (twin.mark_window[:, r] != wref).sum().to(F64)
+            self.golden_checkpoints += 1
 
     # ------------------------------------------------------------------ flush
     def flush(self) -> None:
+        self._process()
         if not self._host:
             return
         n = len(self._host)

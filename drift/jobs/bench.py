@@ -122,7 +122,7 @@ def naive_step(sim: Simulation, chunk: StepChunk, s: int) -> torch.Tensor:
                     kernels.store_state(inter[l, n, t, hd], h, cfg.store_rounding, sim.step)
     # The update (drift.plug.updates), as per-request loops.
     last, trk = chunk.last_steps[s], chunk.track_steps[s]
-    src = torch.arange(N, dtype=torch.int64)
+    src = torch.arange(N, dtype=torch.int64, device=pool.device)
     naive.move_intermediate_cache(pool.temporal, pool.intermediate_ssm, pool.row_slots, src, last)
     tracking = cfg.track_interval > 0
     if tracking:
@@ -164,8 +164,12 @@ def bench(cfg: Config, layers: Optional[int] = None, steps: int = 20, naive_step
     if layers is not None:
         _positive("layers", layers)
         cfg = cfg.replace(num_layers=layers)
-    sim = Simulation(cfg, update=UPDATE, observers=(), check_untouched=False)
+    sim = Simulation(cfg, update=UPDATE, observers=(), check_untouched=False, graph=False)
     dev = sim.device
+    # The captured step where the device has graphs (drift.sim.graph), timed in the same run.
+    captured = Simulation(cfg, update=UPDATE, observers=(), check_untouched=False, graph=True)
+    if captured._graph.api is None:
+        captured = None
     start_threads = torch.get_num_threads()
     candidates = [threads] if threads is not None else sorted({1, start_threads})
     copies, probes = {}, {}
@@ -180,13 +184,21 @@ def bench(cfg: Config, layers: Optional[int] = None, steps: int = 20, naive_step
         chosen = min(candidates, key=lambda c: probes[c])
         torch.set_num_threads(chosen)
         blocks = [_timed(dev, lambda: sim.run(steps=steps)) / steps for _ in range(repeats)]
+        graph_blocks = []
+        if captured is not None:
+            captured.run(steps=WARMUP_STEPS)  # warm-up, capture
+            graph_blocks = [_timed(dev, lambda: captured.run(steps=steps)) / steps for _ in range(repeats)]
         naive_blocks = [_timed(dev, lambda: naive_step(sim, sim.stream.chunk(1), 0))
                         for _ in range(naive_steps)]
         copy_bps = max(copies[chosen], copy_bandwidth(dev, copy_bytes))
     finally:
         torch.set_num_threads(start_threads)
     nbytes = min_bytes_per_step(cfg)
-    sps, naive_sps = 1.0 / min(blocks), 1.0 / min(naive_blocks)
+    eager_sps, naive_sps = 1.0 / min(blocks), 1.0 / min(naive_blocks)
+    graph_sps = 1.0 / min(graph_blocks) if graph_blocks else None
+    sps = max(eager_sps, graph_sps or 0.0)
+    graph_note = captured.graph_status.note if captured is not None else sim.graph_status.note.replace(
+        "eager: graph mode off (--no-graph)", f"{dev.type} has no device graph")
     return {
         "preset": cfg.name,
         "layers": cfg.num_layers,
@@ -203,7 +215,14 @@ def bench(cfg: Config, layers: Optional[int] = None, steps: int = 20, naive_step
         "repeats": repeats,
         "naive_steps": naive_steps,
         "steps_per_s": sps,
+        "eager_steps_per_s": eager_sps,
+        "captured_steps_per_s": graph_sps,
+        "graph": captured.graph_status.state if captured is not None else "unavailable",
+        "graph_note": graph_note,
+        "eager_bandwidth_ratio": eager_sps * nbytes["total"] / copy_bps,
+        "captured_bandwidth_ratio": graph_sps * nbytes["total"] / copy_bps if graph_sps else None,
         "steps_per_s_blocks": [1.0 / b for b in blocks],
+        "captured_steps_per_s_blocks": [1.0 / b for b in graph_blocks],
         "naive_steps_per_s": naive_sps,
         "speedup": sps / naive_sps,
         "min_bytes_per_step": nbytes["total"],
@@ -246,11 +265,15 @@ def format_bench(res: dict) -> str:
         f"by threads: {_by_threads(res, 'probe_steps_per_s_by_threads')}), "
         f"load avg {res['load_avg_1min']:.2f}",
         f"  GDN verify: {res['verify_kernel']}; native kernel status: {res['native_kernel']}",
-        f"  vectorised  {res['steps_per_s']:9.2f} steps/s   (best of {res['repeats']} blocks of "
-        f"{res['steps']} steps)",
+        f"  vectorised  {res['eager_steps_per_s']:9.2f} steps/s   (eager; best of {res['repeats']} blocks of "
+        f"{res['steps']} steps) = {res['eager_bandwidth_ratio']:.3f} of copy bandwidth",
+        (f"  captured    {res['captured_steps_per_s']:9.2f} steps/s   (device graph replays; "
+         f"{res['captured_steps_per_s'] / res['eager_steps_per_s']:.1f}x eager) = "
+         f"{res['captured_bandwidth_ratio']:.3f} of copy bandwidth" if res.get("captured_steps_per_s")
+         else f"  captured          n/a   ({res.get('graph_note', 'no device graph')})"),
         f"  naive       {res['naive_steps_per_s']:9.2f} steps/s   (best of {res['naive_steps']} "
         f"single steps)",
-        f"  speedup     {res['speedup']:9.1f} x",
+        f"  speedup     {res['speedup']:9.1f} x (the faster of eager and captured over naive)",
         f"  min bytes   {mib:9.1f} MiB/step",
         f"  effective   {res['effective_bandwidth_GBps']:9.2f} GB/s = {res['bandwidth_ratio']:.3f} of "
         f"copy bandwidth {res['copy_bandwidth_GBps']:.1f} GB/s (read + write, "

@@ -38,13 +38,13 @@ def conv_mix(window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> tor
     float64 ``[L, N, D, C]`` holding bf16 values."""
     L, N, D, C = x.shape
     Kc = weight.shape[-1]
-    out = torch.empty(L, N, D, C, dtype=F64)
+    out = torch.empty(L, N, D, C, dtype=F64, device=x.device)
     for l in range(L):
         w = weight[l].to(F64)  # [C, Kc]
         for n in range(N):
             seq = torch.cat([window[l, n].to(F64), x[l, n].to(F64)], 0)  # [Kc-1+D, C]
             for t in range(D):
-                acc = torch.zeros(C, dtype=F64)
+                acc = torch.zeros(C, dtype=F64, device=x.device)
                 for m in range(Kc):
                     acc = acc + w[:, m] * seq[t + m]
                 out[l, n, t] = (acc / (1.0 + torch.exp(-acc))).to(torch.float32).to(torch.bfloat16).to(F64)
@@ -103,7 +103,7 @@ def recurrent_gated_delta_rule(mix, beta, g, recurrent_state, blocks, cache_indi
     """
     L, B, S, _ = mix.shape
     V, K = recurrent_state.shape[-2:]
-    out = torch.zeros(L, B, S, nv, V, dtype=dtype)
+    out = torch.zeros(L, B, S, nv, V, dtype=dtype, device=mix.device)
     for l in range(L):
         for b in range(B):
             i = int(ssm_state_indices[b, int(num_accepted_tokens[b]) - 1])
@@ -127,8 +127,8 @@ def gdn_decode(h0: torch.Tensor, q, k, v, decay, beta, num_tokens: list[int], st
     decay, beta ``[L, N, D, HV]``. Returns (final states ``[L, N, HV, V, K]``, outputs)."""
     L, N, D, HV, K = q.shape
     V = v.shape[-1]
-    final = torch.empty(L, N, HV, V, K, dtype=dtype)
-    out = torch.zeros(L, N, D, HV, V, dtype=dtype)
+    final = torch.empty(L, N, HV, V, K, dtype=dtype, device=h0.device)
+    out = torch.zeros(L, N, D, HV, V, dtype=dtype, device=h0.device)
     for l in range(L):
         for n in range(N):
             for hd in range(HV):
