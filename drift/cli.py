@@ -8,6 +8,8 @@
   drift tradeoff       syncs, bytes, drift and verdicts per built-in update
   drift mutants        mutation score of the PR-gating checks
   drift regen-golden   regenerate golden trajectories (deliberately: review the diff)
+  drift capture        record a transformers model's GDN inputs into a trace file
+  drift trace-stats    decay, beta, key rank and value scale of a trace next to the presets'
 
 Exit codes (:mod:`drift.errors`): 0 every check passed; 1 a check failed; 2 usage, config,
 load, data or device error -- every bad input is rejected before any work starts.
@@ -37,14 +39,26 @@ CONFIG_OPTIONS = ("preset", "steps", "seed", "device", "profile", "rounding", "p
 
 # ------------------------------------------------------------------ helpers
 def config_from_args(args: argparse.Namespace, **defaults) -> Config:
-    """The preset named by ``--preset`` with every config option given on the command line."""
+    """The preset named by ``--preset`` with every config option given on the command line; with
+    ``--trace FILE`` replaying that trace on the preset's batch (:meth:`Config.from_trace`: the
+    trace read and validated here, before any work)."""
     cfg = preset(args.preset)
     if getattr(args, "profile", None):
         cfg = cfg.with_profile(args.profile)
     fields = {"steps": "steps", "seed": "seed", "device": "device", "rounding": "store_rounding",
               "pattern": "pattern"}
     changes = {**defaults, **{f: getattr(args, a) for a, f in fields.items() if getattr(args, a, None) is not None}}
-    cfg = cfg.replace(**changes) if changes else cfg
+    trace, loop = getattr(args, "trace", None), bool(getattr(args, "loop", False))
+    if loop and not trace:
+        raise ConfigError("--loop needs --trace FILE: it wraps the positions of a replayed trace")
+    if trace:
+        from .sim.stream import load_trace
+
+        steps = changes.pop("steps", None)
+        cfg = cfg.replace(**changes) if changes else cfg
+        cfg = Config.from_trace(load_trace(trace), cfg, steps=steps, loop=loop)
+    else:
+        cfg = cfg.replace(**changes) if changes else cfg
     resolve_device(cfg.device)
     return cfg
 
@@ -70,7 +84,7 @@ def _output_format(p: argparse.ArgumentParser) -> None:
 
 # ---------------------------------------------------------------------- run
 def add_run(p: argparse.ArgumentParser) -> None:
-    add_options(p.add_argument, CONFIG_OPTIONS + ("update", "kernel", "mode"))
+    add_options(p.add_argument, CONFIG_OPTIONS + ("update", "kernel", "mode", "trace", "loop"))
     p.add_argument("--vs-sequential", action="store_true",
                    help="also decode the stream sequentially in lockstep and report the MTP-vs-sequential divergence")
     p.add_argument("--report", type=Path, metavar="DIR", help="write report.json, report.md and drift_vs_step.png here")
@@ -85,9 +99,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     report_dir = writable_dir(args.report, "--report") if args.report else None
     update = load_update(args.update) if args.mode == "mtp" else None
     kernel = load_kernel(args.kernel)
+    golden = None
+    if cfg.trace:  # the trace's golden data beside it, generated on first use (saying so), before the run
+        from .check.golden import load_golden
+
+        golden, _ = load_golden(cfg)
     progress = None if args.quiet else progress_printer(f"drift run {cfg.name}")
     rep = run_checked(cfg, update, mode=args.mode, progress=progress, vs_sequential=args.vs_sequential,
-                      verify_kernel=kernel)
+                      verify_kernel=kernel, golden=golden)
     print(summary_text(rep))
     if report_dir is not None:
         for path in write_report(rep, report_dir):
@@ -152,7 +171,8 @@ def add_nightly(p: argparse.ArgumentParser) -> None:
                                DEFAULT_UPDATES, TREND_FACTOR, VARIANTS)
 
     add_options(p.add_argument, ("preset", "seed", "update"), repeat=("preset", "seed", "update"))
-    add_options(p.add_argument, ("steps", "device"), defaults={"steps": DEFAULT_STEPS})
+    add_options(p.add_argument, ("steps", "device", "trace", "loop"), defaults={"steps": None},
+                default_text={"steps": f"{DEFAULT_STEPS}; with --trace the whole trace"})
     p.add_argument("--variant", action="append", default=[], choices=VARIANTS,
                    help=f"store variant (repeatable; default: all of {', '.join(VARIANTS)})")
     p.add_argument("--layers", default="auto", help=f"auto ({CPU_LAYERS} on cpu, all elsewhere), all, or N")
@@ -170,22 +190,32 @@ def cmd_nightly(args: argparse.Namespace) -> int:
     from .jobs.nightly import VARIANTS, build_matrix, layers_for, parse_shard, read_report, run_nightly, shard
     from .jobs.report import progress_printer
 
+    from .jobs.nightly import DEFAULT_STEPS
+
     presets, updates = args.nightly_defaults
     resolve_device(args.device)
     layers = layers_for(args.device, args.layers)
     updates = args.update or list(updates)
     for spec in updates:
         load_update(spec)  # a bad spec is an error now, not after hours
+    if args.loop and not args.trace:
+        raise ConfigError("--loop needs --trace FILE: it wraps the positions of a replayed trace")
+    steps = args.steps if (args.steps is not None or args.trace) else DEFAULT_STEPS
     entries = build_matrix(args.preset or presets, args.seed or [0], updates, args.variant or VARIANTS,
-                           args.steps, layers)
+                           steps, layers, trace=args.trace or "", loop=args.loop)
+    if args.trace:
+        for e in entries:
+            e.config(args.device)  # a bad trace, or steps past its end, is an error now, not after hours
     k, n = parse_shard(args.shard)
     mine = shard(entries, k, n)
     baseline = read_report(args.baseline) if args.baseline else None
     if not args.trend_factor > 0:
         raise ConfigError(f"--trend-factor {args.trend_factor} is invalid; allowed: a number > 0")
     out = writable_dir(args.report, "--report")
-    print(f"drift nightly: {len(mine)} of {len(entries)} entries (shard {k}/{n}), {args.steps} steps each, "
-          f"device {args.device}" + (f", at most {layers} layers per preset" if layers else ""), file=sys.stderr)
+    steps_text = f"{steps} steps" if steps is not None else "the whole trace"
+    print(f"drift nightly: {len(mine)} of {len(entries)} entries (shard {k}/{n}), {steps_text} each, "
+          f"device {args.device}" + (f", at most {layers} layers per preset" if layers else "")
+          + (f", trace {args.trace}" + (" (looped)" if args.loop else "") if args.trace else ""), file=sys.stderr)
     report, written = run_nightly(entries, mine, f"{k}/{n}", args.device, out, args.checkpoint_every, args.resume,
                                   baseline, args.trend_factor, None if args.quiet else progress_printer)
     for path in written:
@@ -262,13 +292,139 @@ def add_regen_golden(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="overwrite golden data that changed")
     p.add_argument("--golden-dir", type=Path, metavar="DIR",
                    help="golden directory (default: $DRIFT_GOLDEN_DIR, else the one drift reads)")
+    p.add_argument("--trace", metavar="FILE", help="the golden data of this trace instead, beside it in NAME.golden/ "
+                   "(drift run --trace makes it on first use; this shows the diff and overwrites only with --force)")
 
 
 def cmd_regen_golden(args: argparse.Namespace) -> int:
-    from .check.golden import golden_dir, regenerate
+    from .check.golden import golden_dir, regenerate, trace_golden_dir, write_trace_golden
 
+    if args.trace:
+        from .config import DEFAULT_PRESET
+        from .sim.stream import load_trace
+
+        if args.golden_dir:
+            raise ConfigError("--golden-dir does not apply with --trace: a trace's golden data lives beside it "
+                              f"({trace_golden_dir(args.trace)})")
+        if len(args.preset) > 1:
+            raise ConfigError("--trace takes at most one --preset (its batch; the golden data depends on the trace "
+                              "and the seed only)")
+        base = preset(args.preset[0] if args.preset else DEFAULT_PRESET)
+        base = base.replace(seed=args.seed) if args.seed is not None else base
+        cfg = Config.from_trace(load_trace(args.trace), base)
+        writable_dir(trace_golden_dir(args.trace), "--trace (its golden directory)")
+        return write_trace_golden(cfg, force=args.force, out=sys.stdout)
     directory = writable_dir(args.golden_dir or golden_dir(), "--golden-dir")
     return regenerate(args.preset or args.golden_presets, args.seed, args.force, directory)
+
+
+# ------------------------------------------------------------------ capture
+def add_capture(p: argparse.ArgumentParser) -> None:
+    from .capture.transformers_capture import TINY_ARCHS
+    from .options import device_name, seed_int
+
+    p.add_argument("--model", default="tiny", metavar="tiny|PATH",
+                   help="tiny: a tiny randomly initialised Qwen3-Next/Qwen3.5 (no download); PATH: a local "
+                        "Hugging Face checkpoint directory (default: tiny)")
+    p.add_argument("--arch", choices=TINY_ARCHS, default="qwen3_next", help="architecture of --model tiny "
+                   "(default: qwen3_next)")
+    p.add_argument("--tokens", type=positive_int, default=64, metavar="N",
+                   help="tokens decoded (greedily) per sequence after the prompt (default: 64)")
+    p.add_argument("--prompt-len", type=positive_int, default=16, metavar="P",
+                   help="random prompt tokens per sequence, recorded too (default: 16)")
+    p.add_argument("--sequences", type=positive_int, default=4, metavar="R",
+                   help="sequences decoded together; a replay runs one request per sequence (default: 4)")
+    p.add_argument("--seed", type=seed_int, default=0, metavar="S",
+                   help="seed of the random prompts (and of --model tiny's weights) (default: 0)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="dtype the model runs in, and the trace stores (default: bfloat16)")
+    p.add_argument("--device", type=device_name, default="cpu", metavar="D",
+                   help="where the model runs: cpu, cuda or npu (default: cpu)")
+    p.add_argument("--out", type=Path, required=True, metavar="FILE",
+                   help="the trace: FILE.npz and its manifest FILE.json, written atomically")
+
+
+def _need_transformers() -> None:
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ConfigError(f"drift capture needs transformers>=5, which is not importable ({exc}); install "
+                          "drift's capture extra: pip install 'drift[capture]'") from None
+    major = transformers.__version__.split(".")[0]
+    if not major.isdigit() or int(major) < 5:
+        raise ConfigError(f"drift capture needs transformers>=5, this is {transformers.__version__}; install "
+                          "drift's capture extra: pip install 'drift[capture]'")
+
+
+def cmd_capture(args: argparse.Namespace) -> int:
+    import torch
+
+    from .sim.tracefile import read_trace, trace_paths
+
+    npz, man = trace_paths(args.out)
+    writable_dir(npz.parent, "--out")
+    if args.model != "tiny" and not (Path(args.model) / "config.json").is_file():
+        raise ConfigError(f"--model {args.model}: not a checkpoint directory (no config.json); pass tiny or a local "
+                          "Hugging Face model directory (drift capture downloads nothing)")
+    _need_transformers()
+    resolve_device(args.device)
+    from .capture.transformers_capture import build_tiny_model, capture_to_file, load_model
+
+    dtype = getattr(torch, args.dtype)
+    if args.model == "tiny":
+        # Rotary positions past max_position_embeddings work but make generate warn: size it to the trace.
+        model = build_tiny_model(args.arch, seed=args.seed, dtype=dtype,
+                                 max_position_embeddings=max(512, args.prompt_len + args.tokens + 1))
+        model = model.to(args.device)
+        what = f"tiny {args.arch} (random weights, seed {args.seed})"
+    else:
+        model = load_model(args.model, dtype=dtype, device=args.device)
+        what = args.model
+    print(f"drift capture: {what}, {args.dtype}, {args.sequences} sequence(s) x ({args.prompt_len} prompt + "
+          f"{args.tokens} decoded) tokens on {args.device} ...", file=sys.stderr, flush=True)
+    path = capture_to_file(model, npz, tokens=args.tokens, prompt_len=args.prompt_len, sequences=args.sequences,
+                           seed=args.seed)
+    tr = read_trace(path)
+    m = tr.manifest
+    per_tok = m["bytes_per_token_per_layer"]
+    print(f"wrote {path} and {man}")
+    print(tr.describe())
+    itemsize = 2 if m["dtype"] == "bfloat16" else 4
+    print(f"bytes per token per layer: {per_tok} (x, a, b: (C + 2*HV) * {itemsize} = ({m['conv_channels']} + "
+          f"2*{m['num_v_heads']}) * {itemsize}); {per_tok * m['num_layers']} B per token over {m['num_layers']} GDN "
+          f"layers; npz {m['bytes']} bytes, sha256 {m['sha256'][:16]}...")
+    print(f"model {m['model']['name']} ({m['model']['source']}), GDN layers {m['layers']}, prompt "
+          f"{m['model'].get('prompt_tokens')} + decoded {m['model'].get('decoded_tokens')} tokens per sequence")
+    print(f"replay: drift run --trace {path}    statistics: drift trace-stats {path}")
+    return EXIT_PASS
+
+
+# -------------------------------------------------------------- trace-stats
+def add_trace_stats(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", metavar="FILE", help="a trace (NAME.npz, NAME.json or NAME)")
+    p.add_argument("--plot", type=Path, metavar="PNG", help="also write one PNG comparing the trace with the presets")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--preset-tokens", type=positive_int, default=512, metavar="N",
+                   help="tokens per request of each synthetic preset's stream measured alongside (default: 512)")
+
+
+def cmd_trace_stats(args: argparse.Namespace) -> int:
+    from .jobs.trace_stats import format_stats, plot_stats, preset_stats, trace_stats
+    from .sim.tracefile import read_trace
+
+    if args.plot is not None:
+        writable_dir(args.plot.parent if str(args.plot.parent) else Path("."), "--plot")
+    tr = read_trace(args.file)
+    stats = {"trace": trace_stats(tr), "presets": preset_stats(tokens=args.preset_tokens)}
+    if args.plot is not None:
+        plot_stats(stats, args.plot)
+    if args.json:
+        print(json.dumps(stats, indent=2, allow_nan=False))
+    else:
+        print(format_stats(stats))
+    if args.plot is not None:
+        print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
+    return EXIT_PASS
 
 
 # ---------------------------------------------------------------- registry
@@ -283,6 +439,9 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "mutants": ("mutation score of the PR-gating checks", add_mutants, cmd_mutants),
     "regen-golden": ("regenerate golden trajectories (review the printed diff)", add_regen_golden,
                      cmd_regen_golden),
+    "capture": ("record a transformers model's GDN verify inputs into a trace file", add_capture, cmd_capture),
+    "trace-stats": ("decay, beta, key rank and value scale of a trace next to the presets'", add_trace_stats,
+                    cmd_trace_stats),
 }
 
 

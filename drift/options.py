@@ -10,6 +10,7 @@ command (``--update``), ``"drift-"`` for pytest (``--drift-update``) -- pytest-b
   --profile P     state-store profile       --rounding R   store rounding of the state
   --pattern P     acceptance pattern        --mode M       mtp or sequential decode
   --update SPEC   the update under test     --kernel SPEC  the verify kernel under test
+  --trace FILE    replay a captured trace   --loop         wrap positions past the trace's end
 
 Values are checked by the type functions below, so a bad one is a usage error (exit 2) before
 any work starts.
@@ -84,9 +85,14 @@ SPECS: dict[str, dict] = {
                    "mutant:<name>, package.module:qualname or path/to/file.py:qualname"),
     "kernel": dict(metavar="SPEC", help="verify kernel under test: portable, npu, npu-op:<spec>, "
                    "mutant:<name>, package.module:qualname or path/to/file.py:qualname"),
+    "trace": dict(metavar="FILE", help="replay a captured trace (NAME.npz + NAME.json, from drift capture) "
+                  "instead of the synthetic stream: its model shapes, tokens and constants; golden data "
+                  "beside it (NAME.golden/, generated on first use); without --steps the whole trace"),
+    "loop": dict(action="store_true", help="with --trace: positions past the trace's end wrap around "
+                 "(token p mod tokens; the conv window wraps too), so --steps may exceed the trace"),
 }
 DEFAULTS: dict[str, object] = {"preset": DEFAULT_PRESET, "device": "cpu", "update": DEFAULT_UPDATE,
-                               "kernel": "portable", "mode": "mtp"}
+                               "kernel": "portable", "mode": "mtp", "loop": False}
 
 
 def dest(prefix: str, name: str) -> str:
@@ -95,17 +101,26 @@ def dest(prefix: str, name: str) -> str:
 
 
 def add_options(addoption: Callable, names: Iterable[str], prefix: str = "", repeat: Iterable[str] = (),
-                defaults: Optional[dict] = None) -> None:
+                defaults: Optional[dict] = None, default_text: Optional[dict] = None) -> None:
     """Declare ``names`` (keys of :data:`SPECS`) through ``addoption``; those in ``repeat`` may be
-    given more than once (a list, empty when absent); ``defaults`` override :data:`DEFAULTS`."""
+    given more than once (a list, empty when absent); ``defaults`` override :data:`DEFAULTS`;
+    ``default_text`` says in the help what a default means where the value alone would not."""
     repeat = set(repeat)
     for name in names:
         kw = dict(SPECS[name])
         if name in repeat:
             kw.update(action="append", default=[])
             kw["help"] += " (repeatable)"
+        elif kw.get("action") == "store_true":
+            kw["default"] = False
         else:
             default = {**DEFAULTS, **(defaults or {})}.get(name)
             kw["default"] = default
-            kw["help"] += f" (default: {default})" if default is not None else " (default: the preset's)"
+            text = (default_text or {}).get(name)
+            if text is not None:
+                kw["help"] += f" (default: {text})"
+            elif name == "trace":
+                kw["help"] += " (default: none, the synthetic stream)" if default is None else f" (default: {default})"
+            else:
+                kw["help"] += f" (default: {default})" if default is not None else " (default: the preset's)"
         addoption(f"--{prefix}{name}", dest=dest(prefix, name), **kw)

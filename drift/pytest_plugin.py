@@ -13,6 +13,10 @@ Options:
   --drift-preset P      the preset (default ci-small)
   --drift-steps N       decode steps (default: the preset's)
   --drift-seed S        the stream's seed (default: the preset's)
+  --drift-trace FILE    replay a captured trace (drift capture) instead of the synthetic stream:
+                        its shapes and tokens on the preset's batch, golden data beside it
+                        (generated on first use); without --drift-steps the whole trace
+  --drift-loop          with --drift-trace: positions past its end wrap around
   --drift-force-regen   regenerate golden data a test asks for, then fail that test so the
                         change is reviewed (as pytest-regressions' --force-regen)
 
@@ -24,8 +28,8 @@ from __future__ import annotations
 
 import pytest
 
-from drift.check.golden import GOLDEN_PRESETS, load_golden, regenerate
-from drift.config import preset
+from drift.check.golden import GOLDEN_PRESETS, load_golden, regenerate, write_trace_golden
+from drift.config import Config, preset
 from drift.devices import resolve_device
 from drift.errors import DeviceUnavailable
 from drift.options import DEFAULTS, add_options, dest
@@ -43,8 +47,8 @@ PREFIX = "drift-"
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("drift", "drift precision-drift suite")
-    add_options(group.addoption, ("device", "update", "kernel", "preset", "steps", "seed"), prefix=PREFIX,
-                repeat=("update",))
+    add_options(group.addoption, ("device", "update", "kernel", "preset", "steps", "seed", "trace", "loop"),
+                prefix=PREFIX, repeat=("update",))
     group.addoption("--drift-force-regen", action="store_true", default=False,
                     help="regenerate golden trajectories used by the tests (then fail them for review)")
 
@@ -85,9 +89,20 @@ def drift_device(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def drift_config(request: pytest.FixtureRequest, drift_device: str):
-    """The preset chosen by --drift-preset/--drift-steps, on --drift-device."""
+    """The preset chosen by --drift-preset/--drift-steps, on --drift-device; with --drift-trace
+    replaying that trace on the preset's batch (drift.config.Config.from_trace)."""
     opt = request.config.getoption
     cfg = preset(opt(dest(PREFIX, "preset")), device=drift_device)
+    trace, loop = opt(dest(PREFIX, "trace")), bool(opt(dest(PREFIX, "loop")))
+    if loop and not trace:
+        pytest.fail("--drift-loop needs --drift-trace FILE: it wraps the positions of a replayed trace",
+                    pytrace=False)
+    if trace:
+        from drift.sim.stream import load_trace
+
+        if opt(dest(PREFIX, "seed")) is not None:
+            cfg = cfg.replace(seed=opt(dest(PREFIX, "seed")))
+        return Config.from_trace(load_trace(trace), cfg, steps=opt(dest(PREFIX, "steps")), loop=loop)
     changes = {k: opt(dest(PREFIX, k)) for k in ("steps", "seed") if opt(dest(PREFIX, k)) is not None}
     return cfg.replace(**changes) if changes else cfg
 
@@ -110,10 +125,13 @@ def drift_golden(request: pytest.FixtureRequest):
             import io
 
             out = io.StringIO()
-            regenerate([cfg.name], seed=cfg.seed, force=True, out=out)
+            if cfg.trace:
+                write_trace_golden(cfg, force=True, out=out)
+            else:
+                regenerate([cfg.name], seed=cfg.seed, force=True, out=out)
             pytest.fail(f"--drift-force-regen: golden for {cfg.name} seed {cfg.seed} regenerated:\n"
                         f"{out.getvalue()}review the diff and re-run without --drift-force-regen")
-        golden, note = load_golden(cfg)
+        golden, note = load_golden(cfg)  # a trace's: generated beside it on first use
         if golden is None:
             pytest.fail(f"no golden data for {cfg.name} seed {cfg.seed} ({note}); PR-gating presets "
                         f"{GOLDEN_PRESETS} must have it: drift regen-golden --preset {cfg.name}")

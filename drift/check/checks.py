@@ -222,7 +222,9 @@ class GoldenCheck(Check):
             return CheckResult(self.name, True, None, None, "", f"not applicable: {comp.golden_note}; "
                                "the float64 twin is the reference", extra={"applicable": False})
         res = super().result()
-        hint = f"if the generator or the preset changed on purpose: drift regen-golden --preset {comp.golden.name} --force"
+        hint = (f"if the generator or the trace changed on purpose: {comp.golden.regen_hint}"
+                if getattr(comp.golden, "regen_hint", "") else
+                f"if the generator or the preset changed on purpose: drift regen-golden --preset {comp.golden.name} --force")
         if self.ckpt_fail:
             res.passed = False
             res.detail = (res.detail + "; " if res.detail else "") + f"checkpoint state/window differs ({self.ckpt_fail})"

@@ -19,6 +19,15 @@ float64 (its own conv, gating, quantisation of the op's inputs, norms and recurr
 shared with drift.sim.kernels beyond the input stream), run one position at a time on one
 thread so regeneration is byte-for-byte reproducible. At run time the float64 twin is
 validated against it.
+
+A replayed trace (``cfg.trace``, drift.sim.stream) has its golden data beside it: for
+``DIR/NAME.npz`` the directory ``DIR/NAME.golden/`` with its own ``manifest.json`` (same schema,
+same generator, same array format, covering every position of the trace), one entry per
+``trace/seed<S>/<stream_hash>`` -- the hash covers the trace's sha256 and the replayed layers and
+sequences, so golden data of one trace never serves another. :func:`load_golden` generates a
+missing entry on first use (saying so on stderr, written atomically; review it with ``drift
+regen-golden --trace NAME.npz``, which prints the diff against what is stored and overwrites a
+changed entry only with ``--force``); a damaged one raises :class:`GoldenError` naming the file.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from ..config import PRESETS, Config, preset
 from ..errors import GoldenError
 from ..fileio import atomic_write_bytes, atomic_write_json, load_npz, npz_bytes
 from ..sim.stream import StreamParams, TrueTokens, max_position
+from ..sim.tracefile import trace_paths
 
 SCHEMA = 1
 GENERATOR_VERSION = "2"  # 2: the op's quantised inputs (bf16 mix_qkv, fp32 g), [V, K] states
@@ -114,19 +124,23 @@ def _golden_step(cfg: Config, prm: dict, S: torch.Tensor, window: torch.Tensor, 
     return S, seq[:, :, 1:], o
 
 
-def generate(cfg: Config, steps: Optional[int] = None) -> dict[str, np.ndarray]:
-    """The golden arrays for ``cfg`` over ``steps`` decode steps (default: the preset's)."""
+def generate(cfg: Config, steps: Optional[int] = None, positions: Optional[int] = None,
+             checkpoint_every: int = CHECKPOINT_EVERY) -> dict[str, np.ndarray]:
+    """The golden arrays for ``cfg`` over ``steps`` decode steps (default: the preset's), or over
+    exactly ``positions`` positions when given (a trace: all of its tokens); a full checkpoint
+    every ``checkpoint_every`` positions."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # fixed reduction order: byte-identical regeneration
     try:
-        return _generate(cfg, steps)
+        return _generate(cfg, steps, positions, checkpoint_every)
     finally:
         torch.set_num_threads(threads)
 
 
-def _generate(cfg: Config, steps: Optional[int]) -> dict[str, np.ndarray]:
+def _generate(cfg: Config, steps: Optional[int], positions: Optional[int] = None,
+              checkpoint_every: int = CHECKPOINT_EVERY) -> dict[str, np.ndarray]:
     L, R, HV, K, V = cfg.num_layers, cfg.num_requests, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
-    P = max_position(cfg, steps)
+    P = max_position(cfg, steps) if positions is None else int(positions)
     params = StreamParams.generate(cfg)
     prm = {k: getattr(params, k).to(F64) for k in ("A_log", "dt_bias", "conv_weight")}
     vec = projection_vectors(cfg)
@@ -137,7 +151,7 @@ def _generate(cfg: Config, steps: Optional[int]) -> dict[str, np.ndarray]:
     proj_state = np.zeros((P + 1, L, R, HV), np.float32)
     state_norm = np.zeros((P + 1, L, R, HV), np.float32)
     proj_out = np.zeros((P, L, R, HV), np.float32)
-    ckpt_pos = np.arange(CHECKPOINT_EVERY, P + 1, CHECKPOINT_EVERY, dtype=np.int64)
+    ckpt_pos = np.arange(checkpoint_every, P + 1, checkpoint_every, dtype=np.int64)
     ckpt_state = np.zeros((len(ckpt_pos), L, R, HV, V, K), np.float32)
     ckpt_window = np.zeros((len(ckpt_pos), L, R, cfg.conv_kernel - 1, cfg.conv_channels), np.float32)
     ckpt_out = np.zeros((len(ckpt_pos), L, R, HV, V), np.float32)
@@ -152,8 +166,8 @@ def _generate(cfg: Config, steps: Optional[int]) -> dict[str, np.ndarray]:
             proj_state[p + 1] = torch.einsum("lhv,lrhvk,lhk->lrh", w, h, u).numpy()
             state_norm[p + 1] = torch.linalg.vector_norm(h, dim=(-2, -1)).numpy()
             proj_out[p] = torch.einsum("lrhv,lhv->lrh", o, wo).numpy()
-            if (p + 1) % CHECKPOINT_EVERY == 0:
-                c = (p + 1) // CHECKPOINT_EVERY - 1
+            if (p + 1) % checkpoint_every == 0:
+                c = (p + 1) // checkpoint_every - 1
                 ckpt_state[c], ckpt_window[c], ckpt_out[c] = h.numpy(), window.numpy(), o.numpy()
     return {"proj_state": proj_state, "state_norm": state_norm, "proj_out": proj_out,
             "ckpt_pos": ckpt_pos, "ckpt_state": ckpt_state, "ckpt_window": ckpt_window,
@@ -170,6 +184,7 @@ class Golden:
     steps: int
     path: Path
     arrays: dict
+    regen_hint: str = ""  # the command that regenerates it (set for a trace's golden data)
 
     @property
     def max_position(self) -> int:
@@ -180,18 +195,20 @@ class Golden:
                 f"{len(self.arrays['ckpt_pos'])} full checkpoints)")
 
 
-def _read_manifest(directory: Path) -> dict:
+def _read_manifest(directory: Path, hint: str = "drift regen-golden --force") -> dict:
     path = directory / "manifest.json"
     if not path.exists():
         return {"schema": SCHEMA, "generator_version": GENERATOR_VERSION, "entries": {}}
     try:
         manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise GoldenError(f"{path} is not valid JSON ({exc}); restore it from git or regenerate all "
-                          "golden data: drift regen-golden --force") from exc
-    if manifest.get("schema") != SCHEMA:
-        raise GoldenError(f"{path} has schema {manifest.get('schema')!r}, this drift reads schema {SCHEMA}; "
-                          "regenerate: drift regen-golden --force")
+                          f"golden data: {hint}") from exc
+    if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA:
+        raise GoldenError(f"{path} has schema {manifest.get('schema') if isinstance(manifest, dict) else None!r}, "
+                          f"this drift reads schema {SCHEMA}; regenerate: {hint}")
+    if not isinstance(manifest.get("entries"), dict):
+        raise GoldenError(f"{path} has no 'entries' object; regenerate: {hint}")
     return manifest
 
 
@@ -214,6 +231,8 @@ def load_golden(cfg: Config, directory: Optional[Path] = None) -> tuple[Optional
     Raises GoldenError (naming the file and the regeneration command) when an entry exists
     but its file is missing, truncated, corrupted or stale for the preset it claims.
     """
+    if cfg.trace:
+        return _load_trace_golden(cfg, directory)
     directory = golden_dir() if directory is None else Path(directory)
     manifest = _read_manifest(directory)
     entry = manifest["entries"].get(_entry_key(cfg.name, cfg.seed))
@@ -232,25 +251,164 @@ def load_golden(cfg: Config, directory: Optional[Path] = None) -> tuple[Optional
                               f"the preset changed; regenerate: {hint}")
         return None, (f"config differs from preset {cfg.name!r} in fields that shape the trajectory; "
                       "golden does not apply")
+    g = _load_entry(cfg, directory, entry, hint)
+    return g, g.describe()
+
+
+def _load_entry(cfg: Config, directory: Path, entry: dict, hint: str) -> Golden:
+    """The arrays of a manifest entry, every file check made (GoldenError naming the file and ``hint``)."""
     if entry.get("generator_version") != GENERATOR_VERSION:
-        raise GoldenError(f"golden for {cfg.name} was made by generator {entry.get('generator_version')}, "
-                          f"this drift is generator {GENERATOR_VERSION}; regenerate: {hint}")
-    (fname, meta), = entry["files"].items()
+        raise GoldenError(f"golden for {cfg.name} in {directory / 'manifest.json'} was made by generator "
+                          f"{entry.get('generator_version')}, this drift is generator {GENERATOR_VERSION}; "
+                          f"regenerate: {hint}")
+    try:
+        (fname, meta), = entry["files"].items()
+        size, digest, steps = int(meta["size"]), str(meta["sha256"]), int(entry["steps"])
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise GoldenError(f"golden entry for {cfg.name} in {directory / 'manifest.json'} is malformed ({exc!r}); "
+                          f"regenerate: {hint}") from exc
     path = directory / fname
     if not path.exists():
         raise GoldenError(f"golden file {path} listed in manifest.json is missing; regenerate: {hint}")
     data = path.read_bytes()
-    if len(data) != meta["size"] or _sha256(data) != meta["sha256"]:
+    if len(data) != size or _sha256(data) != digest:
         raise GoldenError(f"golden file {path} is truncated or corrupted (size {len(data)} vs "
-                          f"{meta['size']}, sha256 mismatch={_sha256(data) != meta['sha256']}); "
+                          f"{size}, sha256 mismatch={_sha256(data) != digest}); "
                           f"restore it from git or regenerate: {hint}")
     try:
         arrays = load_npz(path)
     except Exception as exc:
         raise GoldenError(f"golden file {path} cannot be read ({exc}); regenerate: {hint}") from exc
     _check_shapes(cfg, arrays, path, hint)
-    g = Golden(cfg.name, cfg.seed, int(entry["steps"]), path, arrays)
-    return g, g.describe()
+    return Golden(cfg.name, cfg.seed, steps, path, arrays)
+
+
+# --------------------------------------------------------------- trace golden
+def trace_golden_dir(trace: str | os.PathLike) -> Path:
+    """Where a trace's golden data lives: ``DIR/NAME.golden/`` beside ``DIR/NAME.npz``."""
+    npz, _ = trace_paths(trace)
+    return npz.with_name(npz.stem + ".golden")
+
+
+TRACE_CHECKPOINTS = 4  # full-state checkpoints spread over a trace ...
+TRACE_CHECKPOINT_BYTES = 64 << 20  # ... as many of the 4 as fit in 64 MiB
+
+
+def trace_checkpoint_every(cfg: Config) -> int:
+    """Positions between full checkpoints of a trace's golden data: up to TRACE_CHECKPOINTS evenly
+    over the trace (a trace is usually far shorter than CHECKPOINT_EVERY), as many as fit in
+    TRACE_CHECKPOINT_BYTES (a full checkpoint of a large model is big); none past the trace."""
+    L, R, HV, K, V, Kc, C = (cfg.num_layers, cfg.num_requests, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim,
+                             cfg.conv_kernel, cfg.conv_channels)
+    per = 4 * L * R * (HV * V * K + (Kc - 1) * C + HV * V)
+    n = min(TRACE_CHECKPOINTS, TRACE_CHECKPOINT_BYTES // max(per, 1), cfg.trace_tokens)
+    return max(1, cfg.trace_tokens // n) if n >= 1 else cfg.trace_tokens + 1
+
+
+def _trace_key(cfg: Config) -> str:
+    return f"trace/seed{cfg.seed}/{cfg.stream_hash()}"
+
+
+def trace_regen_hint(cfg: Config) -> str:
+    seed = f" --seed {cfg.seed}" if cfg.seed else ""
+    return f"drift regen-golden --trace {cfg.trace}{seed} --force (or delete the entry's directory to start over)"
+
+
+def _load_trace_golden(cfg: Config, directory: Optional[Path]) -> tuple[Golden, str]:
+    directory = trace_golden_dir(cfg.trace) if directory is None else Path(directory)
+    hint = trace_regen_hint(cfg)
+    manifest = _read_manifest(directory, hint)
+    key = _trace_key(cfg)
+    entry = manifest["entries"].get(key)
+    if entry is None:
+        print(f"drift: no golden data for trace {cfg.trace} (seed {cfg.seed}, {cfg.num_layers} layers, "
+              f"{cfg.num_requests} sequences) in {directory}: generating it now from the trace (float64, "
+              f"{cfg.trace_tokens} positions); review it with drift regen-golden --trace {cfg.trace}",
+              file=sys.stderr, flush=True)
+        try:
+            write_trace_golden(cfg, directory, force=False, out=sys.stderr)
+        except OSError as exc:
+            raise GoldenError(f"cannot write the golden data of trace {cfg.trace} into {directory} "
+                              f"({exc.strerror or exc}); copy the trace (NAME.npz and NAME.json) into a writable "
+                              "directory and run again there") from None
+        manifest = _read_manifest(directory, hint)
+        entry = manifest["entries"].get(key)
+        if entry is None:  # pragma: no cover - write_trace_golden wrote it
+            raise GoldenError(f"{directory / 'manifest.json'}: the entry {key} just written is gone; {hint}")
+    if entry.get("trace_sha256") != cfg.trace_sha256 or entry.get("config_hash") != cfg.stream_hash():
+        raise GoldenError(f"golden entry {key} in {directory / 'manifest.json'} was made from trace "
+                          f"{str(entry.get('trace_sha256'))[:16]}... (config hash {entry.get('config_hash')}), "
+                          f"not this trace {cfg.trace_sha256[:16]}...; regenerate: {hint}")
+    g = _load_entry(cfg, directory, entry, hint)
+    g.regen_hint = hint
+    return g, f"{g.describe()} beside trace {Path(cfg.trace).name}"
+
+
+def write_trace_golden(cfg: Config, directory: Optional[Path] = None, force: bool = False, out=None) -> int:
+    """Generate the golden data of trace config ``cfg`` over every position of the trace into
+    ``directory`` (default :func:`trace_golden_dir`); returns 0, or 1 when a changed entry was
+    refused without ``force``. Same discipline as :func:`regenerate`: unchanged data leaves the
+    files alone, a change prints its diff, the new file is written under a content-addressed name
+    before the manifest is swapped atomically. Entries made from another version of the trace
+    (another sha256: the trace was re-captured) are removed with their files."""
+    if not cfg.trace:
+        raise ValueError("write_trace_golden needs a trace config (Config.from_trace)")
+    out = out or sys.stdout
+    directory = trace_golden_dir(cfg.trace) if directory is None else Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    manifest = _read_manifest(directory, trace_regen_hint(cfg))
+    key = _trace_key(cfg)
+    every = trace_checkpoint_every(cfg)
+    arrays = generate(cfg, positions=cfg.trace_tokens, checkpoint_every=every)
+    data = npz_bytes(arrays)
+    digest = _sha256(data)
+    old_entry = manifest["entries"].get(key)
+    old_file = None
+    if old_entry:
+        try:
+            (old_name, old_meta), = old_entry["files"].items()
+        except (KeyError, TypeError, ValueError, AttributeError):
+            old_name, old_meta = None, {}
+        old_file = directory / old_name if old_name else None
+        if old_file is not None and old_meta.get("sha256") == digest and old_file.exists():
+            print(f"{key}: unchanged ({old_file})", file=out)
+            return 0
+        try:
+            old_arrays = load_npz(old_file) if old_file is not None and old_file.exists() else {}
+        except Exception:
+            old_arrays = {}
+        print(f"{key}: differs from {old_file}:", file=out)
+        for line in diff_summary(old_arrays, arrays):
+            print(line, file=out)
+        if not force:
+            print(f"{key}: refusing to overwrite without --force", file=out)
+            return 1
+    fname = f"seed{cfg.seed}-{cfg.stream_hash()}-{digest[:12]}.npz"
+    atomic_write_bytes(directory / fname, data)
+    stale = [k for k, e in manifest["entries"].items() if k != key and e.get("trace_sha256") != cfg.trace_sha256]
+    stale_files = [directory / f for k in stale for f in manifest["entries"][k].get("files", {})]
+    for k in stale:
+        del manifest["entries"][k]
+    manifest["entries"][key] = {
+        "trace": Path(cfg.trace).name, "trace_sha256": cfg.trace_sha256, "trace_tokens": cfg.trace_tokens,
+        "seed": cfg.seed, "num_layers": cfg.num_layers, "sequences": cfg.num_requests,
+        "config_hash": cfg.stream_hash(), "generator_version": GENERATOR_VERSION, "steps": cfg.steps,
+        "positions": int(arrays["proj_state"].shape[0] - 1), "checkpoint_every": every,
+        "torch": torch.__version__, "numpy": np.__version__,
+        "created": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+        "files": {fname: {"sha256": digest, "size": len(data)}},
+    }
+    manifest["schema"], manifest["generator_version"] = SCHEMA, GENERATOR_VERSION
+    manifest["kind"] = "drift-trace-golden"
+    atomic_write_json(directory / "manifest.json", manifest)
+    for f in stale_files + ([old_file] if old_file is not None and old_file.name != fname else []):
+        if f.exists():
+            f.unlink()
+    if stale:
+        print(f"removed {len(stale)} entr{'y' if len(stale) == 1 else 'ies'} made from another version of "
+              f"the trace: {', '.join(stale)}", file=out)
+    print(f"{key}: wrote {directory / fname} ({len(data) / 2**20:.2f} MiB)", file=out)
+    return 0
 
 
 def _check_shapes(cfg: Config, arrays: dict, path: Path, hint: str) -> None:

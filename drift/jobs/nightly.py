@@ -52,22 +52,35 @@ SCHEMA = 1
 
 @dataclass(frozen=True)
 class Entry:
-    """One cell of the matrix."""
+    """One cell of the matrix. With ``trace`` the entry replays that trace (drift capture) on the
+    preset's batch: its model, its tokens (``steps`` None: the whole trace; ``loop``: positions
+    past its end wrap around), its golden data beside it."""
 
     preset: str
     seed: int
     update: str  # update spec; "-" for sequential decode
     variant: str
-    steps: int
-    layers: Optional[int] = None  # None: all of the preset's
+    steps: Optional[int]  # None only with a trace: the whole trace
+    layers: Optional[int] = None  # None: all of the preset's (the trace's)
+    trace: str = ""
+    loop: bool = False
 
     @property
     def key(self) -> str:
         update = re.sub(r"[^A-Za-z0-9_.-]+", "_", self.update)
+        if self.trace:
+            stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(self.trace).name.removesuffix(".npz"))
+            return f"{self.preset}.trace-{stem}{'-loop' if self.loop else ''}.seed{self.seed}.{update}.{self.variant}"
         return f"{self.preset}.seed{self.seed}.{update}.{self.variant}"
 
     def config(self, device: str) -> Config:
-        cfg = preset(self.preset, seed=self.seed, steps=self.steps, device=device)
+        if self.trace:
+            from ..sim.stream import load_trace
+
+            cfg = Config.from_trace(load_trace(self.trace), preset(self.preset, seed=self.seed, device=device),
+                                    steps=self.steps, loop=self.loop)
+        else:
+            cfg = preset(self.preset, seed=self.seed, steps=self.steps, device=device)
         if self.layers is not None and self.layers < cfg.num_layers:
             cfg = cfg.replace(num_layers=self.layers)
         if self.variant == "fp32":
@@ -76,7 +89,9 @@ class Entry:
 
 
 def build_matrix(presets: Sequence[str], seeds: Sequence[int], updates: Sequence[str], variants: Sequence[str],
-                 steps: int, layers: Optional[int]) -> list[Entry]:
+                 steps: Optional[int], layers: Optional[int], trace: str = "", loop: bool = False) -> list[Entry]:
+    if steps is None and not trace:
+        raise ConfigError("steps=None is only allowed with a trace (the whole trace)")
     out = []
     for p in presets:
         if p not in PRESETS:
@@ -86,7 +101,7 @@ def build_matrix(presets: Sequence[str], seeds: Sequence[int], updates: Sequence
                 if v not in VARIANTS:
                     raise ConfigError(f"variant={v!r} is not known; allowed: {', '.join(VARIANTS)}")
                 for update in (["-"] if v == "sequential" else updates):
-                    out.append(Entry(p, s, update, v, steps, layers))
+                    out.append(Entry(p, s, update, v, steps, layers, trace, loop))
     return out
 
 
@@ -167,7 +182,9 @@ def run_entry(entry: Entry, device: str, ckpt_dir: Optional[Path] = None,
     seconds = prior + time.perf_counter() - t0
     results = run.results(info)
     syncs = next((r.worst for r in results if r.name == "host syncs"), None)
-    full = preset(entry.preset)
+    from dataclasses import replace
+
+    full = replace(entry, layers=None).config(device)  # the preset's (the trace's) every layer
     cut = (f"{full.num_layers} -> {cfg.num_layers} GDN layers on {device}" if cfg.num_layers < full.num_layers else "")
     return {
         "entry": asdict(entry), "key": entry.key, "config": cfg.to_dict(), "cut": cut,

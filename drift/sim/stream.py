@@ -9,17 +9,33 @@ Invariant: the true trajectory of a request depends only on its true tokens,
 never on the acceptance pattern. Accepted drafts *are* the true next tokens; a
 rejected draft is a perturbed token whose state is computed and thrown away.
 One golden trajectory therefore serves every acceptance pattern.
+
+Replay: with ``cfg.trace`` set (a config from :meth:`drift.config.Config.from_trace`) the true
+tokens and the layer constants are a captured model's instead (:func:`load_trace`):
+:class:`StreamParams` returns the trace's ``A_log``, ``dt_bias`` and conv weights, and
+:class:`TrueTokens` request ``r``'s tokens are sequence ``r`` of the trace, ``x``, ``a``, ``b``
+rounded to the bf16 grid (the deployment feeds the GDN layer bf16; a float32 capture is
+rounded here, a bf16 one is already exact). Everything downstream -- the verify windows, the
+float64 twin, the golden generator, the simulation -- reads tokens and constants only through
+these two, so it runs unchanged on a trace. With ``cfg.trace_loop`` position ``p`` reads token
+``p mod tokens``: past the end the sequence starts over, and so does the conv window, which
+then holds the trace's last tokens before its first (a seam real decoding never has).
 """
 
 from __future__ import annotations
 
 import math
+import os
+from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..config import Config
+from ..config import PREFILL_STAGGER, Config
+from ..errors import ConfigError, DataError
+from .tracefile import Trace, read_trace, trace_paths
 
 TOKEN_BLOCK = 64  # positions generated per (row, block) draw
 SCHEDULE_BLOCK = 1024  # steps generated per acceptance draw
@@ -42,6 +58,88 @@ def _to_bf16_grid(x: np.ndarray) -> np.ndarray:
     return torch.from_numpy(x).to(torch.bfloat16).to(torch.float32).numpy()
 
 
+# --------------------------------------------------------------------------- traces
+@dataclass(frozen=True, eq=False)
+class ReplayTrace:
+    """A validated trace as the stream replays it: x, a, b float32 on the bf16 grid
+    ``[R, T, L, C]`` / ``[R, T, L, HV]`` (the trace's own arrays when it was captured in bf16)."""
+
+    trace: Trace
+    x: np.ndarray
+    a: np.ndarray
+    b: np.ndarray
+
+
+_TRACE_CACHE: "OrderedDict[tuple, ReplayTrace]" = OrderedDict()
+_TRACE_CACHE_SIZE = 2  # traces held in memory (a run reads one)
+
+
+def _file_key(path: Path) -> tuple:
+    st = os.stat(path)
+    return (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _replay_trace(path: str | os.PathLike) -> ReplayTrace:
+    """:func:`drift.sim.tracefile.read_trace` (sha256 checked, every field validated) once per
+    file version -- cached by path, inode, size, mtime and ctime of the npz and its manifest -- plus what
+    replay needs beyond a valid trace: no conv bias."""
+    npz, man = trace_paths(path)
+    try:
+        key = _file_key(npz) + _file_key(man)
+    except OSError:
+        key = None  # missing: read_trace names the file and the fix
+    hit = _TRACE_CACHE.get(key) if key is not None else None
+    if hit is not None:
+        _TRACE_CACHE.move_to_end(key)
+        return hit
+    tr = read_trace(path)
+    if np.any(tr.conv_bias != 0):
+        idx = [int(i) for i in np.argwhere(tr.conv_bias != 0)[0]]
+        raise DataError(f"trace {tr.path}: array 'conv_bias': holds {tr.conv_bias[tuple(idx)]} at index {idx}; "
+                        "drift's conv stage has no bias (Qwen3-Next / Qwen3.5 GDN convs have none), so this trace "
+                        "cannot be replayed: capture a model without a conv bias (drift trace-stats reads it)")
+    if tr.dtype == "bfloat16":
+        x, a, b = tr.x, tr.a, tr.b
+    else:
+        x, a, b = (_to_bf16_grid(np.array(v, dtype=np.float32)) for v in (tr.x, tr.a, tr.b))  # writable copies
+        for v in (x, a, b):
+            v.setflags(write=False)
+    rt = ReplayTrace(tr, x, a, b)
+    if key is not None:
+        _TRACE_CACHE[key] = rt
+        while len(_TRACE_CACHE) > _TRACE_CACHE_SIZE:
+            _TRACE_CACHE.popitem(last=False)
+    return rt
+
+
+def load_trace(path: str | os.PathLike) -> Trace:
+    """The trace at ``path`` validated for replay (cached): DataError naming the file and the
+    field when it is damaged, or when it has a conv bias drift's conv stage cannot apply."""
+    return _replay_trace(path).trace
+
+
+def _trace_for(cfg: Config) -> ReplayTrace:
+    """The trace ``cfg`` replays, checked against the config made from it."""
+    rt = _replay_trace(cfg.trace)
+    tr, m = rt.trace, rt.trace.manifest
+    if m["sha256"] != cfg.trace_sha256:
+        raise DataError(f"trace {tr.path}: field 'sha256': the file is now {m['sha256'][:16]}..., the config was "
+                        f"made from {cfg.trace_sha256[:16]}...: the trace was replaced; build the config again "
+                        "(Config.from_trace) from the trace you mean")
+    bad = [f"{f}={getattr(cfg, f)} (trace: {m[f]})" for f in ("num_k_heads", "num_v_heads", "head_k_dim",
+                                                               "head_v_dim", "conv_kernel") if getattr(cfg, f) != m[f]]
+    if cfg.num_layers > m["num_layers"]:
+        bad.append(f"num_layers={cfg.num_layers} (trace: {m['num_layers']}; fewer replay its first layers)")
+    if cfg.num_requests > m["sequences"]:
+        bad.append(f"num_requests={cfg.num_requests} (trace: {m['sequences']} sequences, one per request)")
+    if cfg.trace_tokens != m["tokens"]:
+        bad.append(f"trace_tokens={cfg.trace_tokens} (trace: {m['tokens']})")
+    if bad:
+        raise ConfigError(f"config {cfg.name} does not fit trace {tr.path}: {'; '.join(bad)}; build it with "
+                          "Config.from_trace")
+    return rt
+
+
 # --------------------------------------------------------------------------- params
 @dataclass(frozen=True)
 class StreamParams:
@@ -56,6 +154,11 @@ class StreamParams:
 
     @staticmethod
     def generate(cfg: Config) -> "StreamParams":
+        if cfg.trace:  # the captured model's own constants, first num_layers layers
+            tr = _trace_for(cfg).trace
+            L = cfg.num_layers
+            return StreamParams(*(torch.from_numpy(np.array(arr[:L], dtype=np.float32))
+                                  for arr in (tr.A_log, tr.dt_bias, tr.conv_weight)))
         rng = _rng(cfg.seed, 0x5EED)
         L, HV, C, Kc = cfg.num_layers, cfg.num_v_heads, cfg.conv_channels, cfg.conv_kernel
         # decay = exp(-exp(A_log) * softplus(a + dt_bias)); with a = 0 and dt_bias = 0
@@ -86,6 +189,19 @@ class TrueTokens:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self._cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._trace = _trace_for(cfg) if cfg.trace else None
+
+    def _from_trace(self, row: int, p0: int, p1: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        cfg, rt = self.cfg, self._trace
+        T, L = rt.x.shape[1], cfg.num_layers
+        if not 0 <= row < cfg.num_requests:
+            raise ValueError(f"row {row} is invalid; allowed: 0 .. {cfg.num_requests - 1}")
+        if p1 > T and not cfg.trace_loop:
+            raise ConfigError(f"positions [{p0}, {p1}) of request {row} run past the end of trace {rt.trace.path} "
+                              f"({T} tokens per sequence); replay fewer steps, or wrap around (--loop)")
+        idx = slice(p0, p1) if p1 <= T else np.arange(p0, p1) % T
+        # Fresh writable copies, as the synthetic path returns (callers wrap them with torch.from_numpy).
+        return tuple(np.array(arr[row, idx, :L], dtype=np.float32) for arr in (rt.x, rt.a, rt.b))  # type: ignore[return-value]
 
     def _block(self, row: int, block: int):
         key = (row, block)
@@ -122,6 +238,8 @@ class TrueTokens:
             return (np.zeros((0, cfg.num_layers, cfg.conv_channels), np.float32),
                     np.zeros((0, cfg.num_layers, cfg.num_v_heads), np.float32),
                     np.zeros((0, cfg.num_layers, cfg.num_v_heads), np.float32))
+        if self._trace is not None:
+            return self._from_trace(row, p0, p1)
         parts = []
         for blk in range(p0 // TOKEN_BLOCK, (p1 - 1) // TOKEN_BLOCK + 1):
             lo, hi = max(p0, blk * TOKEN_BLOCK) - blk * TOKEN_BLOCK, min(p1, (blk + 1) * TOKEN_BLOCK) - blk * TOKEN_BLOCK
@@ -189,12 +307,15 @@ def track_steps(pre: np.ndarray, accept: np.ndarray, interval: int) -> np.ndarra
 
 # --------------------------------------------------------------------------- steps
 def prefill_lengths(cfg: Config) -> list[int]:
-    """Prompt length of each request: staggered by 3 so rows cross track boundaries apart."""
-    return [cfg.prefill_len + 3 * r for r in range(cfg.num_requests)]
+    """Prompt length of each request: staggered by 3 (PREFILL_STAGGER) so rows cross track
+    boundaries apart. With a trace, request r's prompt is the trace's prompt plus 3r of its
+    decoded tokens."""
+    return [cfg.prefill_len + PREFILL_STAGGER * r for r in range(cfg.num_requests)]
 
 
 def max_position(cfg: Config, steps: int | None = None) -> int:
-    """The furthest position any request can reach in ``steps`` decode steps (all accept D)."""
+    """The furthest position any request can reach in ``steps`` decode steps (all accept D);
+    :attr:`Config.max_position` for ``cfg.steps``."""
     return max(prefill_lengths(cfg)) + (cfg.steps if steps is None else steps) * cfg.num_draft_tokens
 
 

@@ -63,7 +63,8 @@ def step_indices(cfg: Config, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     shapes, so the stream runs on a one-channel copy of the config (cheap at any size).
     """
     tiny = cfg.replace(num_layers=1, num_k_heads=1, num_v_heads=1, head_k_dim=1, head_v_dim=1,
-                       decays=(0.5,), key_rank=0, device="cpu")
+                       decays=(0.5,), key_rank=0, device="cpu", trace="", trace_loop=False,
+                       trace_sha256="", trace_tokens=0)
     chunk = InputStream(tiny, _HOST).chunk(count)
     return chunk.last_steps, chunk.track_steps
 
