@@ -48,6 +48,8 @@ def config_from_args(args: argparse.Namespace, **defaults) -> Config:
     fields = {"steps": "steps", "seed": "seed", "device": "device", "rounding": "store_rounding",
               "pattern": "pattern"}
     changes = {**defaults, **{f: getattr(args, a) for a, f in fields.items() if getattr(args, a, None) is not None}}
+    if getattr(args, "no_graph", False):
+        changes["graph_mode"] = False
     trace, loop = getattr(args, "trace", None), bool(getattr(args, "loop", False))
     if loop and not trace:
         raise ConfigError("--loop needs --trace FILE: it wraps the positions of a replayed trace")
@@ -84,7 +86,7 @@ def _output_format(p: argparse.ArgumentParser) -> None:
 
 # ---------------------------------------------------------------------- run
 def add_run(p: argparse.ArgumentParser) -> None:
-    add_options(p.add_argument, CONFIG_OPTIONS + ("update", "kernel", "mode", "trace", "loop"))
+    add_options(p.add_argument, CONFIG_OPTIONS + ("update", "kernel", "mode", "trace", "loop", "no-graph"))
     p.add_argument("--vs-sequential", action="store_true",
                    help="also decode the stream sequentially in lockstep and report the MTP-vs-sequential divergence")
     p.add_argument("--report", type=Path, metavar="DIR", help="write report.json, report.md and drift_vs_step.png here")
@@ -171,7 +173,7 @@ def add_nightly(p: argparse.ArgumentParser) -> None:
                                DEFAULT_UPDATES, TREND_FACTOR, VARIANTS)
 
     add_options(p.add_argument, ("preset", "seed", "update"), repeat=("preset", "seed", "update"))
-    add_options(p.add_argument, ("steps", "device", "trace", "loop"), defaults={"steps": None},
+    add_options(p.add_argument, ("steps", "device", "trace", "loop", "no-graph"), defaults={"steps": None},
                 default_text={"steps": f"{DEFAULT_STEPS}; with --trace the whole trace"})
     p.add_argument("--variant", action="append", default=[], choices=VARIANTS,
                    help=f"store variant (repeatable; default: all of {', '.join(VARIANTS)})")
@@ -187,10 +189,9 @@ def add_nightly(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_nightly(args: argparse.Namespace) -> int:
-    from .jobs.nightly import VARIANTS, build_matrix, layers_for, parse_shard, read_report, run_nightly, shard
+    from .jobs.nightly import (DEFAULT_STEPS, VARIANTS, build_matrix, layers_for, parse_shard, read_report,
+                               run_nightly, shard)
     from .jobs.report import progress_printer
-
-    from .jobs.nightly import DEFAULT_STEPS
 
     presets, updates = args.nightly_defaults
     resolve_device(args.device)
@@ -202,7 +203,7 @@ def cmd_nightly(args: argparse.Namespace) -> int:
         raise ConfigError("--loop needs --trace FILE: it wraps the positions of a replayed trace")
     steps = args.steps if (args.steps is not None or args.trace) else DEFAULT_STEPS
     entries = build_matrix(args.preset or presets, args.seed or [0], updates, args.variant or VARIANTS,
-                           steps, layers, trace=args.trace or "", loop=args.loop)
+                           steps, layers, trace=args.trace or "", loop=args.loop, graph=not args.no_graph)
     if args.trace:
         for e in entries:
             e.config(args.device)  # a bad trace, or steps past its end, is an error now, not after hours

@@ -11,6 +11,7 @@ command (``--update``), ``"drift-"`` for pytest (``--drift-update``) -- pytest-b
   --pattern P     acceptance pattern        --mode M       mtp or sequential decode
   --update SPEC   the update under test     --kernel SPEC  the verify kernel under test
   --trace FILE    replay a captured trace   --loop         wrap positions past the trace's end
+  --no-graph      eager steps (no capture)
 
 Values are checked by the type functions below, so a bad one is a usage error (exit 2) before
 any work starts.
@@ -90,6 +91,8 @@ SPECS: dict[str, dict] = {
                   "beside it (NAME.golden/, generated on first use); without --steps the whole trace"),
     "loop": dict(action="store_true", help="with --trace: positions past the trace's end wrap around "
                  "(token p mod tokens; the conv window wraps too), so --steps may exceed the trace"),
+    "no-graph": dict(action="store_true", help="eager decode, as SGLang without graph mode: no device "
+                     "graph capture of the step, and the verify op's eager arguments (prepare_gdn_inputs)"),
 }
 DEFAULTS: dict[str, object] = {"preset": DEFAULT_PRESET, "device": "cpu", "update": DEFAULT_UPDATE,
                                "kernel": "portable", "mode": "mtp", "loop": False}

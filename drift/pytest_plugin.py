@@ -17,6 +17,7 @@ Options:
                         its shapes and tokens on the preset's batch, golden data beside it
                         (generated on first use); without --drift-steps the whole trace
   --drift-loop          with --drift-trace: positions past its end wrap around
+  --drift-no-graph      eager decode steps: no device graph capture, eager verify arguments
   --drift-force-regen   regenerate golden data a test asks for, then fail that test so the
                         change is reviewed (as pytest-regressions' --force-regen)
 
@@ -47,7 +48,8 @@ PREFIX = "drift-"
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("drift", "drift precision-drift suite")
-    add_options(group.addoption, ("device", "update", "kernel", "preset", "steps", "seed", "trace", "loop"),
+    add_options(group.addoption, ("device", "update", "kernel", "preset", "steps", "seed", "trace", "loop",
+                                  "no-graph"),
                 prefix=PREFIX, repeat=("update",))
     group.addoption("--drift-force-regen", action="store_true", default=False,
                     help="regenerate golden trajectories used by the tests (then fail them for review)")
@@ -104,6 +106,8 @@ def drift_config(request: pytest.FixtureRequest, drift_device: str):
             cfg = cfg.replace(seed=opt(dest(PREFIX, "seed")))
         return Config.from_trace(load_trace(trace), cfg, steps=opt(dest(PREFIX, "steps")), loop=loop)
     changes = {k: opt(dest(PREFIX, k)) for k in ("steps", "seed") if opt(dest(PREFIX, k)) is not None}
+    if opt(dest(PREFIX, "no-graph")):
+        changes["graph_mode"] = False
     return cfg.replace(**changes) if changes else cfg
 
 

@@ -278,7 +278,8 @@ class Simulation:
             update=self.update.name if self.update else "(sequential decode)",
             kernels=kernels_in_use(), device=str(self.device), stopped_early=stopped,
             verify_kernel=self.verify_description(),
-            untouched_violation=self.guard.first if self.guard else None)
+            untouched_violation=self.guard.first if self.guard else None,
+            meta={"graph": self.graph_status.state, "graph_note": self.graph_status.note})
 
     def verify_description(self) -> str:
         """Which GDN verify ran: the portable kernel (native C or torch ops) or a plugged one."""

@@ -10,11 +10,11 @@ from drift.runner import RunReport
 from drift.simulate import RunInfo
 
 
-def test_mtp_run_adds_the_untouched_slot_verdict_sequential_does_not():
+def test_mtp_run_adds_the_untouched_slot_and_graph_verdicts_sequential_does_not():
     mtp = checks_of(small_cfg(20))["report"]
     seq = checks_of(small_cfg(20), mode="sequential")["report"]
-    assert [c.name for c in mtp.checks][-1] == "untouched slots"
-    assert "untouched slots" not in [c.name for c in seq.checks]
+    assert [c.name for c in mtp.checks][-2:] == ["untouched slots", "graph capture"]
+    assert not {"untouched slots", "graph capture"} & {c.name for c in seq.checks}
     assert mtp.info.meta["update_spec"] == "sglang-0.5.23" and "parts.py" in mtp.info.meta["update_source"]
     assert seq.info.update == "(sequential decode)"
 

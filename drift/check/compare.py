@@ -216,9 +216,10 @@ class Comparison:
         tw = {k: torch.empty(n, L, R, D, HV, dtype=F64, device=dev) for k in ("decay", "beta", "norm2")}
         tw_qc = torch.empty(n, L, R, D, HV, dtype=F64, device=dev)  # sum_k q_k^2 c_k (bound model)
         p_twin = torch.empty(n, L, R, HV, dtype=F64, device=dev) if self.golden is not None else None
-        for j, (i, pre, acc, track, tracked) in enumerate(self._pending):
-            mark = self._marks(pre, acc)
-            twin.advance(snap["x"][j], snap["a"][j], snap["b"][j], acc, track, mark)
+        marks = [self._marks(p[1], p[2]) for p in self._pending]
+
+        def compare(j: int) -> None:  # after the twin's step j
+            i, pre, _, _, tracked = self._pending[j]
             col_frac, self._col_frac = self._col_frac, self._state_metrics(snap["run"][j], i)
             tw_out[j] = twin.out
             tw_win[j] = twin.window
@@ -230,8 +231,11 @@ class Comparison:
             if self.golden is not None:
                 g = self._g
                 p_twin[j] = torch.einsum("lhv,lrhvk,lhk->lrh", g["proj_w"], twin.state, g["proj_u"])
-                if mark is not None:
-                    self._checkpoint(i, pre, mark)
+                if marks[j] is not None:
+                    self._checkpoint(i, pre, marks[j])
+
+        twin.advance_batch(snap["x"], snap["a"], snap["b"], accept, np.stack([p[3] for p in self._pending]),
+                           marks, compare)
         m = torch.arange(D, device=dev)[None, None, :] < torch.from_numpy(accept).to(dev)[:, :, None]  # [n, R, D]
         rows = torch.tensor(idx, dtype=torch.int64, device=dev)
         self._bound_terms(rows, m, tw, tw_qc)

@@ -64,6 +64,7 @@ class Entry:
     layers: Optional[int] = None  # None: all of the preset's (the trace's)
     trace: str = ""
     loop: bool = False
+    graph: bool = True  # False: eager steps and eager verify arguments (--no-graph)
 
     @property
     def key(self) -> str:
@@ -83,13 +84,16 @@ class Entry:
             cfg = preset(self.preset, seed=self.seed, steps=self.steps, device=device)
         if self.layers is not None and self.layers < cfg.num_layers:
             cfg = cfg.replace(num_layers=self.layers)
+        if not self.graph:
+            cfg = cfg.replace(graph_mode=False)
         if self.variant == "fp32":
             return cfg.with_profile("fp32")
         return cfg.replace(store_rounding="stochastic" if self.variant == "stochastic" else "rne")
 
 
 def build_matrix(presets: Sequence[str], seeds: Sequence[int], updates: Sequence[str], variants: Sequence[str],
-                 steps: Optional[int], layers: Optional[int], trace: str = "", loop: bool = False) -> list[Entry]:
+                 steps: Optional[int], layers: Optional[int], trace: str = "", loop: bool = False,
+                 graph: bool = True) -> list[Entry]:
     if steps is None and not trace:
         raise ConfigError("steps=None is only allowed with a trace (the whole trace)")
     out = []
@@ -101,7 +105,7 @@ def build_matrix(presets: Sequence[str], seeds: Sequence[int], updates: Sequence
                 if v not in VARIANTS:
                     raise ConfigError(f"variant={v!r} is not known; allowed: {', '.join(VARIANTS)}")
                 for update in (["-"] if v == "sequential" else updates):
-                    out.append(Entry(p, s, update, v, steps, layers, trace, loop))
+                    out.append(Entry(p, s, update, v, steps, layers, trace, loop, graph))
     return out
 
 

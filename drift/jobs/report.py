@@ -42,12 +42,23 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 CHECK_HEADER = ["check", "verdict", "worst", "limit", "where", "detail"]
 
 
+def _graph_text(run: dict) -> str:
+    """How the decode steps ran: captured in a device graph, or eagerly (and why)."""
+    state = run.get("graph")
+    if state == "captured":
+        return "captured in a device graph and replayed"
+    if state == "failed":
+        return "eager after a failed capture (see the graph capture check)"
+    return "eager" if state else "not recorded"
+
+
 def summary_text(rep) -> str:
     d = rep.to_dict()
     run, cfg = d["run"], d["config"]
     head = (f"drift run: preset {cfg['name']}, update {run['update']}, {run['steps']} steps "
             f"({run['mode']}), device {run['device']}, {cfg['ssm_dtype']} state, "
-            f"{cfg['store_rounding']} store, kernels: {run['kernels']}, GDN verify: {run.get('verify_kernel', 'not recorded')}\n"
+            f"{cfg['store_rounding']} store, kernels: {run['kernels']}, GDN verify: {run.get('verify_kernel', 'not recorded')}, "
+            f"steps: {_graph_text(run)}\n"
             f"reference: {d['reference']}; {run['wall_s']:.1f} s "
             f"({run['steps_per_s']} steps/s)")
     body = table(CHECK_HEADER, check_rows(rep.checks))
@@ -67,7 +78,8 @@ def summary_markdown(rep) -> str:
         f"- profile `{cfg.get('profile', 'custom')}`: {cfg['ssm_dtype']} state ({cfg['layout']} layout), store "
         f"rounding {cfg['store_rounding']}; verify flow {cfg.get('flow', 'sglang')}"
         f"{' (graph-mode arguments)' if cfg.get('graph_mode', True) else ' (eager arguments)'}; "
-        f"kernels: {run['kernels']}; GDN verify: {run.get('verify_kernel', 'not recorded')}; device {run['device']}",
+        f"kernels: {run['kernels']}; GDN verify: {run.get('verify_kernel', 'not recorded')}; device {run['device']}; "
+        f"steps {_graph_text(run)}",
         f"- reference: {d['reference']}",
         f"- wall time {run['wall_s']:.1f} s ({run['steps_per_s']} steps/s)",
         "",

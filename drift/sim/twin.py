@@ -111,3 +111,50 @@ class Float64Twin:
                 sel = torch.from_numpy(np.asarray(steps) >= 0).to(dev)[None, :, None, None]
                 setattr(self, attr, torch.where(sel, tw, getattr(self, attr)))
         self.window = _advance_window(self.window, x, take)
+
+    def advance_batch(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accept: np.ndarray,
+                      track: np.ndarray, marks: list, on_step) -> None:
+        """``n`` decode steps at once: the same trajectory as ``n`` calls of :meth:`advance`, bit for
+        bit, with the input stages (conv, gating, L2 norm: elementwise or per-row work) computed for
+        all steps in one pass and only the recurrence stepped. x ``[n, L, R, D, C]``, a, b ``[n, L, R,
+        D, HV]``; accept, track host ``[n, R]``; marks: n entries (None or a mark array). After
+        each step the attributes are those :meth:`advance` leaves and ``on_step(j)`` is called.
+
+        The window before step j is the last Kc-1 true tokens of the row: its window before the
+        batch followed by the accepted tokens of steps 0 .. j-1, gathered by host-built indices."""
+        dev, cfg = self.device, self.cfg
+        n, L, R, D, C = x.shape
+        Km1 = self.window.shape[2]
+        x, a, b = (t.to(device=dev, dtype=F64) for t in (x, a, b))
+        accept = np.asarray(accept, np.int64)
+        # Token j * D + t of a row sits after the Km1 window tokens: index Km1 + j * D + t.
+        seq_pos = np.zeros((n + 1, R, Km1), np.int64)
+        for r in range(R):
+            pos = list(range(Km1)) + [Km1 + j * D + t for j in range(n) for t in range(int(accept[j, r]))]
+            start = np.concatenate([[0], np.cumsum(accept[:, r])])
+            for j in range(n + 1):
+                seq_pos[j, r] = pos[start[j]:start[j] + Km1]
+        tokens = torch.cat([self.window, x.permute(1, 2, 0, 3, 4).reshape(L, R, n * D, C)], dim=2)
+        rows = torch.arange(R, device=dev)[None, :, None]
+        windows = tokens[:, rows, torch.from_numpy(seq_pos).to(dev)]  # [L, n + 1, R, Km1, C]
+        fold = lambda t: t.transpose(0, 1).reshape(L, n * R, *t.shape[3:])  # [n, L, R, ..] -> [L, n R, ..]
+        q, k, v, decay, beta = _inputs(cfg, self.params, windows[:, :n].reshape(L, n * R, Km1, C), fold(x),
+                                       fold(a), fold(b))
+        unfold = lambda t: t.view(L, n, R, *t.shape[2:]).transpose(0, 1).contiguous()  # -> [n, L, R, ..]
+        q, k, v, decay, beta = (unfold(t) for t in (q, k, v, decay, beta))
+        for j in range(n):
+            self.decay, self.beta = decay[j], beta[j]
+            self.q_sq = q[j].square()
+            take = torch.from_numpy(accept[j]).to(dev)
+            mark = marks[j]
+            captures = [(track[j], self.track_state)] + ([(mark, self.mark_state)] if mark is not None else [])
+            self.out = kernels.gdn_decode(self.state, self._rows, q[j], k[j], v[j], decay[j], beta[j], take,
+                                          compute_dtype=F64, captures=captures, norms_out=self.norm2)
+            for steps, attr in ((track[j], "track_window"), (mark, "mark_window")):
+                if steps is not None and (np.asarray(steps) >= 0).any():
+                    tw = _advance_window(windows[:, j], x[j], torch.from_numpy(np.maximum(steps, 0) + 1).to(dev))
+                    sel = torch.from_numpy(np.asarray(steps) >= 0).to(dev)[None, :, None, None]
+                    setattr(self, attr, torch.where(sel, tw, getattr(self, attr)))
+            self.window = windows[:, j + 1]
+            on_step(j)
+        self.window = windows[:, n].clone()
