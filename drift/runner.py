@@ -170,7 +170,7 @@ class SnapshotCatcher:
     def on_step(self, view) -> None:
         if view.step < self.after:
             return
-        twin, pool, cfg = self.comparison.twin, self.sim.pool, self.sim.cfg
+        pool, cfg = self.sim.pool, self.sim.cfg
         Km1 = cfg.conv_kernel - 1
         for r in np.nonzero(view.track >= 0)[0]:
             if int(r) in self.rows:
@@ -179,8 +179,14 @@ class SnapshotCatcher:
             self.rows[int(r)] = {
                 "position": int(view.pre[r] + view.track[r] + 1), "step": view.step, "index": view.index,
                 "state": pool.states[:, slot].clone(), "window": pool.conv[:, slot, cfg.conv_window - Km1:].clone(),
-                "true_state": twin.track_state[:, int(r)].clone(), "true_window": twin.track_window[:, int(r)].clone(),
-                "env2": None}
+                "true_state": None, "true_window": None, "env2": None}
+
+    def on_twin_step(self, step: int, twin) -> None:
+        """The truth at each snapshot, once the comparison's twin has reached its step."""
+        for r, snap in self.rows.items():
+            if snap["step"] == step and snap["true_state"] is None:
+                snap["true_state"] = twin.track_state[:, r].clone()
+                snap["true_window"] = twin.track_window[:, r].clone()
 
     def flush(self) -> None:
         pass
@@ -228,6 +234,7 @@ def capture_snapshots(cfg: Config, update=DEFAULT_UPDATE, after_step: int = 256,
     run = CheckedRun(cfg, update)
     catcher = SnapshotCatcher(run.comparison, run.bound, after_step)
     run.comparison.consumers.append(catcher)
+    run.comparison.twin_listeners.append(catcher.on_twin_step)
     run.sim.observers.append(catcher)
     info = run.run(steps)
     point, env2 = catcher.resume_point()

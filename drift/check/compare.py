@@ -103,6 +103,9 @@ class Comparison:
         self.golden: Optional[Golden] = None
         self.golden_note = ""
         self.sim = None
+        # Called as listener(step, twin) once the twin has advanced through decode step ``step`` (the
+        # twin runs per batch, after the steps: an observer that needs the truth at a step asks here).
+        self.twin_listeners = []
 
     # -------------------------------------------------------------- lifecycle
     def on_start(self, sim) -> None:
@@ -182,7 +185,8 @@ class Comparison:
             self._snap[k][j].copy_(t)
         tracked = self._tracked_snapshot(view) if self.sim.mode == "mtp" and (view.track >= 0).any() else None
         self._host.append((view.step, view.pre.copy(), view.accept.copy(), view.track.copy()))
-        self._pending.append((view.index, view.pre.copy(), view.accept.copy(), view.track.copy(), tracked))
+        self._pending.append((view.index, view.pre.copy(), view.accept.copy(), view.track.copy(), tracked,
+                              view.step))
         if len(self._pending) == self.batch:
             self._process()
 
@@ -219,7 +223,9 @@ class Comparison:
         marks = [self._marks(p[1], p[2]) for p in self._pending]
 
         def compare(j: int) -> None:  # after the twin's step j
-            i, pre, _, _, tracked = self._pending[j]
+            i, pre, _, _, tracked, step = self._pending[j]
+            for listener in self.twin_listeners:
+                listener(step, twin)
             col_frac, self._col_frac = self._col_frac, self._state_metrics(snap["run"][j], i)
             tw_out[j] = twin.out
             tw_win[j] = twin.window

@@ -26,6 +26,23 @@ call (and restored after: the mode is process-global); with ``torch_npu`` its tw
 (:func:`drift.syncs.scan.scan_update` adds a pass on the accelerator when one is present), and they stop
 the call at its first sync. Every report lists the detectors that ran.
 
+Without torch's private dispatch API
+------------------------------------
+The dispatch mode needs three private torch symbols (``TorchDispatchMode``,
+``Tensor._make_wrapper_subclass``, ``torch._C._disabled_torch_function_impl``), imported in
+:mod:`drift.compat`. On a torch that lacks one of them (:data:`drift.compat.DISPATCH_DETECTOR`
+False) the detector is the public ``TorchFunctionMode`` alone (:data:`DETECTOR_FUNCTION`, named
+in every report): :class:`VirtualTensor` is then a plain tensor subclass whose
+``__torch_function__`` runs each call on the CPU data and reports the device ``meta``, and the
+mode classifies the *Python-level* call (:func:`function_sync_reasons`): scalar reads
+(``.item()``, ``bool()``, ``int()``, ``float()``, ``__index__``), host reads (``.tolist()``,
+``.numpy()``, ``__array__``, ``.cpu()``, ``.to("cpu")``), data-dependent shapes (``nonzero``,
+one-argument ``where``, ``masked_select``, ``unique``, ``bincount``, ``repeat_interleave`` without
+``output_size``, boolean-mask indexing), host bools (``equal``, ``allclose``), 0-dim tensor
+indices and ``narrow`` lengths, host-to-device copies and host operands. Events name the Python
+call (``Tensor.item``) instead of the aten op; ops and bytes count Python calls (views: outputs
+sharing an input's storage), so cost-model numbers compare only within one detector.
+
 Each :class:`SyncEvent` names the op and the ``file:line`` in the code under test: the
 innermost Python frame at dispatch time that is neither torch's nor this module's.
 drift's portable kernels (``drift/sim/kernels.py``) are code under test like any other.
@@ -45,9 +62,9 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
 
+from ..compat import (DISPATCH_DETECTOR, MISSING_PRIVATE, TorchDispatchMode, disabled_torch_function_impl,
+                      make_wrapper_subclass, tree_flatten, tree_map)
 from ..devices import npu_available
 
 
@@ -56,6 +73,11 @@ _HOST = torch.device("cpu")
 
 # Detector names, as reports list them. The dispatch mode watches virtual and real accelerator tensors.
 DETECTOR_DISPATCH = "dispatch mode"
+# The fallback on a torch without the private dispatch API (drift.compat), and the one that runs here.
+_LACKING = [n for n in MISSING_PRIVATE if n.endswith(("TorchDispatchMode", "_make_wrapper_subclass",
+                                                      "_disabled_torch_function_impl"))]
+DETECTOR_FUNCTION = ("function mode (fallback: this torch lacks " + (", ".join(_LACKING) or "nothing") + ")")
+DETECTOR_VIRTUAL = DETECTOR_DISPATCH if DISPATCH_DETECTOR else DETECTOR_FUNCTION
 DETECTOR_CUDA = 'torch.cuda sync debug mode "error"'
 DETECTOR_NPU = 'torch.npu sync debug mode "error"'
 # The messages the two debug modes raise with (c10 "called a synchronizing CUDA operation",
@@ -176,38 +198,67 @@ def sync_reasons(func, args: tuple, kwargs: dict) -> list[str]:
 
 
 # ------------------------------------------------------------ virtual tensors
-class VirtualTensor(torch.Tensor):
-    """A tensor on the virtual accelerator: reports device ``meta``, holds CPU data in ``_inner``.
+def _check_inner(inner: Any) -> None:
+    if not isinstance(inner, torch.Tensor) or isinstance(inner, VirtualTensor) \
+            or inner.device.type not in ("cpu", "meta"):
+        raise TypeError(f"VirtualTensor wraps a plain CPU (or shape-only meta) tensor, got "
+                        f"{type(inner).__name__} on {getattr(inner, 'device', '?')}")
 
-    Shape, strides, dtype and storage offset are those of the CPU tensor; views share its
-    storage, so in-place writes through any view land in the same memory. Reading the data
-    on the host is a sync, so ``repr`` shows only the metadata. A *shape-only* virtual tensor
-    holds a meta tensor instead (no data: for counting ops and bytes); an op touching one
-    runs on meta, and one that needs its values raises :class:`VirtualDeviceError`.
-    """
 
-    _inner: torch.Tensor
+if DISPATCH_DETECTOR:
+    class VirtualTensor(torch.Tensor):
+        """A tensor on the virtual accelerator: reports device ``meta``, holds CPU data in ``_inner``.
 
-    @staticmethod
-    def __new__(cls, inner: torch.Tensor):
-        if not isinstance(inner, torch.Tensor) or isinstance(inner, VirtualTensor) \
-                or inner.device.type not in ("cpu", "meta"):
-            raise TypeError(f"VirtualTensor wraps a plain CPU (or shape-only meta) tensor, got "
-                            f"{type(inner).__name__} on {getattr(inner, 'device', '?')}")
-        out = torch.Tensor._make_wrapper_subclass(
-            cls, inner.size(), strides=inner.stride(), storage_offset=inner.storage_offset(),
-            dtype=inner.dtype, device=VIRTUAL_DEVICE, requires_grad=False)
-        out._inner = inner
-        return out
+        Shape, strides, dtype and storage offset are those of the CPU tensor; views share its
+        storage, so in-place writes through any view land in the same memory. Reading the data
+        on the host is a sync, so ``repr`` shows only the metadata. A *shape-only* virtual tensor
+        holds a meta tensor instead (no data: for counting ops and bytes); an op touching one
+        runs on meta, and one that needs its values raises :class:`VirtualDeviceError`.
+        """
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+        _inner: torch.Tensor
 
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return _execute(func, args, kwargs or {})  # outside a detector: run, record nothing
+        @staticmethod
+        def __new__(cls, inner: torch.Tensor):
+            _check_inner(inner)
+            out = make_wrapper_subclass(
+                cls, inner.size(), strides=inner.stride(), storage_offset=inner.storage_offset(),
+                dtype=inner.dtype, device=VIRTUAL_DEVICE, requires_grad=False)
+            out._inner = inner
+            return out
 
-    def __repr__(self) -> str:  # must not read the data (that would be a sync)
-        return f"VirtualTensor(shape={tuple(self.shape)}, dtype={self.dtype})"
+        __torch_function__ = disabled_torch_function_impl
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            return _execute(func, args, kwargs or {})  # outside a detector: run, record nothing
+
+        def __repr__(self) -> str:  # must not read the data (that would be a sync)
+            return f"VirtualTensor(shape={tuple(self.shape)}, dtype={self.dtype})"
+else:
+    class VirtualTensor(torch.Tensor):  # type: ignore[no-redef]
+        """A tensor on the virtual accelerator (the fallback without torch's dispatch API): a
+        plain subclass aliasing the CPU (or shape-only meta) tensor ``_inner``; every torch call
+        on it runs on ``_inner`` (:func:`_call_virtual`) with tensor results wrapped again, and
+        ``.device`` reports ``meta``. ``repr`` shows only the metadata."""
+
+        _inner: torch.Tensor
+
+        @staticmethod
+        def __new__(cls, inner: torch.Tensor):
+            _check_inner(inner)
+            out = inner.as_subclass(cls)
+            out._inner = inner
+            out._meta = (tuple(inner.shape), inner.stride())
+            return out
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            return _call_virtual(func, args, kwargs or {})  # outside a detector: run, record nothing
+
+        def __repr__(self) -> str:  # must not read the data (that would be a sync)
+            inner = self._inner
+            return f"VirtualTensor(shape={tuple(inner.shape)}, dtype={inner.dtype})"
 
 
 def to_virtual(tree: Any) -> Any:
@@ -279,6 +330,180 @@ def _execute(func, args: tuple, kwargs: dict):
     return tree_map(wrap, out)
 
 
+# ------------------------------------------------- the fallback (TorchFunctionMode only)
+def _getter(name: str) -> Any:
+    return getattr(torch.Tensor, name).__get__
+
+
+_DEVICE_GETTERS = {"device": (_getter("device"), VIRTUAL_DEVICE), "is_meta": (_getter("is_meta"), True),
+                   "is_cpu": (_getter("is_cpu"), False)}
+# Python-level calls that answer from metadata: neither syncs nor counted as ops.
+_METADATA_CALLS = {"__get__", "size", "dim", "ndimension", "numel", "nelement", "stride", "storage_offset",
+                   "is_contiguous", "is_floating_point", "is_complex", "is_signed", "element_size", "data_ptr",
+                   "untyped_storage", "get_device", "__len__", "__repr__", "__format__", "__hash__",
+                   "as_subclass", "__reduce_ex__", "__deepcopy__", "__setstate__"}
+_F_SCALAR_READ = {"item", "__bool__", "__int__", "__float__", "__index__", "__complex__", "__contains__",
+                  "_local_scalar_dense", "is_nonzero"}
+_F_HOST_BOOL = {"equal", "allclose"}
+_F_HOST_READ = {"tolist", "numpy", "__array__"}
+_F_DYNAMIC = {"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "bincount", "_unique",
+              "_unique2"}
+_F_COPIES = {"to", "cpu", "cuda", "npu"}
+_F_FACTORIES = {"tensor", "as_tensor", "asarray"}
+
+
+def _fn_name(func) -> str:
+    return getattr(func, "__name__", "") or ""
+
+
+def _call_target(func, args: tuple, kwargs: dict) -> Optional[str]:
+    """Where a call puts its result: 'virtual', 'host', 'device' or None (with its inputs);
+    from ``device=``, or ``.cpu()`` / ``.cuda()`` / ``.to(device | tensor)``."""
+    name = _fn_name(func)
+    dev = kwargs.get("device")
+    if name == "cpu":
+        return "host"
+    if name in ("cuda", "npu"):
+        return "device"
+    if name == "to" and dev is None:
+        for a in args[1:]:
+            if isinstance(a, (str, torch.device)):
+                dev = a
+                break
+            if isinstance(a, torch.Tensor):
+                return "virtual" if isinstance(a, VirtualTensor) else _device_kind(a.device)
+    return _device_kind(dev)
+
+
+def function_sync_reasons(func, args: tuple, kwargs: dict) -> list[str]:
+    """Why the Python-level call ``func(*args, **kwargs)`` synchronises host and device (the
+    fallback detector's :func:`sync_reasons`; empty: it does not)."""
+    name = _fn_name(func)
+    flat, _ = tree_flatten((args, kwargs))
+    target = _call_target(func, args, kwargs)
+    if name in _F_COPIES:
+        src = args[0] if args else None
+        if _is_device(src) and target == "host":
+            return ["device-to-host copy: the host waits for the data"]
+        if _is_host(src) and src.dim() > 0 and target in ("virtual", "device") and not kwargs.get("non_blocking"):
+            return ["blocking host-to-device copy"]
+        return []
+    if name == "copy_":
+        dst, src = args[0], args[1]
+        if _is_host(dst) and _is_device(src):
+            return ["device-to-host copy: the host waits for the data"]
+        if _is_device(dst) and _is_host(src) and src.dim() > 0 and not (args[2:3] and args[2]) \
+                and not kwargs.get("non_blocking"):
+            return ["blocking host-to-device copy"]
+        return []
+    if name in _F_FACTORIES and target in ("virtual", "device"):
+        data = args[0] if args else kwargs.get("data")
+        if not isinstance(data, torch.Tensor):
+            return ["blocking host-to-device copy of host data"]
+        return ["blocking host-to-device copy"] if _is_host(data) and data.dim() > 0 else []
+    if not any(_is_device(x) for x in flat):
+        return []
+    out = []
+    if name in _F_SCALAR_READ:
+        out.append(_SCALAR_READ["_local_scalar_dense"])
+    elif name in _F_HOST_BOOL:
+        out.append(_SCALAR_READ["equal"])
+    elif name in _F_HOST_READ:
+        out.append("host read of device data (a device-to-host copy)")
+    elif name in _F_DYNAMIC or (name == "where" and len(args) + len(kwargs) == 1):
+        out.append(_DYNAMIC_SHAPE["nonzero"])
+    elif name == "repeat_interleave" and kwargs.get("output_size") is None \
+            and (len(args) == 1 or isinstance(args[1] if len(args) > 1 else kwargs.get("repeats"), torch.Tensor)):
+        out.append("repeat_interleave without output_size: output shape depends on device data")
+    elif name in ("__getitem__", "__setitem__", "index_put_", "index_put", "index"):
+        index = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        parts = list(index) if isinstance(index, (tuple, list)) else [index]
+        tensors = [i for i in parts if isinstance(i, torch.Tensor)]
+        if any(i.dtype in (torch.bool, torch.uint8) for i in tensors):
+            out.append("boolean-mask indexing: an internal nonzero, output shape depends on device data")
+        elif name in ("__getitem__", "__setitem__") and any(_is_device(i) and i.dim() == 0 for i in tensors):
+            out.append(_SCALAR_READ["_local_scalar_dense"])
+    elif name == "narrow" and any(_is_device(x) for x in args[2:]):
+        out.append(_SCALAR_READ["_local_scalar_dense"])
+    if any(_is_host(x) and x.dim() > 0 for x in flat):
+        out.append("host tensor operand: an implicit blocking host-to-device copy on an accelerator "
+                   "(or a device-mismatch error)")
+    return out
+
+
+def _call_virtual(func, args: tuple, kwargs: dict):
+    """The fallback's :func:`_execute`: run a Python-level torch call on the CPU data of its
+    virtual operands (the virtual device read as the CPU); tensor results are virtual unless the
+    call targets the host or returns a host operand."""
+    name = _fn_name(func)
+    if name == "__get__" and args and isinstance(args[0], VirtualTensor):
+        for getter, value in _DEVICE_GETTERS.values():
+            if func == getter:
+                return value
+    if name == "__format__" and args and isinstance(args[0], VirtualTensor):
+        return object.__format__(args[0], *args[1:])  # repr, never the data (as torch for subclasses)
+    target = _call_target(func, args, kwargs)
+    flat, _ = tree_flatten((args, kwargs))
+    if not (target == "virtual" or any(isinstance(x, VirtualTensor) for x in flat)):
+        return func(*args, **kwargs)
+    by_inner: dict[int, VirtualTensor] = {}
+
+    def unwrap(x):
+        if isinstance(x, VirtualTensor):
+            by_inner[id(x._inner)] = x
+            return x._inner
+        if isinstance(x, torch.Tensor) and x.device.type == "meta":
+            raise VirtualDeviceError(
+                f"{_api_name(func)} got a plain meta tensor next to virtual-device tensors: the code "
+                "under test created a device tensor in a way the virtual device cannot follow. "
+                "Create it with a factory op (torch.empty/zeros/arange(..., device=t.device)) or "
+                "from another device tensor.")
+        if isinstance(x, torch.device) and x.type == "meta":
+            return _HOST
+        return x
+
+    cargs, ckwargs = tree_map(unwrap, (list(args), dict(kwargs)))
+    if _device_kind(ckwargs.get("device")) == "virtual":
+        ckwargs["device"] = _HOST
+    if name == "to":
+        cargs = [_HOST if isinstance(a, str) and _device_kind(a) == "virtual" else a for a in cargs]
+    if any(isinstance(x, torch.Tensor) and x.device.type == "meta" for x in tree_flatten((cargs, ckwargs))[0]):
+        # A shape-only operand: run the call on meta (shapes and dtypes only).
+        cargs, ckwargs = tree_map(lambda x: x.to(VIRTUAL_DEVICE) if _is_host(x) else
+                                  (VIRTUAL_DEVICE if isinstance(x, torch.device) and x == _HOST else x),
+                                  (cargs, ckwargs))
+        try:
+            out = func(*cargs, **ckwargs)
+        except (RuntimeError, NotImplementedError) as exc:
+            raise VirtualDeviceError(
+                f"{_api_name(func)} needs the values of a shape-only tensor ({exc}); the code under "
+                "test reads state data, so count it with real data (shape_only=False)") from exc
+    else:
+        out = func(*cargs, **ckwargs)
+    if name == "__iter__":
+        out = list(out)
+
+    def wrap(o):
+        if not isinstance(o, torch.Tensor):
+            return o
+        vt = by_inner.get(id(o))
+        if target == "host":  # .cpu() / .to("cpu"): a copy, never the device tensor's own memory
+            return o.clone() if vt is not None else o
+        if vt is not None:  # in place or out=: the caller's own tensor
+            if (tuple(o.shape), o.stride()) != vt._meta:
+                raise VirtualDeviceError(f"{_api_name(func)} changed a tensor's shape or strides in place; "
+                                         "the virtual device does not support that (use the out-of-place op)")
+            return vt
+        if any(o is x for x in flat):  # a host operand returned (copy_ into it, .to() to its own device)
+            return VirtualTensor(o.clone()) if target == "virtual" else o
+        if o.device.type not in ("cpu", "meta"):
+            return o
+        return VirtualTensor(o)
+
+    out = tree_map(wrap, out)
+    return iter(out) if name == "__iter__" else out
+
+
 # ---------------------------------------------------------------------- events
 _INTERNAL_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch,))
 _THIS_FILE = os.path.normcase(os.path.abspath(__file__))
@@ -321,7 +546,7 @@ class SyncEvent:
     code: str
     stack: tuple[str, ...] = ()
     label: str = ""
-    seen_by: tuple[str, ...] = (DETECTOR_DISPATCH,)
+    seen_by: tuple[str, ...] = (DETECTOR_VIRTUAL,)
 
     @property
     def where(self) -> str:
@@ -437,24 +662,49 @@ class _FunctionMode(_BoundMode, TorchFunctionMode):
             det._api.pop()
 
 
-class _DispatchMode(_BoundMode, TorchDispatchMode):
-    """Counts every op, records the syncing ones, runs virtual ops on their CPU data."""
+if TorchDispatchMode is not None:
+    class _DispatchMode(_BoundMode, TorchDispatchMode):
+        """Counts every op, records the syncing ones, runs virtual ops on their CPU data."""
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            det = self.det
+            reasons = [] if det._reads else sync_reasons(func, args, kwargs)
+            first = det._reads[-1] if det._reads else len(det.report.events)
+            for reason in reasons:
+                det._record(op_name(func), det._api[-1] if det._api else "", reason)
+            try:
+                out = _execute(func, args, kwargs)
+            except RuntimeError as exc:
+                debug = _DEBUG_MODE_ERROR.search(str(exc))
+                if debug:
+                    det._flag_debug(op_name(func), debug.group(1), first)
+                raise
+            det._count(func, args, kwargs, out)
+            return out
+
+
+class _FallbackMode(_BoundMode, TorchFunctionMode):
+    """The detector without torch's dispatch API: classifies each Python-level torch call
+    (:func:`function_sync_reasons`), runs it on the CPU data (:func:`_call_virtual`), counts it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _fn_name(func) in _METADATA_CALLS:
+            return _call_virtual(func, args, kwargs)
         det = self.det
-        reasons = [] if det._reads else sync_reasons(func, args, kwargs)
-        first = det._reads[-1] if det._reads else len(det.report.events)
-        for reason in reasons:
-            det._record(op_name(func), det._api[-1] if det._api else "", reason)
+        api = _api_name(func)
+        first = len(det.report.events)
+        for reason in function_sync_reasons(func, args, kwargs):
+            det._record(api, api, reason)
         try:
-            out = _execute(func, args, kwargs)
+            out = _call_virtual(func, args, kwargs)
         except RuntimeError as exc:
             debug = _DEBUG_MODE_ERROR.search(str(exc))
             if debug:
-                det._flag_debug(op_name(func), debug.group(1), first)
+                det._flag_debug(api, debug.group(1), first)
             raise
-        det._count(func, args, kwargs, out)
+        det._count_call(args, kwargs, out)
         return out
 
 
@@ -485,7 +735,7 @@ class SyncDetector:
         self._boundary: Optional[types.FrameType] = None
         self._modes: Optional[contextlib.ExitStack] = None
         self._debug = _debug_backends() if device_debug else []
-        self.report.detectors = [DETECTOR_DISPATCH] + [name for name, _ in self._debug]
+        self.report.detectors = [DETECTOR_VIRTUAL] + [name for name, _ in self._debug]
 
     # ---------------------------------------------------------------- entry
     def __enter__(self) -> "SyncDetector":
@@ -527,8 +777,11 @@ class SyncDetector:
 
     def _enter_modes(self) -> None:
         stack = contextlib.ExitStack()
-        stack.enter_context(_FunctionMode(self))
-        stack.enter_context(_DispatchMode(self))
+        if DISPATCH_DETECTOR:
+            stack.enter_context(_FunctionMode(self))
+            stack.enter_context(_DispatchMode(self))
+        else:
+            stack.enter_context(_FallbackMode(self))
         self._modes = stack
 
     def _exit_modes(self) -> None:
@@ -559,7 +812,7 @@ class SyncDetector:
                          self.label, seen_by)
 
     def _record(self, op: str, api: str, reason: str) -> None:
-        self.report.events.append(self._event(op, api, reason, self._stack(), (DETECTOR_DISPATCH,)))
+        self.report.events.append(self._event(op, api, reason, self._stack(), (DETECTOR_VIRTUAL,)))
 
     def _flag_debug(self, op: str, backend: str, first: int) -> None:
         """A debug mode raised inside ``op``: confirm the events recorded for it from index
@@ -608,6 +861,31 @@ class SyncDetector:
         outs = [o for o in tree_flatten(out)[0]
                 if isinstance(o, torch.Tensor) and not any(o is x for x in ins)]
         rep.bytes += op_bytes(func, ins, outs)
+
+    def _count_call(self, args: tuple, kwargs: dict, out: Any) -> None:
+        """The fallback's :meth:`_count`: one op per Python-level call touching a device tensor;
+        a view when every new output shares an input's storage."""
+        rep = self.report
+        flat_in = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+        flat_out = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        if not any(_is_device(x) for x in flat_in + flat_out):
+            return
+        rep.ops += 1
+        for x in flat_in:
+            kind = "virtual" if isinstance(x, VirtualTensor) else x.device.type
+            if kind not in rep.devices:
+                rep.devices.append(kind)
+
+        def plain(x: torch.Tensor) -> torch.Tensor:
+            return x._inner if isinstance(x, VirtualTensor) else x
+
+        ins = [plain(x) for x in flat_in]
+        new = [plain(o) for o in flat_out if not any(o is x for x in flat_in)]
+        storages = {x.untyped_storage().data_ptr() for x in ins if x.device.type != "meta"} - {0}
+        if new and all(o.device.type != "meta" and o.untyped_storage().data_ptr() in storages for o in new):
+            rep.view_ops += 1
+            return
+        rep.bytes += _nbytes(ins) + _nbytes(new)
 
 
 def detect_syncs(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> SyncReport:
