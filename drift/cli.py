@@ -34,7 +34,7 @@ from .plug.mutants import MUTANTS
 from .plug.updates import BUILTINS
 
 PROG = "drift"
-CONFIG_OPTIONS = ("preset", "steps", "seed", "device", "profile", "rounding", "pattern")
+CONFIG_OPTIONS = ("preset", "steps", "seed", "device", "profile", "rounding", "pattern", "flow")
 
 
 # ------------------------------------------------------------------ helpers
@@ -46,7 +46,7 @@ def config_from_args(args: argparse.Namespace, **defaults) -> Config:
     if getattr(args, "profile", None):
         cfg = cfg.with_profile(args.profile)
     fields = {"steps": "steps", "seed": "seed", "device": "device", "rounding": "store_rounding",
-              "pattern": "pattern"}
+              "pattern": "pattern", "flow": "flow"}
     changes = {**defaults, **{f: getattr(args, a) for a, f in fields.items() if getattr(args, a, None) is not None}}
     if getattr(args, "no_graph", False):
         changes["graph_mode"] = False

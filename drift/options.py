@@ -11,7 +11,7 @@ command (``--update``), ``"drift-"`` for pytest (``--drift-update``) -- pytest-b
   --pattern P     acceptance pattern        --mode M       mtp or sequential decode
   --update SPEC   the update under test     --kernel SPEC  the verify kernel under test
   --trace FILE    replay a captured trace   --loop         wrap positions past the trace's end
-  --no-graph      eager steps (no capture)
+  --flow F        verify flow (sglang, accepted)  --no-graph  eager steps (no capture)
 
 Values are checked by the type functions below, so a bad one is a usage error (exit 2) before
 any work starts.
@@ -23,7 +23,8 @@ import argparse
 import re
 from typing import Callable, Iterable, Optional
 
-from .config import DEFAULT_PRESET, PATTERNS, PRESETS, PROFILES, ROUNDINGS, SEED_MAX
+from .config import DEFAULT_PRESET, FLOWS, PATTERNS, PRESETS, PROFILES, ROUNDINGS, SEED_MAX
+from .plug.loader import KERNELS
 from .plug.updates import BUILTINS, DEFAULT_UPDATE
 
 MODES = ("mtp", "sequential")
@@ -84,8 +85,11 @@ SPECS: dict[str, dict] = {
     "mode": dict(type=_choice(MODES, "mode"), metavar="M", help="mtp or sequential (non-MTP) decode"),
     "update": dict(metavar="SPEC", help=f"update under test: a built-in ({', '.join(BUILTINS)}), "
                    "mutant:<name>, package.module:qualname or path/to/file.py:qualname"),
-    "kernel": dict(metavar="SPEC", help="verify kernel under test: portable, npu, npu-op:<spec>, "
+    "kernel": dict(metavar="SPEC", help=f"verify kernel under test: {', '.join(KERNELS)}, npu-op:<spec>, "
                    "mutant:<name>, package.module:qualname or path/to/file.py:qualname"),
+    "flow": dict(type=_choice(FLOWS, "flow"), metavar="F",
+                 help="where each verify starts (docs/semantics.md §6): sglang (SGLang 0.5.23's arguments: "
+                      "the committed state) or accepted (real accepted counts: the previous step's scratch)"),
     "trace": dict(metavar="FILE", help="replay a captured trace (NAME.npz + NAME.json, from drift capture) "
                   "instead of the synthetic stream: its model shapes, tokens and constants; golden data "
                   "beside it (NAME.golden/, generated on first use); without --steps the whole trace"),

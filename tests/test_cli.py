@@ -45,6 +45,13 @@ def test_other_correct_configurations_exit_0(args):
     assert main(RUN + args) == EXIT_PASS
 
 
+def test_flow_option_reaches_the_config_and_the_report(tmp_path):
+    """--flow accepted: the verify op continues from the previous step's scratch (the named
+    variant of docs/semantics.md §6); the released update passes there too."""
+    assert main(RUN + ["--flow", "accepted", "--report", str(tmp_path)]) == EXIT_PASS
+    assert json.loads((tmp_path / "report.json").read_text())["config"]["flow"] == "accepted"
+
+
 def test_failing_check_exits_1(capsys):
     """A file-spec update that commits draft step last + 1."""
     assert main(RUN + ["--update", bad_spec("commit_next_step")]) == EXIT_FAIL
@@ -94,6 +101,7 @@ def test_usage_config_load_and_device_errors_exit_2(cpu_only, capsys, args, word
     (["run", "--preset", "nope"], "preset 'nope' is not known; allowed: ci-small"),
     (["run", "--profile", "tpu"], "profile 'tpu' is not known"),
     (["run", "--device", "tpu"], "device 'tpu' is not known"),
+    (["run", "--flow", "ragged"], "flow 'ragged' is not known; allowed: sglang, accepted"),
     (["fly"], "invalid choice: 'fly'"),
     (["tradeoff", "--steps", "0"], "'0' is not an integer >= 1"),  # it used to run 1,024 steps silently
     (["mutants", "--steps", "-3"], "'-3' is not an integer >= 1"),
