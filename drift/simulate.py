@@ -75,6 +75,19 @@ class Observer(Protocol):
     def on_end(self) -> None: ...
 
 
+def _slot_words(bits: torch.Tensor) -> torch.Tensor:
+    """``bits [L, S, ...]`` (an integer view of a pool tensor) as a view whose last dimension is
+    dense: int64 words where its bytes allow, else the elements themselves. A transposed layout
+    is read in storage order (its last two dimensions swapped back), so no comparison copies."""
+    for view in (bits, bits.transpose(-1, -2)):
+        if view.stride(-1) == 1:
+            try:
+                return view.view(torch.int64)
+            except RuntimeError:  # the row's bytes are not a whole number of aligned words
+                return view
+    return bits
+
+
 class SlotGuard:
     """Bit-exact check that the update leaves every slot it should not touch as it was.
 
@@ -84,23 +97,23 @@ class SlotGuard:
 
     def __init__(self, pool: StatePool, capacity: int):
         self.pool = pool
-        t_bits, c_bits = pool.bits()
-        self._before_t = torch.empty_like(t_bits)
-        self._before_c = torch.empty_like(c_bits)
+        # 8-byte words over each slot's memory: any changed bit changes its word, and a quarter of
+        # the bf16 elements to compare (the order inside a slot does not matter to "changed?").
+        self._t_words, self._c_words = (_slot_words(t) for t in pool.bits())
+        self._before_t = torch.empty_like(self._t_words)
+        self._before_c = torch.empty_like(self._c_words)
         self.violations = torch.zeros(capacity, pool.cfg.num_slots, dtype=torch.bool, device=pool.device)
         self.first: Optional[dict] = None  # first violation seen: step, slot, what, role
 
     def before(self) -> None:
-        t_bits, c_bits = self.pool.bits()
-        self._before_t.copy_(t_bits)
-        self._before_c.copy_(c_bits)
+        self._before_t.copy_(self._t_words)
+        self._before_c.copy_(self._c_words)
 
     def after(self, index: int | torch.Tensor, touched: torch.Tensor) -> None:
         """Record step ``index`` of the chunk (a host int, or a 1-element int64 device tensor in a
         captured step); touched ``[S]`` bool: the slots the update may write."""
-        t_bits, c_bits = self.pool.bits()
-        changed = ((t_bits != self._before_t).flatten(2).any(2).any(0)
-                   | (c_bits != self._before_c).flatten(2).any(2).any(0))  # [S]: no transposed copy
+        changed = ((self._t_words != self._before_t).flatten(2).any(2).any(0)
+                   | (self._c_words != self._before_c).flatten(2).any(2).any(0))  # [S]
         if isinstance(index, torch.Tensor):
             self.violations.index_copy_(0, index, (changed & ~touched)[None])
         else:

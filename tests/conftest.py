@@ -8,6 +8,7 @@ whole suite stays fast on two cores. Test modules import the plain helpers with
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -21,6 +22,11 @@ from drift.plug.shim import sgl_kernels
 from drift.plug.updates import DEFAULT_UPDATE
 from drift.runner import run_checked
 from drift.simulate import Simulation
+
+# Under pytest-xdist every core runs a worker; torch's own intra-op threads on top would
+# oversubscribe the cores (OpenMP threads spinning against the other workers' processes).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 TESTS_DIR = Path(__file__).resolve().parent
 BAD_UPDATES = TESTS_DIR / "bad_updates.py"
@@ -180,3 +186,18 @@ def bad_spec(name: str) -> str:
     """File spec of a known-bad update in tests/bad_updates.py."""
     return f"{BAD_UPDATES}:{name}"
 
+
+
+# The longest shared-fixture groups first: under --dist loadgroup a group is one unit of work,
+# so a group that starts last keeps one core busy alone at the end. Collection order is
+# otherwise kept (a stable sort), and every worker sorts the same way.
+FIRST_GROUPS = ("teeth", "compat", "nightly", "precision-bf16-runs")
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    def rank(item) -> int:
+        mark = item.get_closest_marker("xdist_group")
+        name = (mark.args[0] if mark.args else mark.kwargs.get("name")) if mark else None
+        return FIRST_GROUPS.index(name) if name in FIRST_GROUPS else len(FIRST_GROUPS)
+
+    items.sort(key=rank)

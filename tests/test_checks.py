@@ -88,6 +88,16 @@ def test_known_bad_update_fails_its_check(variant, failing, passing, detail):
         assert res[failing].worst > 2 * SEMANTIC_TOL
 
 
+@pytest.mark.parametrize("profile", ["ascend-transposed", "ascend-mixed", "fp32"])
+@pytest.mark.parametrize("variant", ["write_dummy_slot", "write_dummy_conv"])
+def test_untouched_slot_writes_are_seen_in_every_layout(variant, profile):
+    """The guard compares each slot's memory as words in storage order: a write into the dummy
+    slot is seen whatever the layout (transposed views included) and the dtype."""
+    res = checks_of(small_cfg(STEPS, profile), bad_spec(variant))
+    assert not res["untouched slots"].passed, res["untouched slots"]
+    assert "wrote dummy slot 0 (slot 0) at step 0" in res["untouched slots"].detail
+
+
 def test_nan_commit_stops_the_run_and_fails():
     cfg = small_cfg(300)  # more than one 256-step chunk: the run must not reach the end
     res = checks_of(cfg, bad_spec("commit_nan"))

@@ -301,6 +301,9 @@ def _run_child(scenario: str, tmp: Path) -> dict:
 
 
 _CACHE: dict[str, dict] = {}
+# One worker runs this module under pytest-xdist (--dist loadgroup, pyproject.toml): each scenario's
+# child interpreter then starts once, not once per worker.
+pytestmark = pytest.mark.xdist_group("compat")
 
 
 def _report(scenario: str, tmp_path_factory) -> dict:

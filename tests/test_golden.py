@@ -239,7 +239,7 @@ def test_interrupted_regeneration_leaves_old_golden_intact(tmp_path, monkeypatch
     assert g is not None and g.path.read_bytes() == before[g.path.name]
 
 
-def test_pytest_force_regen_option_regenerates_and_fails(tmp_path):
+def test_pytest_force_regen_option_regenerates_and_fails(tmp_path, monkeypatch):
     d = tmp_path / "g"
     test = tmp_path / "test_uses_golden.py"
     test.write_text("from drift.config import preset\n"
@@ -253,4 +253,6 @@ def test_pytest_force_regen_option_regenerates_and_fails(tmp_path):
     regen = run("--drift-force-regen")
     assert regen.returncode == 1 and "regenerated" in regen.stdout
     assert len(list(d.glob("stagnation-seed0-*.npz"))) == 1
-    assert run().returncode == 0
+    monkeypatch.setenv("DRIFT_GOLDEN_DIR", str(d))  # what the next run of that test loads (in-process)
+    g, _ = load_golden(preset("stagnation"))
+    assert g is not None and g.path.parent == d and g.max_position > 0

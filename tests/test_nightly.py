@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +20,9 @@ from drift.jobs import nightly
 from drift.sim import native
 
 PNG = b"\x89PNG\r\n\x1a\n"
+# One worker runs this module under pytest-xdist (--dist loadgroup, pyproject.toml): its module
+# fixtures (a short nightly report, an uninterrupted resumable run) are computed once.
+pytestmark = pytest.mark.xdist_group("nightly")
 ARGS = ["--preset", "ci-small", "--update", "sglang-0.5.23", "--quiet"]
 
 
@@ -93,9 +97,22 @@ def test_bad_arguments_exit_2(tmp_path, cpu_only, capsys):
     assert not (tmp_path / "report.json").exists()  # rejected before any work
 
 
-def test_resume_after_kill_reproduces_the_uninterrupted_report(tmp_path):
-    steps = "600"  # ci-small steps come in chunks of 256: checkpoints at 256 and 512
-    common = [*ARGS, "--variant", "rne", "--steps", steps, "--checkpoint-every", "200"]
+# ci-small steps come in chunks of 256: a 600-step entry writes checkpoints at 256 and 512.
+RESUMABLE = [*ARGS, "--variant", "rne", "--steps", "600", "--checkpoint-every", "200"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> tuple[Path, dict]:
+    """An uninterrupted RESUMABLE run: its report directory (checkpoints included; copy it before
+    changing it) and the deterministic part of its report, which every resumed run must
+    reproduce."""
+    whole = tmp_path_factory.mktemp("whole")
+    assert main(["nightly", *RESUMABLE, "--report", str(whole)]) == 0
+    return whole, deterministic(whole)
+
+
+def test_resume_after_kill_reproduces_the_uninterrupted_report(tmp_path, uninterrupted):
+    common = RESUMABLE
     killed = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, "-m", "drift", "nightly", *common, "--report", str(killed)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -108,9 +125,7 @@ def test_resume_after_kill_reproduces_the_uninterrupted_report(tmp_path):
     proc.wait()
     assert not (killed / "report.json").exists()
     assert main(["nightly", *common, "--report", str(killed), "--resume"]) == 0
-    whole = tmp_path / "whole"
-    assert main(["nightly", *common, "--report", str(whole)]) == 0
-    assert deterministic(killed) == deterministic(whole)
+    assert deterministic(killed) == uninterrupted[1]
 
 
 def test_baseline_flags_an_injected_regression(short_report, tmp_path):
@@ -147,13 +162,13 @@ def test_shards_cover_the_matrix_and_merge(tmp_path):
     assert (out / "drift_vs_step.png").read_bytes()[:8] == PNG
 
 
-def test_resume_over_a_damaged_checkpoint_falls_back_and_says_so(tmp_path, capsys):
+def test_resume_over_a_damaged_checkpoint_falls_back_and_says_so(tmp_path, capsys, uninterrupted):
     """A damaged newest checkpoint is set aside (kept as *.damaged) and the entry resumes from
     the one before it; with none left it starts over. Either way the report is the one an
     uninterrupted run writes."""
-    common = [*ARGS, "--variant", "rne", "--steps", "600", "--checkpoint-every", "200"]
+    common = RESUMABLE
     ran = tmp_path / "ran"
-    assert main(["nightly", *common, "--report", str(ran)]) == 0
+    shutil.copytree(uninterrupted[0], ran)
     ckpts = ran / "checkpoints"
     newest, previous = (ckpts / "ci-small.seed0.sglang-0.5.23.rne.pt", ckpts / "ci-small.seed0.sglang-0.5.23.rne.prev.pt")
     assert newest.exists() and previous.exists()  # written at 256 and 512 steps
@@ -164,6 +179,4 @@ def test_resume_over_a_damaged_checkpoint_falls_back_and_says_so(tmp_path, capsy
     err = capsys.readouterr().err
     assert f"checkpoint {newest} cannot be read" in err and "set it aside" in err
     assert (ckpts / (newest.name + ".damaged")).exists()
-    whole = tmp_path / "whole"
-    assert main(["nightly", *common, "--report", str(whole)]) == 0
-    assert deterministic(ran) == deterministic(whole)
+    assert deterministic(ran) == uninterrupted[1]

@@ -36,7 +36,7 @@ def test_transposed_and_mixed_layouts(profile):
     """ascend-transposed: temporal and scratch transposed views of [K, V] storage, conv of [C, W];
     ascend-mixed: only the committed state transposed."""
     cfg, p = _pool(profile=profile)
-    HV, K, V = cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
+    K, V = cfg.head_k_dim, cfg.head_v_dim
     assert p.temporal.shape[-2:] == (V, K) and not p.temporal.is_contiguous()
     assert p.temporal.transpose(-1, -2).is_contiguous()
     transposed = profile == "ascend-transposed"

@@ -209,12 +209,12 @@ class Comparison:
         n = len(self._pending)
         if n == 0:
             return
-        sim, cfg, twin, buf, dev = self.sim, self.sim.cfg, self.twin, self._buf, self.ref_device
-        R, D, dtype = cfg.num_requests, cfg.num_draft_tokens, sim.pool.temporal.dtype
+        cfg, twin, buf, dev = self.sim.cfg, self.twin, self._buf, self.ref_device
+        R, D = cfg.num_requests, cfg.num_draft_tokens
         snap = {k: v[:n].to(dev) for k, v in self._snap.items()}
         idx = [p[0] for p in self._pending]
         accept = np.stack([p[2] for p in self._pending])
-        L, HV, V, K = cfg.num_layers, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim
+        L, HV, V = cfg.num_layers, cfg.num_v_heads, cfg.head_v_dim
         tw_out = torch.empty(n, L, R, D, HV, V, dtype=F64, device=dev)
         tw_win = torch.empty(n, *twin.window.shape, dtype=F64, device=dev)
         tw = {k: torch.empty(n, L, R, D, HV, dtype=F64, device=dev) for k in ("decay", "beta", "norm2")}
