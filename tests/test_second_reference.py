@@ -15,6 +15,7 @@ statements, promoted. States: drift's are ``[V, K]`` (docs/semantics.md §5), tr
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import types
 
@@ -24,8 +25,9 @@ import torch
 from conftest import U64, gdn_state_bound
 from drift.sim import naive
 
-modeling = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next",
-                               reason="needs transformers>=5 (drift's capture extra)")
+MODELING = "transformers.models.qwen3_next.modeling_qwen3_next"
+if importlib.util.find_spec("transformers") is None:  # the heavy modeling module loads on first use
+    pytest.skip("needs transformers>=5 (drift's capture extra)", allow_module_level=True)
 
 F64 = torch.float64
 B, S, HK, HV, K, V = 2, 12, 2, 4, 16, 8  # K != V so a [K, V] / [V, K] mix-up cannot pass
@@ -50,6 +52,7 @@ def _names(code: types.CodeType) -> set[str]:
 
 
 def transformers_recurrence(promote: bool = True):
+    modeling = pytest.importorskip(MODELING, reason="needs transformers>=5 (drift's capture extra)")
     fn = modeling.torch_recurrent_gated_delta_rule
     fn = getattr(fn, "__wrapped__", fn)  # past transformers' hub-kernel dispatch decorator
     assert fn.__module__ == modeling.__name__ and fn.__code__.co_filename.endswith("modeling_qwen3_next.py")

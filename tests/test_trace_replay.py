@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import io
 import json
 import os
@@ -31,7 +32,8 @@ from drift.fileio import load_npz, npz_bytes
 from drift.sim.stream import InputStream, StreamParams, TrueTokens, load_trace, max_position
 from drift.sim.tracefile import read_trace, trace_paths, write_trace
 
-pytest.importorskip("transformers", reason="drift capture needs transformers>=5 (drift's capture extra)")
+if importlib.util.find_spec("transformers") is None:  # found, not imported: capture imports it when it runs
+    pytest.skip("drift capture needs transformers>=5 (drift's capture extra)", allow_module_level=True)
 
 TOKENS, PROMPT, SEQ = 64, 16, 4  # the capture's defaults for prompt and sequences, 64 decoded tokens
 T = PROMPT + TOKENS  # tokens per sequence in the trace (prompt included)

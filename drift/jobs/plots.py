@@ -67,11 +67,14 @@ def _heads_figure(plt, groups: list[tuple[str, dict, dict]], title: str, with_bo
         ax.set_title(f"head {h}" + (f" (decay {d[h]:.4f}/step)" if h < len(d) else ""), fontsize=8)
         ax.set_xlabel("decode step", fontsize=8)
         ax.grid(True, which="both", alpha=0.3)
-        ax.tick_params(labelsize=7)
+        ax.tick_params(which="both", labelsize=7)
     axes[0, 0].set_ylabel("relative error (mean over layers)", fontsize=8)
     axes[0, -1].legend(fontsize=6, loc="best")
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    # Fixed margins in inches (y label and ticks left, x label below, panel and figure titles
+    # above) instead of tight_layout, which draws every figure once more to measure it.
+    w, h = fig.get_size_inches()
+    fig.subplots_adjust(left=0.8 / w, right=1 - 0.12 / w, bottom=0.45 / h, top=1 - 0.55 / h, wspace=0.08)
     return fig
 
 
