@@ -24,9 +24,11 @@ from drift.runner import run_checked
 from drift.simulate import Simulation
 
 # Under pytest-xdist every core runs a worker; torch's own intra-op threads on top would
-# oversubscribe the cores (OpenMP threads spinning against the other workers' processes).
+# oversubscribe the cores (OpenMP threads spinning against the other workers' processes). The
+# environment variable reaches the child interpreters the tests start (drift, pytest).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 TESTS_DIR = Path(__file__).resolve().parent
 BAD_UPDATES = TESTS_DIR / "bad_updates.py"
