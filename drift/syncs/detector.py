@@ -152,6 +152,31 @@ def op_bytes(func, ins: list, outs: list) -> int:
     return _nbytes(ins) + _nbytes(outs)
 
 
+
+D2H = "device-to-host copy: the host waits for the data"
+H2D = "blocking host-to-device copy"
+
+
+def _conversion_reasons(src, target: str, kwargs: dict) -> list[str]:
+    """Why a conversion of ``src`` (``.to`` / ``_to_copy``) to a ``target`` device kind syncs: a
+    device-to-host read, or a blocking host-to-device copy of more than a scalar."""
+    if _is_device(src) and target == "host":
+        return [D2H]
+    if _is_host(src) and src.dim() > 0 and target in ("virtual", "device") and not kwargs.get("non_blocking"):
+        return [H2D]
+    return []
+
+
+def _copy_into_reasons(args: tuple, kwargs: dict) -> list[str]:
+    """Why ``dst.copy_(src[, non_blocking])`` syncs (the same two cases)."""
+    dst, src = args[0], args[1]
+    if _is_host(dst) and _is_device(src):
+        return [D2H]
+    if _is_device(dst) and _is_host(src) and src.dim() > 0 and not (args[2:3] and args[2]) \
+            and not kwargs.get("non_blocking"):
+        return [H2D]
+    return []
+
 def sync_reasons(func, args: tuple, kwargs: dict) -> list[str]:
     """Why dispatching ``func(*args, **kwargs)`` synchronises host and device (empty: it does not).
 
@@ -164,20 +189,9 @@ def sync_reasons(func, args: tuple, kwargs: dict) -> list[str]:
     dev_in = any(_is_device(x) for x in flat)
     target = _device_kind(kwargs.get("device"))
     if name == "_to_copy":
-        src = args[0]
-        if _is_device(src) and target == "host":
-            return ["device-to-host copy: the host waits for the data"]
-        if _is_host(src) and src.dim() > 0 and target in ("virtual", "device") and not kwargs.get("non_blocking"):
-            return ["blocking host-to-device copy"]
-        return []
+        return _conversion_reasons(args[0], target, kwargs)
     if name == "copy_":
-        dst, src = args[0], args[1]
-        if _is_host(dst) and _is_device(src):
-            return ["device-to-host copy: the host waits for the data"]
-        if _is_device(dst) and _is_host(src) and src.dim() > 0 and not (args[2:3] and args[2]) \
-                and not kwargs.get("non_blocking"):
-            return ["blocking host-to-device copy"]
-        return []
+        return _copy_into_reasons(args, kwargs)
     if not dev_in:
         return []
     out = []
@@ -382,20 +396,9 @@ def function_sync_reasons(func, args: tuple, kwargs: dict) -> list[str]:
     flat, _ = tree_flatten((args, kwargs))
     target = _call_target(func, args, kwargs)
     if name in _F_COPIES:
-        src = args[0] if args else None
-        if _is_device(src) and target == "host":
-            return ["device-to-host copy: the host waits for the data"]
-        if _is_host(src) and src.dim() > 0 and target in ("virtual", "device") and not kwargs.get("non_blocking"):
-            return ["blocking host-to-device copy"]
-        return []
+        return _conversion_reasons(args[0] if args else None, target, kwargs)
     if name == "copy_":
-        dst, src = args[0], args[1]
-        if _is_host(dst) and _is_device(src):
-            return ["device-to-host copy: the host waits for the data"]
-        if _is_device(dst) and _is_host(src) and src.dim() > 0 and not (args[2:3] and args[2]) \
-                and not kwargs.get("non_blocking"):
-            return ["blocking host-to-device copy"]
-        return []
+        return _copy_into_reasons(args, kwargs)
     if name in _F_FACTORIES and target in ("virtual", "device"):
         data = args[0] if args else kwargs.get("data")
         if not isinstance(data, torch.Tensor):
