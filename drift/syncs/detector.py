@@ -288,6 +288,27 @@ def host_data(t: torch.Tensor) -> torch.Tensor:
     return t._inner
 
 
+
+def _unwrapper(op: str, by_inner: dict, meta_device_to_host: bool):
+    """The leaf map that runs an op on the host: a virtual tensor becomes its CPU data (recorded
+    in ``by_inner`` by the data's id, to wrap outputs back); a plain meta tensor is an error
+    naming ``op``; with ``meta_device_to_host`` a ``torch.device('meta')`` argument becomes the host."""
+    def unwrap(x):
+        if isinstance(x, VirtualTensor):
+            by_inner[id(x._inner)] = x
+            return x._inner
+        if isinstance(x, torch.Tensor) and x.device.type == "meta":
+            raise VirtualDeviceError(
+                f"{op} got a plain meta tensor next to virtual-device tensors: the code "
+                "under test created a device tensor in a way the virtual device cannot follow. "
+                "Create it with a factory op (torch.empty/zeros/arange(..., device=t.device)) or "
+                "from another device tensor.")
+        if meta_device_to_host and isinstance(x, torch.device) and x.type == "meta":
+            return _HOST
+        return x
+
+    return unwrap
+
 def _execute(func, args: tuple, kwargs: dict):
     """Run ``func`` on the CPU data of virtual operands; outputs are virtual unless the op
     targets the host (``device='cpu'``) or returns a host operand (``copy_`` into it)."""
@@ -297,19 +318,7 @@ def _execute(func, args: tuple, kwargs: dict):
     if not virtual:
         return func(*args, **kwargs)
     by_inner: dict[int, VirtualTensor] = {}
-
-    def unwrap(x):
-        if isinstance(x, VirtualTensor):
-            by_inner[id(x._inner)] = x
-            return x._inner
-        if isinstance(x, torch.Tensor) and x.device.type == "meta":
-            raise VirtualDeviceError(
-                f"{op_name(func)} got a plain meta tensor next to virtual-device tensors: the code "
-                "under test created a device tensor in a way the virtual device cannot follow. "
-                "Create it with a factory op (torch.empty/zeros/arange(..., device=t.device)) or "
-                "from another device tensor.")
-        return x
-
+    unwrap = _unwrapper(op_name(func), by_inner, meta_device_to_host=False)
     cargs, ckwargs = tree_map(unwrap, (args, kwargs))
     if target == "virtual":
         ckwargs["device"] = _HOST
@@ -450,21 +459,7 @@ def _call_virtual(func, args: tuple, kwargs: dict):
     if not (target == "virtual" or any(isinstance(x, VirtualTensor) for x in flat)):
         return func(*args, **kwargs)
     by_inner: dict[int, VirtualTensor] = {}
-
-    def unwrap(x):
-        if isinstance(x, VirtualTensor):
-            by_inner[id(x._inner)] = x
-            return x._inner
-        if isinstance(x, torch.Tensor) and x.device.type == "meta":
-            raise VirtualDeviceError(
-                f"{_api_name(func)} got a plain meta tensor next to virtual-device tensors: the code "
-                "under test created a device tensor in a way the virtual device cannot follow. "
-                "Create it with a factory op (torch.empty/zeros/arange(..., device=t.device)) or "
-                "from another device tensor.")
-        if isinstance(x, torch.device) and x.type == "meta":
-            return _HOST
-        return x
-
+    unwrap = _unwrapper(_api_name(func), by_inner, meta_device_to_host=True)
     cargs, ckwargs = tree_map(unwrap, (list(args), dict(kwargs)))
     if _device_kind(ckwargs.get("device")) == "virtual":
         ckwargs["device"] = _HOST
