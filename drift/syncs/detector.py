@@ -309,6 +309,20 @@ def _unwrapper(op: str, by_inner: dict, meta_device_to_host: bool):
 
     return unwrap
 
+
+def _run_unwrapped(func, op: str, cargs, ckwargs, to_meta):
+    """``func`` on the host data of its operands; when one is shape-only (meta), on meta instead,
+    with the operands ``to_meta`` maps there (shapes and dtypes only)."""
+    if not any(isinstance(x, torch.Tensor) and x.device.type == "meta" for x in tree_flatten((cargs, ckwargs))[0]):
+        return func(*cargs, **ckwargs)
+    cargs, ckwargs = to_meta((cargs, ckwargs))
+    try:
+        return func(*cargs, **ckwargs)
+    except (RuntimeError, NotImplementedError) as exc:
+        raise VirtualDeviceError(
+            f"{op} needs the values of a shape-only tensor ({exc}); the code under "
+            "test reads state data, so count it with real data (shape_only=False)") from exc
+
 def _execute(func, args: tuple, kwargs: dict):
     """Run ``func`` on the CPU data of virtual operands; outputs are virtual unless the op
     targets the host (``device='cpu'``) or returns a host operand (``copy_`` into it)."""
@@ -322,19 +336,13 @@ def _execute(func, args: tuple, kwargs: dict):
     cargs, ckwargs = tree_map(unwrap, (args, kwargs))
     if target == "virtual":
         ckwargs["device"] = _HOST
-    if any(isinstance(x, torch.Tensor) and x.device.type == "meta" for x in tree_flatten((cargs, ckwargs))[0]):
-        # A shape-only operand: run the op on meta (shapes and dtypes only).
-        cargs, ckwargs = tree_map(lambda x: x.to(VIRTUAL_DEVICE) if _is_host(x) else x, (cargs, ckwargs))
+    def to_meta(args_kwargs):
+        cargs, ckwargs = tree_map(lambda x: x.to(VIRTUAL_DEVICE) if _is_host(x) else x, args_kwargs)
         if target == "virtual":
             ckwargs["device"] = VIRTUAL_DEVICE
-        try:
-            out = func(*cargs, **ckwargs)
-        except (RuntimeError, NotImplementedError) as exc:
-            raise VirtualDeviceError(
-                f"{op_name(func)} needs the values of a shape-only tensor ({exc}); the code under "
-                "test reads state data, so count it with real data (shape_only=False)") from exc
-    else:
-        out = func(*cargs, **ckwargs)
+        return cargs, ckwargs
+
+    out = _run_unwrapped(func, op_name(func), cargs, ckwargs, to_meta)
     to_host = target == "host"
 
     def wrap(o):
@@ -465,19 +473,11 @@ def _call_virtual(func, args: tuple, kwargs: dict):
         ckwargs["device"] = _HOST
     if name == "to":
         cargs = [_HOST if isinstance(a, str) and _device_kind(a) == "virtual" else a for a in cargs]
-    if any(isinstance(x, torch.Tensor) and x.device.type == "meta" for x in tree_flatten((cargs, ckwargs))[0]):
-        # A shape-only operand: run the call on meta (shapes and dtypes only).
-        cargs, ckwargs = tree_map(lambda x: x.to(VIRTUAL_DEVICE) if _is_host(x) else
-                                  (VIRTUAL_DEVICE if isinstance(x, torch.device) and x == _HOST else x),
-                                  (cargs, ckwargs))
-        try:
-            out = func(*cargs, **ckwargs)
-        except (RuntimeError, NotImplementedError) as exc:
-            raise VirtualDeviceError(
-                f"{_api_name(func)} needs the values of a shape-only tensor ({exc}); the code under "
-                "test reads state data, so count it with real data (shape_only=False)") from exc
-    else:
-        out = func(*cargs, **ckwargs)
+    def to_meta(args_kwargs):
+        return tree_map(lambda x: x.to(VIRTUAL_DEVICE) if _is_host(x) else
+                        (VIRTUAL_DEVICE if isinstance(x, torch.device) and x == _HOST else x), args_kwargs)
+
+    out = _run_unwrapped(func, _api_name(func), cargs, ckwargs, to_meta)
     if name == "__iter__":
         out = list(out)
 
