@@ -128,7 +128,13 @@ def test_the_graph_is_read():
     assert "drift.jobs.report" in g["drift.cli"]  # imported inside a function
 
 
-@pytest.mark.parametrize("needle", ["REFERENCE section", "REFERENCE.md", "../shared", "shared/REFERENCE"])
+# Citations of the team's outside summary page, which users never have (docs/semantics.md is the
+# project's own account). Assembled from parts so that this file does not cite it either.
+OUTSIDE = "REFERENCE"
+OUTSIDE_CITATIONS = [f"{OUTSIDE} section", f"{OUTSIDE}.md", "../" + "shared", "shared/" + OUTSIDE]
+
+
+@pytest.mark.parametrize("needle", OUTSIDE_CITATIONS)
 def test_nothing_cites_a_document_outside_the_repository(needle):
     hits = [f"{p.relative_to(ROOT.parent)}:{i}" for p in ROOT.rglob("*") if p.suffix in (".py", ".c")
             for i, line in enumerate(p.read_text().splitlines(), 1) if needle in line]
