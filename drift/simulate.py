@@ -42,6 +42,8 @@ from .sim.stream import InputStream
 from .sim.twin import prefill
 
 MODES = ("mtp", "sequential")
+
+
 class StopRun(Exception):
     """Raised by an observer to end the run early (a fatal finding such as NaN)."""
 

@@ -30,6 +30,8 @@ SHORT_HORIZON_SHARE, SHORT_HORIZON_MIN = 4, 64
 def mutant_steps(direction: str, steps: int) -> int:
     """The decode steps a mutant of ``direction`` runs in a catalogue of ``steps``."""
     return steps if direction == "precision" else min(steps, max(SHORT_HORIZON_MIN, steps // SHORT_HORIZON_SHARE))
+
+
 SYNC_CHECK = "host syncs"
 GUARDED = "sglang-31659"  # the built-in with the .item() precision guard
 

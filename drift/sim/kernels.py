@@ -144,7 +144,6 @@ def conv_verify(conv_states: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
     return out
 
 
-
 def _slot_rows(conv_states: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
     """``conv_states [L, S, W, C]`` as rows ``[L * S, W * C]`` holding each slot's window in
     storage order, and whether that order is channel-major (``[C, W]``, a transposed view);

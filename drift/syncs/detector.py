@@ -152,18 +152,17 @@ def op_bytes(func, ins: list, outs: list) -> int:
     return _nbytes(ins) + _nbytes(outs)
 
 
-
-D2H = "device-to-host copy: the host waits for the data"
-H2D = "blocking host-to-device copy"
+_D2H = "device-to-host copy: the host waits for the data"
+_H2D = "blocking host-to-device copy"
 
 
 def _conversion_reasons(src, target: str, kwargs: dict) -> list[str]:
     """Why a conversion of ``src`` (``.to`` / ``_to_copy``) to a ``target`` device kind syncs: a
     device-to-host read, or a blocking host-to-device copy of more than a scalar."""
     if _is_device(src) and target == "host":
-        return [D2H]
+        return [_D2H]
     if _is_host(src) and src.dim() > 0 and target in ("virtual", "device") and not kwargs.get("non_blocking"):
-        return [H2D]
+        return [_H2D]
     return []
 
 
@@ -171,11 +170,12 @@ def _copy_into_reasons(args: tuple, kwargs: dict) -> list[str]:
     """Why ``dst.copy_(src[, non_blocking])`` syncs (the same two cases)."""
     dst, src = args[0], args[1]
     if _is_host(dst) and _is_device(src):
-        return [D2H]
+        return [_D2H]
     if _is_device(dst) and _is_host(src) and src.dim() > 0 and not (args[2:3] and args[2]) \
             and not kwargs.get("non_blocking"):
-        return [H2D]
+        return [_H2D]
     return []
+
 
 def sync_reasons(func, args: tuple, kwargs: dict) -> list[str]:
     """Why dispatching ``func(*args, **kwargs)`` synchronises host and device (empty: it does not).
@@ -288,7 +288,6 @@ def host_data(t: torch.Tensor) -> torch.Tensor:
     return t._inner
 
 
-
 def _unwrapper(op: str, by_inner: dict, meta_device_to_host: bool):
     """The leaf map that runs an op on the host: a virtual tensor becomes its CPU data (recorded
     in ``by_inner`` by the data's id, to wrap outputs back); a plain meta tensor is an error
@@ -323,6 +322,7 @@ def _run_unwrapped(func, op: str, cargs, ckwargs, to_meta):
             f"{op} needs the values of a shape-only tensor ({exc}); the code under "
             "test reads state data, so count it with real data (shape_only=False)") from exc
 
+
 def _execute(func, args: tuple, kwargs: dict):
     """Run ``func`` on the CPU data of virtual operands; outputs are virtual unless the op
     targets the host (``device='cpu'``) or returns a host operand (``copy_`` into it)."""
@@ -336,6 +336,7 @@ def _execute(func, args: tuple, kwargs: dict):
     cargs, ckwargs = tree_map(unwrap, (args, kwargs))
     if target == "virtual":
         ckwargs["device"] = _HOST
+
     def to_meta(args_kwargs):
         cargs, ckwargs = tree_map(lambda x: x.to(VIRTUAL_DEVICE) if _is_host(x) else x, args_kwargs)
         if target == "virtual":
@@ -473,6 +474,7 @@ def _call_virtual(func, args: tuple, kwargs: dict):
         ckwargs["device"] = _HOST
     if name == "to":
         cargs = [_HOST if isinstance(a, str) and _device_kind(a) == "virtual" else a for a in cargs]
+
     def to_meta(args_kwargs):
         return tree_map(lambda x: x.to(VIRTUAL_DEVICE) if _is_host(x) else
                         (VIRTUAL_DEVICE if isinstance(x, torch.device) and x == _HOST else x), args_kwargs)

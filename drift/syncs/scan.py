@@ -24,6 +24,7 @@ from .detector import VIRTUAL_DEVICE, SyncDetector, SyncEvent, SyncReport, Virtu
 
 _HOST = torch.device("cpu")
 
+
 def virtual_pool(cfg: Config, shape_only: bool = False) -> StatePool:
     """drift's :class:`StatePool` for ``cfg`` with every tensor on the virtual device
     (built on the CPU, then wrapped; views keep sharing storage). ``shape_only``: the
