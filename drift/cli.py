@@ -86,7 +86,8 @@ def _output_format(p: argparse.ArgumentParser) -> None:
 
 # ---------------------------------------------------------------------- run
 def add_run(p: argparse.ArgumentParser) -> None:
-    add_options(p.add_argument, CONFIG_OPTIONS + ("update", "kernel", "mode", "trace", "loop", "no-graph"))
+    add_options(p.add_argument, CONFIG_OPTIONS + ("update", "kernel", "mode", "trace", "loop", "no-graph",
+                                                  "all-checks", "fail-fast"))
     p.add_argument("--vs-sequential", action="store_true",
                    help="also decode the stream sequentially in lockstep and report the MTP-vs-sequential divergence")
     p.add_argument("--report", type=Path, metavar="DIR", help="write report.json, report.md and drift_vs_step.png here")
@@ -96,6 +97,7 @@ def add_run(p: argparse.ArgumentParser) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     from .jobs.report import progress_printer, summary_text, write_report
     from .runner import run_checked
+    from .syncs.scan import RUN_SAMPLE
 
     cfg = config_from_args(args)
     report_dir = writable_dir(args.report, "--report") if args.report else None
@@ -108,7 +110,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         golden, _ = load_golden(cfg)
     progress = None if args.quiet else progress_printer(f"drift run {cfg.name}")
     rep = run_checked(cfg, update, mode=args.mode, progress=progress, vs_sequential=args.vs_sequential,
-                      verify_kernel=kernel, golden=golden)
+                      verify_kernel=kernel, golden=golden, sync_first=not args.all_checks, fail_fast=args.fail_fast,
+                      sync_sample=RUN_SAMPLE)
     print(summary_text(rep))
     if report_dir is not None:
         for path in write_report(rep, report_dir):

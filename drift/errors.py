@@ -2,7 +2,8 @@
 
 Exit codes (``drift`` and every sub-command): 0 every check passed; 1 a check failed (or the
 code under test raised, which is a failed check); 2 the input was bad (usage, config, a
-plug-in spec, golden data, a checkpoint or trace file, a device that is absent). Every
+plug-in spec, golden data, a checkpoint or trace file, a device that is absent, code under test
+that reads something drift's harness does not provide). Every
 :class:`DriftError` carries its exit code; a message names the cause and the fix.
 """
 
@@ -23,6 +24,11 @@ class ConfigError(DriftError, ValueError):
 
 class LoadError(DriftError, ValueError):
     """A plug-in spec (update or verify kernel) could not be turned into a callable."""
+
+
+class HarnessLacks(LoadError):
+    """The code under test read something drift's harness does not provide: drift could not run
+    it (exit 2), which is not a regression it measured."""
 
 
 class GoldenError(DriftError, RuntimeError):

@@ -97,6 +97,10 @@ SPECS: dict[str, dict] = {
                  "(token p mod tokens; the conv window wraps too), so --steps may exceed the trace"),
     "no-graph": dict(action="store_true", help="eager decode, as SGLang without graph mode: no device "
                      "graph capture of the step, and the verify op's eager arguments (prepare_gdn_inputs)"),
+    "all-checks": dict(action="store_true", help="run every check even when the host-sync scan (run first) "
+                       "finds a sync; without it a sync fails the run at once, before the simulation"),
+    "fail-fast": dict(action="store_true", help="stop the simulation at the end of the chunk (at most 256 "
+                      "steps) in which a check first fails, and report the table so far"),
 }
 DEFAULTS: dict[str, object] = {"preset": DEFAULT_PRESET, "device": "cpu", "update": DEFAULT_UPDATE,
                                "kernel": "portable", "mode": "mtp", "loop": False}

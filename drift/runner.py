@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -15,6 +16,8 @@ from .check.compare import Comparison
 from .check.result import CheckResult
 from .check.shadow import SequentialShadow
 from .config import Config
+from .plug.loader import Update, load_update
+from .plug.shim import kernels_in_use
 from .plug.updates import DEFAULT_UPDATE
 from .sim.graph import GraphStatus
 from .sim.twin import F64
@@ -73,7 +76,7 @@ class CheckedRun:
     def __init__(self, cfg: Config, update=DEFAULT_UPDATE, mode: str = "mtp",
                  checks: Optional[Sequence[Check]] = None, verify_kernel=None, golden=None,
                  vs_sequential: bool = False, start: Optional[ResumePoint] = None,
-                 env2_start: Optional[np.ndarray] = None, observers: Sequence = ()):
+                 env2_start: Optional[np.ndarray] = None, observers: Sequence = (), fail_fast: bool = False):
         self.cfg, self.mode = cfg, mode
         self.bound: Optional[BoundCheck] = None
         self.post = []
@@ -83,6 +86,7 @@ class CheckedRun:
             self.post = [GrowthCheck(self.bound), OutputBoundCheck(self.bound)]
         self.checks = list(checks)
         self.comparison = Comparison(self.checks, golden=golden)
+        self.comparison.fail_fast = fail_fast
         self.shadows = [SequentialShadow()] if vs_sequential else []
         self.sim = Simulation(cfg, update, mode=mode, observers=[self.comparison, *self.shadows, *observers],
                               verify_kernel=verify_kernel, start=start)
@@ -95,13 +99,16 @@ class CheckedRun:
             info.meta["update_source"] = self.sim.update.source
         return info
 
-    def results(self, info: RunInfo, sync_scan: bool = True) -> list[CheckResult]:
-        """One result per check; in MTP mode also the slot guard and (sync_scan) the host-sync scan."""
+    def results(self, info: RunInfo, sync_scan: bool = True,
+                syncs: Optional[CheckResult] = None) -> list[CheckResult]:
+        """One result per check; in MTP mode also the slot guard and (sync_scan) the host-sync scan
+        (``syncs``: its result when it already ran)."""
         results = ([c.result() for c in self.checks] + [p.result() for p in self.post]
                    + [s.result() for s in self.shadows])
         if self.mode == "mtp":
             results.append(untouched_result(info.untouched_violation, info.steps))
-            syncs = sync_check(self.cfg, self.sim.update) if sync_scan else None
+            if syncs is None and sync_scan:
+                syncs = sync_check(self.cfg, self.sim.update)
             if syncs is not None:
                 results.append(syncs)
             results.append(graph_result(self.sim.graph_status, syncs, self.sim.device))
@@ -109,8 +116,9 @@ class CheckedRun:
             results.append(CheckResult("run completed", False, None, None, "", f"stopped early: {info.stopped_early}"))
         return results
 
-    def report(self, info: RunInfo, sync_scan: bool = True) -> RunReport:
-        return RunReport(self.cfg, info, self.results(info, sync_scan), self.comparison.reference_description())
+    def report(self, info: RunInfo, sync_scan: bool = True, syncs: Optional[CheckResult] = None) -> RunReport:
+        return RunReport(self.cfg, info, self.results(info, sync_scan, syncs),
+                         self.comparison.reference_description())
 
 
 def graph_result(status: GraphStatus, syncs: Optional[CheckResult], device: torch.device) -> CheckResult:
@@ -144,12 +152,36 @@ def run_checked(cfg: Config, update=DEFAULT_UPDATE, mode: str = "mtp", steps: Op
                 progress: Optional[Callable[[int, int], None]] = None,
                 verify_kernel=None, golden=None, vs_sequential: bool = False,
                 start: Optional[ResumePoint] = None, env2_start: Optional[np.ndarray] = None,
-                observers: Sequence = (), sync_scan: bool = True) -> RunReport:
+                observers: Sequence = (), sync_scan: bool = True, sync_first: bool = False,
+                fail_fast: bool = False, sync_sample: int = 0) -> RunReport:
     """Run ``cfg`` through ``update`` under every check (see :class:`CheckedRun`) and report.
-    sync_scan: also run the update on the virtual accelerator and fail on any host sync."""
+    sync_scan: also run the update on the virtual accelerator and fail on any host sync.
+    sync_first: run that scan before the simulation and, when it finds a sync, report at once
+    (the precision checks not run: a sync fails the run whatever they would say).
+    fail_fast: stop the simulation at the end of the first chunk in which a check failed.
+    sync_sample: real steps of the run's horizon the scan re-checks beyond its representative ones."""
+    syncs = None
+    if sync_scan and mode == "mtp":  # the scan first: cheap, and a sync is a failure whatever else
+        update = load_update(update)
+        t0 = time.perf_counter()
+        syncs = sync_check(cfg, update, sample=sync_sample)
+        if syncs.failed and sync_first:
+            return sync_failed_report(cfg, update, syncs, time.perf_counter() - t0, verify_kernel)
     run = CheckedRun(cfg, update, mode, checks, verify_kernel, golden, vs_sequential, start, env2_start,
-                     observers)
-    return run.report(run.run(steps, progress=progress), sync_scan)
+                     observers, fail_fast)
+    return run.report(run.run(steps, progress=progress), sync_scan, syncs)
+
+
+def sync_failed_report(cfg: Config, update: Update, syncs: CheckResult, wall_s: float, verify_kernel) -> RunReport:
+    """The report of a run stopped by the host-sync scan before its first decode step."""
+    skipped = CheckResult("precision checks", True, None, None, "",
+                          "not run: the host-sync scan runs first and a sync fails the run at once "
+                          "(drift run --all-checks runs every check anyway)", {"applicable": False})
+    info = RunInfo(steps=0, wall_s=wall_s, mode="mtp", update=update.name, kernels=kernels_in_use(),
+                   device=str(cfg.device), verify_kernel=str(getattr(verify_kernel, "__qualname__", "") or "portable"),
+                   meta={"update_spec": update.spec, "update_source": update.source,
+                         "graph_note": "not run: stopped after the host-sync scan"})
+    return RunReport(cfg, info, [syncs, skipped], "not run (stopped after the host-sync scan)")
 
 
 class SnapshotCatcher:

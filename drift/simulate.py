@@ -29,7 +29,7 @@ import torch
 from .checkpoint import restore, saveable
 from .config import Config
 from .devices import resolve_device
-from .errors import UpdateRaised
+from .errors import DriftError, UpdateRaised
 from .plug.loader import Update, load_update
 from .plug.shim import kernels_in_use
 from .plug.updates import DEFAULT_UPDATE
@@ -433,6 +433,8 @@ class Simulation:
             track_steps = trk if cfg.track_interval > 0 else None
             try:
                 self.update(self.harness, last, track_idx, track_steps)
+            except DriftError:  # drift could not run it (HarnessLacks): exit 2, not a failed check
+                raise
             except Exception as exc:
                 raise UpdateRaised(f"the update under test ({self.update.spec}) raised {exc!r} at decode "
                                    f"step {self.step}") from exc

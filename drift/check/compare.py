@@ -94,8 +94,11 @@ class Comparison:
 
     golden: a :class:`~drift.golden.Golden`, ``None`` to look one up for the config, or
     ``False`` for none. The twin runs on the run's device, or on the CPU when that device
-    lacks float64 (NPU).
+    lacks float64 (NPU). fail_fast: end the run (StopRun) after the first chunk in which a
+    consumer recorded a failure (its ``first_fail``).
     """
+
+    fail_fast = False
 
     def __init__(self, consumers: Sequence[Consumer] = (), golden: Golden | None | bool = None):
         self.consumers = list(consumers)
@@ -394,6 +397,10 @@ class Comparison:
                 c.consume(chunk)
             except StopRun as why:
                 stop = stop or why
+        if stop is None and self.fail_fast:
+            failed = [c for c in self.consumers if getattr(c, "first_fail", None)]
+            if failed:
+                stop = StopRun(f"--fail-fast: {failed[0].name} first over its limit at {failed[0].first_fail}")
         if stop is not None:
             raise stop
 

@@ -2,9 +2,13 @@
 
 Update specs: a built-in (:data:`drift.plug.updates.BUILTINS`), ``mutant:<name>``,
 ``package.module:qualname`` or ``path/to/file.py:qualname``. The callee is called as
-``fn(backend, last_correct_step_indices, mamba_track_indices, mamba_steps_to_track, **extra)``:
-a class method receives drift's harness as ``self``, and every parameter it declares beyond
-those four (``model``, ``req_pool_indices``, ...) receives ``None``.
+``fn(self, last_correct_step_indices, mamba_track_indices, mamba_steps_to_track, **extra)``.
+A function's ``self`` is drift's harness (:class:`drift.sim.pool.Harness`); a ``Class.method``'s
+``self`` is a real instance of that class, made without running its constructor
+(``cls.__new__(cls)``), with the harness's attributes attached, so the method's own helpers,
+properties and ``super()`` work. Every parameter beyond those four (``model``,
+``req_pool_indices``, ...) receives ``None``. An update that reads what the harness lacks raises
+:class:`~drift.errors.HarnessLacks` (exit 2: drift could not run it), never a failed check.
 
 Kernel specs (:data:`KERNELS`): ``portable`` (drift's own op, the default), ``npu`` (the op
 sgl-kernel-npu registers, called as SGLang calls it), ``npu-op:<module|file.py>:<qualname>`` (any
@@ -17,12 +21,14 @@ callable with that op's signature, through the same adapter), ``npu-legacy``
 from __future__ import annotations
 
 import inspect
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from ..errors import LoadError
+from ..errors import HarnessLacks, LoadError
 from ..sim import kernels
 from ..sim.kernels import VerifyKernel
+from ..sim.pool import HOW_TO_PROVIDE, PROVIDED
 from .mutants import MUTANTS, Mutant
 from .npu_op import legacy_adapter, npu_op_adapter, sgl_kernel_npu_op, torch_npu_legacy_op
 from .shim import sgl_kernels
@@ -41,18 +47,99 @@ KERNELS = {  # built-in kernel specs -> what they load
 
 @dataclass
 class Update:
-    """A loaded update implementation, callable as the simulation calls it."""
+    """A loaded update implementation, callable as the simulation calls it (with the harness).
+
+    owner: the class of a ``Class.method`` spec (its ``self`` is then an instance of it), else None.
+    """
 
     name: str
     spec: str
     fn: Callable[..., Any]
     extra: tuple[str, ...] = field(default_factory=tuple)
     source: str = ""
+    owner: Optional[type] = None
 
     def __call__(self, backend, last_correct_step_indices, mamba_track_indices, mamba_steps_to_track):
         kwargs = {name: None for name in self.extra}
-        return self.fn(backend, last_correct_step_indices, mamba_track_indices, mamba_steps_to_track,
-                       **kwargs)
+        me = backend if self.owner is None else self.instance(backend)
+        try:
+            return self.fn(me, last_correct_step_indices, mamba_track_indices, mamba_steps_to_track, **kwargs)
+        except AttributeError as exc:
+            lacks = self._lacks(exc, backend, me)
+            if lacks is None:
+                raise
+            raise lacks from exc
+
+    def instance(self, harness) -> Any:
+        """The ``self`` of a ``Class.method``: one instance of :attr:`owner` per harness, made
+        without its constructor, carrying the harness's attributes (:attr:`Harness.ATTRIBUTES`)."""
+        cache = harness.__dict__.setdefault("_drift_instances", {})
+        inst = cache.get(self.owner)
+        if inst is None:
+            inst = cache[self.owner] = _bare_instance(self.owner, self.spec)
+            for name in harness.ATTRIBUTES:
+                try:
+                    object.__setattr__(inst, name, getattr(harness, name))
+                except (AttributeError, TypeError) as exc:
+                    raise LoadError(f"update spec {self.spec!r}: cannot attach drift's {name} to a "
+                                    f"{self.owner.__qualname__} ({exc}); a read-only property or __slots__ "
+                                    f"without {name!r} blocks it") from None
+        return inst
+
+    def _lacks(self, exc: AttributeError, harness, me) -> Optional[HarnessLacks]:
+        """A :class:`HarnessLacks` when ``exc`` is an attribute read on the instance or a harness
+        object that drift does not provide (None for any other AttributeError: a bug of the update)."""
+        obj, name = getattr(exc, "obj", None), getattr(exc, "name", None)
+        objects = harness.objects() if hasattr(type(harness), "objects") else (harness,)
+        if name is None or not any(obj is o for o in (*objects, me)):
+            return None
+        if obj is me and me is not harness:
+            what = f"self.{name}, on a {type(me).__qualname__} built without running its constructor"
+        elif obj is harness:
+            what = f"self.{name}"
+        else:
+            what = f"{name!r} of {type(obj).__name__.lstrip('_')}"
+        return HarnessLacks(f"the update under test ({self.spec}) read {what}, which drift's harness does "
+                            f"not provide, so drift could not run it (not a regression). drift provides "
+                            f"{PROVIDED}. To provide it: {HOW_TO_PROVIDE}.")
+
+
+def _bare_instance(cls: type, spec: str) -> Any:
+    """``cls.__new__(cls)`` (``object.__new__`` when that needs arguments), no ``__init__``."""
+    try:
+        return cls.__new__(cls)
+    except TypeError:
+        pass
+    try:
+        return object.__new__(cls)
+    except TypeError as exc:
+        raise LoadError(f"update spec {spec!r}: cannot make a {cls.__qualname__} without its constructor "
+                        f"({exc}); name a concrete class (every abstract method implemented)") from None
+
+
+def _owner(fn: Callable, spec: str) -> Optional[type]:
+    """The class whose method ``fn`` is: the class a ``module:Class.method`` spec names, or for
+    a callable its ``__qualname__``'s class; None for a function or a staticmethod."""
+    if isinstance(spec, str) and ":" in spec:
+        target, qualname = spec.rsplit(":", 1)
+        parts = qualname.split(".")
+        if len(parts) < 2:
+            return None
+        holder = resolve_spec(f"{target}:{'.'.join(parts[:-1])}", "update")
+    else:
+        parts = getattr(fn, "__qualname__", "").split(".")
+        if len(parts) < 2 or "<locals>" in parts:
+            return None
+        holder = sys.modules.get(getattr(fn, "__module__", ""), None)
+        for part in parts[:-1]:
+            holder = getattr(holder, part, None)
+    if not inspect.isclass(holder):
+        return None
+    try:
+        raw = inspect.getattr_static(holder, parts[-1])
+    except AttributeError:
+        return None
+    return None if isinstance(raw, (staticmethod, classmethod)) or not inspect.isfunction(raw) else holder
 
 
 def mutant(spec: str, kind: str) -> Mutant:
@@ -109,7 +196,9 @@ def load_update(spec: "str | Callable | Update") -> Update:
         source = f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}"
     except (TypeError, OSError):
         source = ""
-    return Update(name=name, spec=text, fn=fn, extra=extra, source=source)
+    resolved = isinstance(spec, str) and not spec.startswith(MUTANT_PREFIX) and spec not in BUILTINS
+    owner = _owner(fn, spec if resolved else None) if resolved or callable(spec) else None
+    return Update(name=name, spec=text, fn=fn, extra=extra, source=source, owner=owner)
 
 
 def load_kernel(spec: "str | VerifyKernel | None") -> VerifyKernel:

@@ -5,7 +5,9 @@ A spec is one of:
   ``<builtin>``                      a built-in update or verify kernel (see :mod:`drift.plug.loader`)
   ``mutant:<name>``                  a regression of the catalogue (:mod:`drift.plug.mutants`)
   ``package.module:qualname``        an importable function or ``Class.method``
-  ``path/to/file.py:qualname``       the same, from a file
+  ``path/to/file.py:qualname``       the same, from a file (its module-level imports of
+                                     sibling modules work: its directory leads sys.path
+                                     while it is imported)
 
 Verify kernels add ``npu``, ``npu-op:<module|file.py>:<qualname>`` and ``sglang-triton``.
 """
@@ -39,11 +41,20 @@ def _module_from_file(path: str, spec: str, what: str) -> types.ModuleType:
         raise LoadError(f"{what} spec {spec!r}: cannot load {full} as a Python module")
     module = importlib.util.module_from_spec(mspec)
     sys.modules[name] = module
+    # Its directory leads sys.path while it is imported, so its own imports of sibling modules
+    # (``from helpers import x`` beside it) work as they do when Python runs the file.
+    here = os.path.dirname(full)
+    sys.path.insert(0, here)
     try:
         mspec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[name]
         raise LoadError(f"{what} spec {spec!r}: importing {full} raised {exc!r}") from exc
+    finally:
+        if sys.path and sys.path[0] == here:
+            del sys.path[0]
+        elif here in sys.path:
+            sys.path.remove(here)
     return module
 
 

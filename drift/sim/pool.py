@@ -162,14 +162,26 @@ class _LinearAttnBackend:
         self.req_to_token_pool = req_to_token_pool
 
 
+# What the harness provides, and how to give an update more (named in every "lacks" message).
+PROVIDED = ("self.linear_attn_backend.forward_metadata.mamba_cache_indices and "
+            "self.linear_attn_backend.req_to_token_pool.get_speculative_mamba2_params_all_layers() "
+            "(docs/semantics.md §2)")
+HOW_TO_PROVIDE = ("give the attribute a class-level default in your backend class, read it with "
+                  "getattr(self, name, default), or extend drift.sim.pool.Harness if the real backend "
+                  "has more that the update needs")
+
+
 class Harness:
     """Stands in for ``AscendHybridLinearAttnBackend``: exactly what the SGLang method reads.
 
     ``self.linear_attn_backend.forward_metadata.mamba_cache_indices``: int32 ``[N]`` slot of
     each batch row; ``self.linear_attn_backend.req_to_token_pool
     .get_speculative_mamba2_params_all_layers()``: ``.conv`` (list), ``.temporal``,
-    ``.intermediate_ssm``. Any other attribute raises an AttributeError that says so.
+    ``.intermediate_ssm``. Any other attribute raises an AttributeError that says so (its
+    ``obj`` is the harness object read, so a caller can tell "drift lacks it" from a bug).
     """
+
+    ATTRIBUTES = ("linear_attn_backend",)  # what an engine class's instance gets attached
 
     def __init__(self, pool: StatePool):
         self._drift_pool = pool
@@ -177,8 +189,14 @@ class Harness:
             _ForwardMetadata(pool.row_slots.to(torch.int32)), _ReqToTokenPool(pool))
 
     def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
         raise AttributeError(
             f"the update under test read self.{name}, which drift's harness does not provide; it "
-            "provides self.linear_attn_backend.forward_metadata.mamba_cache_indices and "
-            "self.linear_attn_backend.req_to_token_pool.get_speculative_mamba2_params_all_layers() "
-            "(docs/semantics.md §2). Extend drift.sim.pool.Harness if the real backend has more.")
+            f"provides {PROVIDED}. To provide it: {HOW_TO_PROVIDE}.", name=name, obj=self)
+
+    def objects(self) -> tuple:
+        """The harness's own objects (itself and the backend objects under it): an attribute
+        missing on one of these is something drift lacks, not a bug of the update."""
+        be = self.linear_attn_backend
+        return (self, be, be.forward_metadata, be.req_to_token_pool)

@@ -16,6 +16,7 @@ import torch
 from ..check.result import CheckResult
 from ..config import Config
 from ..devices import resolve_device
+from ..errors import DriftError, UpdateRaised
 from ..plug.loader import Update, load_update
 from ..plug.updates import DEFAULT_UPDATE
 from ..sim.pool import Harness, StatePool
@@ -95,6 +96,25 @@ def representative_steps(cfg: Config, steps: int) -> tuple[list[int], torch.Tens
     return chosen, last[chosen], trk[chosen]
 
 
+# Real steps of the run's horizon that ``drift run`` (and the pytest gate) re-check under the
+# detector beyond the representative ones; their cost is measured in the README.
+RUN_SAMPLE = 12
+SAMPLE_HORIZON = 65536  # sampled steps are drawn from at most this many steps of the run
+
+
+def sampled_steps(cfg: Config, count: int, exclude: list[int]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """``count`` real decode steps of ``cfg``'s run, evenly spaced over its horizon
+    (``cfg.steps``, at most :data:`SAMPLE_HORIZON`), none of ``exclude``: the steps the run will
+    decode, with the accept lengths and track steps they will have. Same returns as
+    :func:`representative_steps`."""
+    horizon = max(1, min(int(cfg.steps), SAMPLE_HORIZON))
+    if count < 1:
+        return [], torch.zeros((0, cfg.num_rows), dtype=torch.int64), torch.zeros((0, cfg.num_rows), dtype=torch.int64)
+    want = sorted({round(i * (horizon - 1) / max(count - 1, 1)) for i in range(count)} - set(exclude))
+    last, trk = step_indices(cfg, want[-1] + 1 if want else 1)
+    return want, last[want], trk[want]
+
+
 @dataclass
 class UpdateScan:
     """The syncs of an update over a few steps: one report per pass (``virtual``, and the
@@ -106,6 +126,7 @@ class UpdateScan:
     padded_rows: int
     track_on: bool
     passes: dict[str, SyncReport]
+    sampled: int = 0  # how many of ``steps`` were sampled over the run's horizon
 
     @property
     def events(self) -> list[SyncEvent]:
@@ -130,12 +151,18 @@ def _device_pass(cfg: Config, device: Optional[str]) -> Optional[str]:
 
 
 def scan_update(cfg: Config, update: str | Update | Callable = DEFAULT_UPDATE, steps: int = 4,
-                device: Optional[str] = "auto") -> UpdateScan:
-    """Run ``update`` for :func:`representative_steps` on the virtual device and, when there is
-    an accelerator (:func:`_device_pass`), again on it with its sync debug mode armed; padded
-    rows and tracking as configured (``track_interval = 0`` passes ``None`` as the simulation does)."""
+                device: Optional[str] = "auto", sample: int = 0) -> UpdateScan:
+    """Run ``update`` for :func:`representative_steps` (and ``sample`` more :func:`sampled_steps`
+    of the run's horizon) on the virtual device and, when there is an accelerator
+    (:func:`_device_pass`), again on it with its sync debug mode armed; padded rows and tracking
+    as configured (``track_interval = 0`` passes ``None`` as the simulation does)."""
     upd = update if isinstance(update, Update) else load_update(update)
     chosen, last, trk = representative_steps(cfg, steps)
+    more, last2, trk2 = sampled_steps(cfg, sample, chosen)
+    if more:
+        order = sorted(range(len(chosen) + len(more)), key=lambda i: (chosen + more)[i])
+        chosen = [(chosen + more)[i] for i in order]
+        last, trk = torch.cat([last, last2])[order], torch.cat([trk, trk2])[order]
     passes: dict[str, SyncReport] = {}
     targets: list[tuple[str, Optional[torch.device]]] = [("virtual", None)]
     accel = _device_pass(cfg, device)
@@ -150,27 +177,36 @@ def scan_update(cfg: Config, update: str | Update | Callable = DEFAULT_UPDATE, s
             det = SyncDetector(device_debug=True)
         for s, call in zip(chosen, update_calls(cfg, harness, last, trk, wrap)):
             det.label = f"step {s}"
-            det.run(upd, *call)
+            try:
+                det.run(upd, *call)
+            except DriftError:  # drift could not run it (HarnessLacks): exit 2
+                raise
+            except Exception as exc:  # the code under test raised: a failed run, as in the simulation
+                raise UpdateRaised(f"the update under test ({upd.spec}) raised {exc!r} at decode step {s} "
+                                   f"(in the host-sync scan, {name} pass)") from exc
         passes[name] = det.report
     tracking = [bool(x) for x in (trk >= 0).any(1).tolist()]
-    return UpdateScan(upd.name, chosen, tracking, cfg.num_padded, cfg.track_interval > 0, passes)
+    return UpdateScan(upd.name, chosen, tracking, cfg.num_padded, cfg.track_interval > 0, passes, len(more))
 
 
 def sync_check(cfg: Config, update: str | Update | Callable = DEFAULT_UPDATE, steps: int = 4,
-               device: Optional[str] = "auto") -> CheckResult:
+               device: Optional[str] = "auto", sample: int = 0) -> CheckResult:
     """The "host syncs" check of ``drift run``: passed iff the update causes no host-device
     sync in :func:`scan_update`'s steps (virtual device, plus the accelerator pass when there
-    is one). worst: syncs per step (the worst pass); limit 0; where: the first sync's op and
-    ``file:line``; extra: syncs per pass, detectors, the first events."""
-    scan = scan_update(cfg, update, steps, device)
+    is one): ``steps`` representative ones and ``sample`` real steps spread over the run.
+    worst: syncs per step (the worst pass); limit 0; where: the first sync's op and
+    ``file:line``; extra: steps checked, syncs per pass, detectors, the first events."""
+    scan = scan_update(cfg, update, steps, device, sample)
     n = len(scan.steps)
     per_step = max((len(r.events) / n for r in scan.passes.values()), default=0.0) if n else math.nan
     detectors = sorted({d for r in scan.passes.values() for d in r.detectors})
     n_track = sum(scan.tracking)
-    what = (f"{n} steps ({n_track} tracking, {n - n_track} not{'' if scan.track_on else ', tracking off'}; "
+    drawn = (f"; {n - scan.sampled} representative + {scan.sampled} sampled over steps 0-"
+             f"{max(1, min(int(cfg.steps), SAMPLE_HORIZON)) - 1}" if scan.sampled else "")
+    what = (f"{n} steps ({n_track} tracking, {n - n_track} not{'' if scan.track_on else ', tracking off'}{drawn}; "
             f"{scan.padded_rows} padded row(s); passes: {', '.join(scan.passes)}; detectors: {', '.join(detectors)})")
     events = scan.events
-    extra = {"syncs": len(events), "syncs_by_pass": {k: len(r.events) for k, r in scan.passes.items()},
+    extra = {"syncs": len(events), "steps_checked": n, "sampled": scan.sampled, "syncs_by_pass": {k: len(r.events) for k, r in scan.passes.items()},
              "steps": scan.steps, "detectors": detectors,
              "events": [e.to_dict() for e in events[:10]]}
     if not events:

@@ -1,0 +1,59 @@
+"""Fail fast: the host-sync scan runs first and a sync fails ``drift run`` at once (unless
+--all-checks); --fail-fast ends a precision run at the chunk where a check first fails; the scan
+re-checks real steps sampled over the run's horizon and says how many it checked."""
+
+from __future__ import annotations
+
+import re
+
+from drift.cli import main
+from drift.config import preset
+from drift.errors import EXIT_FAIL, EXIT_PASS
+from drift.syncs.scan import RUN_SAMPLE, sync_check
+
+
+def _rows(out: str) -> dict[str, str]:
+    return {m.group(1): m.group(2) for m in re.finditer(r"^(\w[\w ]*?)\s{2,}(PASS|FAIL|n/a|info)\b", out, re.M)}
+
+
+def test_a_sync_fails_the_run_before_the_simulation(capsys):
+    rc = main(["run", "--update", "sglang-32130", "--steps", "512", "--quiet"])
+    out = capsys.readouterr().out
+    rows = _rows(out)
+    assert rc == EXIT_FAIL and rows == {"host syncs": "FAIL", "precision checks": "n/a"}, out
+    assert "0 steps" in out and "parts.py:95" in out  # no step simulated; the row names the line
+
+
+def test_all_checks_runs_the_full_table_despite_a_sync(capsys):
+    rc = main(["run", "--update", "sglang-32130", "--steps", "8", "--quiet", "--all-checks"])
+    rows = _rows(capsys.readouterr().out)
+    assert rc == EXIT_FAIL and rows["host syncs"] == "FAIL" and rows["committed state"] == "PASS"
+    assert "precision checks" not in rows
+
+
+def test_fail_fast_stops_at_the_first_failing_chunk(capsys):
+    rc = main(["run", "--update", "mutant:step_minus1", "--steps", "2048", "--quiet", "--fail-fast"])
+    out = capsys.readouterr().out
+    steps = int(re.search(r"update mutant:step_minus1, (\d+) steps", out).group(1))
+    # Committing one step back is order-one wrong from the first step: the run ends after its first
+    # chunk (at most 256 steps, drift.sim.stream's chunk size), not at 2048.
+    assert rc == EXIT_FAIL and 0 < steps <= 256, out
+    assert _rows(out)["run completed"] == "FAIL" and "--fail-fast" in out
+
+
+def test_fail_fast_leaves_a_passing_run_whole(capsys):
+    # Negative control: nothing fails, so every asked step runs.
+    assert main(["run", "--steps", "24", "--quiet", "--fail-fast"]) == EXIT_PASS
+    assert ", 24 steps" in capsys.readouterr().out
+
+
+def test_the_scan_rechecks_real_steps_sampled_over_the_horizon():
+    cfg = preset("ci-small", steps=4096)
+    plain = sync_check(cfg, device="none")
+    res = sync_check(cfg, device="none", sample=RUN_SAMPLE)
+    assert plain.extra["steps_checked"] == 4 and plain.extra["sampled"] == 0
+    assert res.passed and res.extra["sampled"] >= RUN_SAMPLE - 1  # step 0 may coincide with a probe step
+    assert res.extra["steps_checked"] == 4 + res.extra["sampled"]
+    assert max(res.extra["steps"]) == 4095 and "sampled over steps 0-4095" in res.detail
+    bad = sync_check(cfg, "sglang-32130", device="none", sample=RUN_SAMPLE)
+    assert not bad.passed and bad.extra["steps_checked"] == res.extra["steps_checked"]
