@@ -32,7 +32,7 @@ import pytest
 from drift.check.golden import GOLDEN_PRESETS, load_golden, regenerate, write_trace_golden
 from drift.config import Config, preset
 from drift.devices import resolve_device
-from drift.errors import DeviceUnavailable
+from drift.errors import DeviceUnavailable, DriftError
 from drift.options import DEFAULTS, add_options, dest
 from drift.plug.loader import load_kernel
 from drift.sim import native
@@ -58,6 +58,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
+    trace = config.getoption(dest(PREFIX, "trace"), None)
+    if trace:  # a bad trace, or one too short for --drift-steps: one usage error now, not one per test
+        from drift.sim.stream import load_trace
+
+        try:
+            Config.from_trace(load_trace(trace), preset(config.getoption(dest(PREFIX, "preset"))),
+                              steps=config.getoption(dest(PREFIX, "steps")),
+                              loop=bool(config.getoption(dest(PREFIX, "loop"))))
+        except DriftError as exc:
+            raise pytest.UsageError(f"--drift-trace {trace}: {exc}") from None
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -404,6 +404,25 @@ def test_pytest_plugin_replays_the_trace(captured, tmp_path):
     assert (trace_golden_dir(path) / "manifest.json").is_file()
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_pytest_from_the_checkout_takes_no_repository_defaults_and_refuses_a_short_trace(captured, tmp_path):
+    """Run from the checkout (pytest's root directory there), the installed gate replays the whole
+    trace: the repository's own --drift-steps default never reaches it. A trace too short for
+    --drift-steps is one pytest usage error (exit 4) naming the trace, not a setup traceback."""
+    path = fresh_copy(captured[0], tmp_path / "tr")
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    base = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "--pyargs", "drift",
+            "--drift-trace", str(path)]
+    run = subprocess.run(base + ["-k", "precision"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
+    short = subprocess.run(base + ["--drift-steps", "100000", "--co"], cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=600)
+    assert short.returncode == 4, short.stdout[-2000:] + short.stderr[-2000:]
+    assert f"--drift-trace {path}" in short.stderr and "Traceback" not in short.stderr + short.stdout
+
+
 def test_data_error_for_a_trace_replaced_after_the_config(captured, tmp_path):
     path = fresh_copy(captured[0], tmp_path)
     cfg = trace_config(path)
