@@ -26,12 +26,31 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from .config import Config, preset
-from .devices import resolve_device
+from .defaults import BATCH_SIZES, BUILTIN_UPDATES, COSTMODEL_STEPS, GOLDEN_PRESETS, MUTANT_NAMES, TEETH_STEPS, TINY_ARCHS
 from .errors import EXIT_FAIL, EXIT_PASS, ConfigError, DriftError, UpdateRaised
 from .options import add_options, positive_int
-from .plug.loader import load_kernel, load_update
-from .plug.mutants import MUTANTS
-from .plug.updates import BUILTINS
+from .version import __version__
+
+# Only the light modules above load at start: `drift --help` and `drift --version` answer without
+# torch; the modules a command needs load when it runs (and a sub-command's parser only when named).
+
+
+def resolve_device(name: str):
+    from .devices import resolve_device as resolve
+
+    return resolve(name)
+
+
+def load_update(spec):
+    from .plug.loader import load_update as load
+
+    return load(spec)
+
+
+def load_kernel(spec):
+    from .plug.loader import load_kernel as load
+
+    return load(spec)
 
 PROG = "drift"
 CONFIG_OPTIONS = ("preset", "steps", "seed", "device", "profile", "rounding", "pattern", "flow")
@@ -151,12 +170,11 @@ def _batch_list(text: str) -> list[int]:
 
 
 def add_bench_update(p: argparse.ArgumentParser) -> None:
-    from .syncs.costmodel import BATCH_SIZES, DEFAULT_STEPS
-
     add_options(p.add_argument, ("preset", "device", "update"), repeat=("update",))
     p.add_argument("--batches", type=_batch_list, default=list(BATCH_SIZES),
                    help="comma-separated active-request counts (default 1,2,4,...,256)")
-    p.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS, help=f"decode steps averaged (default {DEFAULT_STEPS})")
+    p.add_argument("--steps", type=positive_int, default=COSTMODEL_STEPS, metavar="N",
+                   help=f"decode steps averaged (default: {COSTMODEL_STEPS})")
     p.add_argument("--json", action="store_true", help="print JSON (a list of objects)")
 
 
@@ -164,7 +182,7 @@ def cmd_bench_update(args: argparse.Namespace) -> int:
     from .syncs.costmodel import format_table, measure, to_json
 
     cfg = config_from_args(argparse.Namespace(preset=args.preset, device=args.device))
-    updates = [load_update(u) for u in (args.update or BUILTINS)]
+    updates = [load_update(u) for u in (args.update or BUILTIN_UPDATES)]
     rows = measure(cfg, updates=updates, batch_sizes=args.batches, steps=args.steps)
     print(to_json(rows) if args.json else format_table(rows))
     return EXIT_PASS
@@ -182,12 +200,15 @@ def add_nightly(p: argparse.ArgumentParser) -> None:
                    help=f"store variant (repeatable; default: all of {', '.join(VARIANTS)})")
     p.add_argument("--layers", default="auto", help=f"auto ({CPU_LAYERS} on cpu, all elsewhere), all, or N")
     p.add_argument("--report", type=Path, default=Path("nightly-report"), metavar="DIR", help="report directory")
-    p.add_argument("--checkpoint-every", type=positive_int, default=DEFAULT_CHECKPOINT_EVERY, metavar="N")
+    p.add_argument("--checkpoint-every", type=positive_int, default=DEFAULT_CHECKPOINT_EVERY, metavar="N",
+                   help=f"write a checkpoint every N steps of an entry (default: {DEFAULT_CHECKPOINT_EVERY})")
     p.add_argument("--resume", action="store_true", help="continue from checkpoints and finished entries")
     p.add_argument("--shard", help="run shard K of N (K/N), e.g. 2/4")
     p.add_argument("--baseline", type=Path, help="previous report.json: flag heads whose error grew")
-    p.add_argument("--trend-factor", type=float, default=TREND_FACTOR)
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--trend-factor", type=float, default=TREND_FACTOR, metavar="X",
+                   help=f"with --baseline: flag a head whose error grew past X times the baseline's "
+                        f"(default: {TREND_FACTOR})")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(nightly_defaults=(DEFAULT_PRESETS, DEFAULT_UPDATES))
 
 
@@ -231,7 +252,8 @@ def cmd_nightly(args: argparse.Namespace) -> int:
 
 
 def add_report(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="report_command", required=True, metavar="{merge}")
+    sub = p.add_subparsers(dest="report_command", required=True, metavar="{merge}",
+                           help="merge: combine the reports of nightly shards")
     m = sub.add_parser("merge", help="combine shard reports into one", description="Combine nightly shard reports.")
     m.add_argument("dirs", nargs="+", type=Path, help="--report directories of the shards")
     m.add_argument("-o", "--out", type=Path, required=True, help="output directory")
@@ -248,14 +270,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 # -------------------------------------------------------------------- teeth
 def _teeth_config(args: argparse.Namespace) -> Config:
-    from .jobs.teeth import TEETH_STEPS
-
     return preset(args.preset, steps=args.steps or TEETH_STEPS)
 
 
 def add_tradeoff(p: argparse.ArgumentParser) -> None:
-    from .jobs.teeth import TEETH_STEPS
-
     add_options(p.add_argument, ("preset", "steps"), defaults={"steps": TEETH_STEPS})
     _output_format(p)
 
@@ -270,10 +288,9 @@ def cmd_tradeoff(args: argparse.Namespace) -> int:
 
 
 def add_mutants(p: argparse.ArgumentParser) -> None:
-    from .jobs.teeth import TEETH_STEPS
-
     add_options(p.add_argument, ("preset", "steps"), defaults={"steps": TEETH_STEPS})
-    p.add_argument("--mutant", action="append", choices=sorted(MUTANTS), help="only these (repeatable)")
+    p.add_argument("--mutant", action="append", choices=sorted(MUTANT_NAMES), metavar="NAME",
+                   help=f"only these (repeatable; default: all): {', '.join(sorted(MUTANT_NAMES))}")
     _output_format(p)
 
 
@@ -288,8 +305,6 @@ def cmd_mutants(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------- golden
 def add_regen_golden(p: argparse.ArgumentParser) -> None:
-    from .check.golden import GOLDEN_PRESETS
-
     add_options(p.add_argument, ("preset",), repeat=("preset",))
     add_options(p.add_argument, ("seed",))
     p.set_defaults(golden_presets=GOLDEN_PRESETS)
@@ -324,7 +339,6 @@ def cmd_regen_golden(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------ capture
 def add_capture(p: argparse.ArgumentParser) -> None:
-    from .capture.transformers_capture import TINY_ARCHS
     from .options import device_name, seed_int
 
     p.add_argument("--model", default="tiny", metavar="tiny|PATH",
@@ -449,21 +463,29 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Optional[Sequence[str]] = None) -> argparse.ArgumentParser:
+    """The ``drift`` parser. With ``argv``, only the sub-command it names gets its options (the
+    others a stub with their help line), so a command loads only the modules its own options
+    need; without, every sub-command is complete (documentation, tests)."""
     ap = argparse.ArgumentParser(prog=PROG, description="Precision-drift and host-sync regression suite "
                                  "for the MTP state update of hybrid linear-attention models.",
                                  epilog="Exit codes: 0 every check passed, 1 a check failed, 2 usage, config, "
                                         "load, data or device error.")
+    ap.add_argument("--version", action="version", version=f"{PROG} {__version__}",
+                    help="print drift's version and exit")
     sub = ap.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
+    named = None if argv is None else next((a for a in argv if a in COMMANDS), "")
     for name, (text, add, run) in COMMANDS.items():
         p = sub.add_parser(name, help=text, description=text[:1].upper() + text[1:] + ".")
-        add(p)
+        if named is None or named == name:
+            add(p)
         p.set_defaults(func=run)
     return ap
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         return args.func(args)
     except UpdateRaised as exc:

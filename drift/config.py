@@ -17,16 +17,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import ConfigError
 
-DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-}
+if TYPE_CHECKING:  # torch and numpy are imported where used: `drift --help` needs neither
+    import torch
+
+DTYPE_NAMES = ("bfloat16", "float16", "float32")  # state and conv dtypes (torch's names)
+
+
+def torch_dtype(name: str) -> "torch.dtype":
+    """The torch dtype of one of :data:`DTYPE_NAMES`."""
+    import torch
+
+    return getattr(torch, name)
+
 ROUNDINGS = ("rne", "stochastic", "truncate")
 LAYOUTS = ("contiguous", "transposed", "mixed")
 PATTERNS = ("model", "all-1", "all-D", "mixed")
@@ -138,11 +144,11 @@ class Config:
 
     @property
     def torch_ssm_dtype(self) -> torch.dtype:
-        return DTYPES[self.ssm_dtype]
+        return torch_dtype(self.ssm_dtype)
 
     @property
     def torch_conv_dtype(self) -> torch.dtype:
-        return DTYPES[self.conv_dtype]
+        return torch_dtype(self.conv_dtype)
 
     @property
     def unit_roundoff(self) -> float:
@@ -195,6 +201,8 @@ class Config:
                                   f"after the longest prompt ({longest} tokens: {prefill} + {PREFILL_STAGGER} per "
                                   f"request for {R} requests); capture more tokens, or pass --loop to wrap around")
             steps = max(1, whole)
+        import numpy as np
+
         z = trace.a.astype(np.float64) + trace.dt_bias.astype(np.float64)[None, None]
         g = -np.exp(trace.A_log.astype(np.float64))[None, None] * np.logaddexp(0.0, z)
         med = np.median(np.exp(g), axis=(0, 1, 2))  # [HV], over sequences, tokens and layers
@@ -269,7 +277,7 @@ def _validate(cfg: Config) -> None:
     if cfg.key_rank > cfg.head_k_dim:
         raise ConfigError(f"key_rank={cfg.key_rank} exceeds head_k_dim={cfg.head_k_dim}; "
                           f"allowed: 0 (full rank) .. {cfg.head_k_dim}")
-    for name, allowed in (("ssm_dtype", tuple(DTYPES)), ("conv_dtype", tuple(DTYPES)),
+    for name, allowed in (("ssm_dtype", DTYPE_NAMES), ("conv_dtype", DTYPE_NAMES),
                           ("store_rounding", ROUNDINGS), ("layout", LAYOUTS), ("flow", FLOWS),
                           ("pattern", PATTERNS), ("device", DEVICES)):
         _choice(cfg, name, allowed)

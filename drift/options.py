@@ -24,8 +24,7 @@ import re
 from typing import Callable, Iterable, Optional
 
 from .config import DEFAULT_PRESET, FLOWS, PATTERNS, PRESETS, PROFILES, ROUNDINGS, SEED_MAX
-from .plug.loader import KERNELS
-from .plug.updates import BUILTINS, DEFAULT_UPDATE
+from .defaults import BUILTIN_UPDATES as BUILTINS, DEFAULT_UPDATE, KERNELS
 
 MODES = ("mtp", "sequential")
 

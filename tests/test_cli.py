@@ -8,6 +8,8 @@ track boundaries (interval 16) so every core check sees data.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -137,3 +139,63 @@ def test_an_update_that_raises_fails_the_run_with_its_message(tmp_path, capsys):
     assert main(RUN + ["--update", f"{plugin}:update"]) == EXIT_FAIL
     err = capsys.readouterr().err
     assert "raised ValueError('boom') at decode step 0" in err
+
+
+# ------------------------------------------------------------- help, version
+def _all_actions():
+    import argparse
+
+    from drift.cli import build_parser
+
+    for name, p in next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices.items():
+        for action in p._actions:
+            yield name, action
+            if isinstance(action, argparse._SubParsersAction):
+                for sub_name, sp in action.choices.items():
+                    yield from ((f"{name} {sub_name}", a) for a in sp._actions)
+
+
+def test_every_help_entry_says_something():
+    empty = [(name, a.option_strings or a.dest) for name, a in _all_actions() if not (a.help or "").strip()]
+    assert empty == []
+
+
+def test_version(capsys):
+    from drift.version import __version__
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"drift {__version__}"
+
+
+# nightly's parser reads the nightly job's own constants (drift.jobs.nightly imports the runner).
+LIGHT_COMMANDS = ["run", "bench", "bench-update", "report", "tradeoff", "mutants", "regen-golden", "capture",
+                  "trace-stats"]
+
+
+def test_help_and_version_import_no_torch():
+    """--help and --version answer from drift.cli, drift.options and drift.defaults alone: torch
+    (seconds to import) stays unloaded. Negative control: running a command does load it."""
+    code = ("import sys, contextlib, io\nfrom drift.cli import main\n"
+            "for argv in [['--version'], ['--help']] + [[c, '--help'] for c in sys.argv[1:]]:\n"
+            "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+            "        main(argv)\n"
+            "    assert 'torch' not in sys.modules, argv\n"
+            "main(['bench-update', '--batches', '1', '--steps', '1', '--update', 'sglang-0.5.23'])\n"
+            "print('torch' in sys.modules)\n")
+    run = subprocess.run([sys.executable, "-c", code, *LIGHT_COMMANDS], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().endswith("True")
+
+
+def test_help_name_lists_match_the_catalogues():
+    """drift.defaults holds the names --help shows without importing the catalogues: each list
+    must be its catalogue's, in order."""
+    from drift import defaults
+    from drift.capture.transformers_capture import TINY_ARCHS
+    from drift.plug.loader import KERNELS
+    from drift.plug.mutants import MUTANTS
+    from drift.plug.updates import BUILTINS
+
+    assert defaults.BUILTIN_UPDATES == tuple(BUILTINS) and defaults.MUTANT_NAMES == tuple(MUTANTS)
+    assert defaults.KERNELS is KERNELS and TINY_ARCHS is defaults.TINY_ARCHS

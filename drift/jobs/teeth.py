@@ -11,15 +11,13 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from ..config import Config
+from ..defaults import TEETH_STEPS  # noqa: F401 (re-exported)
 from ..plug.loader import load_kernel, mutant_config
 from ..plug.mutants import MUTANTS
 from ..plug.updates import BUILTINS, DEFAULT_UPDATE
 from ..runner import run_checked
 from ..syncs.costmodel import measure
 
-# Decode steps per run: every mutant is caught well within it (measured 16/16 at 512 steps; the
-# test suite's nightly twin runs the catalogue at 1,024, docs/bounds.md).
-TEETH_STEPS = 512
 # A precision loss needs the horizon to pile up; a host sync is found by the scan of the update
 # (no horizon at all) and a semantic slip within the first track intervals (measured at 256
 # steps: every semantic mutant over 500x its bound). Those run a quarter of the horizon, at least
