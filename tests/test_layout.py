@@ -19,6 +19,7 @@ STAGES = [
      "drift.config", "drift.devices", "drift.fileio",
      "drift.checkpoint"},
     {"drift.sim"},
+    {"drift.runspec"},
     {"drift.capture"},
     {"drift.plug"},
     {"drift.simulate"},
