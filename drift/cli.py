@@ -26,62 +26,22 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from .config import Config, preset
-from .defaults import BATCH_SIZES, BUILTIN_UPDATES, COSTMODEL_STEPS, GOLDEN_PRESETS, MUTANT_NAMES, TEETH_STEPS, TINY_ARCHS
+from .devices import resolve_device
 from .errors import EXIT_FAIL, EXIT_PASS, ConfigError, DriftError, UpdateRaised
-from .options import add_options, positive_int
+from .options import CONFIG_OPTIONS, RUN_OPTIONS, add_options, dest, positive_int
+from .plug.loader import load_kernel, load_update
+from .plug.mutants import MUTANTS
+from .plug.updates import BUILTINS
+from .runspec import RunSpec
 from .version import __version__
 
-# Only the light modules above load at start: `drift --help` and `drift --version` answer without
-# torch; the modules a command needs load when it runs (and a sub-command's parser only when named).
-
-
-def resolve_device(name: str):
-    from .devices import resolve_device as resolve
-
-    return resolve(name)
-
-
-def load_update(spec):
-    from .plug.loader import load_update as load
-
-    return load(spec)
-
-
-def load_kernel(spec):
-    from .plug.loader import load_kernel as load
-
-    return load(spec)
-
 PROG = "drift"
-CONFIG_OPTIONS = ("preset", "steps", "seed", "device", "profile", "rounding", "pattern", "flow")
 
 
 # ------------------------------------------------------------------ helpers
-def config_from_args(args: argparse.Namespace, **defaults) -> Config:
-    """The preset named by ``--preset`` with every config option given on the command line; with
-    ``--trace FILE`` replaying that trace on the preset's batch (:meth:`Config.from_trace`: the
-    trace read and validated here, before any work)."""
-    cfg = preset(args.preset)
-    if getattr(args, "profile", None):
-        cfg = cfg.with_profile(args.profile)
-    fields = {"steps": "steps", "seed": "seed", "device": "device", "rounding": "store_rounding",
-              "pattern": "pattern", "flow": "flow"}
-    changes = {**defaults, **{f: getattr(args, a) for a, f in fields.items() if getattr(args, a, None) is not None}}
-    if getattr(args, "no_graph", False):
-        changes["graph_mode"] = False
-    trace, loop = getattr(args, "trace", None), bool(getattr(args, "loop", False))
-    if loop and not trace:
-        raise ConfigError("--loop needs --trace FILE: it wraps the positions of a replayed trace")
-    if trace:
-        from .sim.stream import load_trace
-
-        steps = changes.pop("steps", None)
-        cfg = cfg.replace(**changes) if changes else cfg
-        cfg = Config.from_trace(load_trace(trace), cfg, steps=steps, loop=loop)
-    else:
-        cfg = cfg.replace(**changes) if changes else cfg
-    resolve_device(cfg.device)
-    return cfg
+def config_from_args(args: argparse.Namespace, **fixed) -> Config:
+    """The :class:`RunSpec` of the options this command has (drift/runspec.py), as a validated Config."""
+    return RunSpec.from_options(lambda name: getattr(args, dest("", name), None), **fixed).config()
 
 
 def writable_dir(path: Path, option: str) -> Path:
@@ -101,12 +61,19 @@ def _output_format(p: argparse.ArgumentParser) -> None:
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="print JSON")
     fmt.add_argument("--markdown", action="store_true", help="print the Markdown table (the default)")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+def _item_progress(args: argparse.Namespace, label: str):
+    """Per-item progress with an ETA on stderr (tqdm), or None with --quiet."""
+    from .jobs.report import progress_printer
+
+    return None if args.quiet else progress_printer(label, unit="run")
 
 
 # ---------------------------------------------------------------------- run
 def add_run(p: argparse.ArgumentParser) -> None:
-    add_options(p.add_argument, CONFIG_OPTIONS + ("update", "kernel", "mode", "trace", "loop", "no-graph",
-                                                  "all-checks", "fail-fast"))
+    add_options(p.add_argument, RUN_OPTIONS + ("all-checks", "fail-fast"))
     p.add_argument("--vs-sequential", action="store_true",
                    help="also decode the stream sequentially in lockstep and report the MTP-vs-sequential divergence")
     p.add_argument("--report", type=Path, metavar="DIR", help="write report.json, report.md and drift_vs_step.png here")
@@ -147,14 +114,17 @@ def add_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=positive_int, default=3, help="timed blocks of --bench-steps steps (best kept)")
     p.add_argument("--threads", type=positive_int, help="CPU threads (default: the faster of 1 and torch's default, probed)")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from .jobs.bench import bench, format_bench
+    from .jobs.report import progress_printer
 
     cfg = config_from_args(args)
     res = bench(cfg, layers=args.layers, steps=args.bench_steps, naive_steps=args.naive_steps,
-                repeats=args.repeats, threads=args.threads)
+                repeats=args.repeats, threads=args.threads,
+                progress=None if args.quiet else progress_printer(f"drift bench {cfg.name}", unit="part"))
     print(json.dumps(res, indent=2) if args.json else format_bench(res))
     return EXIT_PASS
 
@@ -170,19 +140,21 @@ def _batch_list(text: str) -> list[int]:
 
 
 def add_bench_update(p: argparse.ArgumentParser) -> None:
+    from .syncs.costmodel import BATCH_SIZES, DEFAULT_STEPS
+
     add_options(p.add_argument, ("preset", "device", "update"), repeat=("update",))
     p.add_argument("--batches", type=_batch_list, default=list(BATCH_SIZES),
                    help="comma-separated active-request counts (default 1,2,4,...,256)")
-    p.add_argument("--steps", type=positive_int, default=COSTMODEL_STEPS, metavar="N",
-                   help=f"decode steps averaged (default: {COSTMODEL_STEPS})")
+    p.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS, metavar="N",
+                   help=f"decode steps averaged (default: {DEFAULT_STEPS})")
     p.add_argument("--json", action="store_true", help="print JSON (a list of objects)")
 
 
 def cmd_bench_update(args: argparse.Namespace) -> int:
     from .syncs.costmodel import format_table, measure, to_json
 
-    cfg = config_from_args(argparse.Namespace(preset=args.preset, device=args.device))
-    updates = [load_update(u) for u in (args.update or BUILTIN_UPDATES)]
+    cfg = RunSpec(preset=args.preset, device=args.device).config()
+    updates = [load_update(u) for u in (args.update or BUILTINS)]
     rows = measure(cfg, updates=updates, batch_sizes=args.batches, steps=args.steps)
     print(to_json(rows) if args.json else format_table(rows))
     return EXIT_PASS
@@ -223,14 +195,11 @@ def cmd_nightly(args: argparse.Namespace) -> int:
     updates = args.update or list(updates)
     for spec in updates:
         load_update(spec)  # a bad spec is an error now, not after hours
-    if args.loop and not args.trace:
-        raise ConfigError("--loop needs --trace FILE: it wraps the positions of a replayed trace")
     steps = args.steps if (args.steps is not None or args.trace) else DEFAULT_STEPS
     entries = build_matrix(args.preset or presets, args.seed or [0], updates, args.variant or VARIANTS,
                            steps, layers, trace=args.trace or "", loop=args.loop, graph=not args.no_graph)
-    if args.trace:
-        for e in entries:
-            e.config(args.device)  # a bad trace, or steps past its end, is an error now, not after hours
+    for e in entries:
+        e.config(args.device)  # a bad trace, option or steps past a trace's end: an error now, not after hours
     k, n = parse_shard(args.shard)
     mine = shard(entries, k, n)
     baseline = read_report(args.baseline) if args.baseline else None
@@ -270,10 +239,14 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 # -------------------------------------------------------------------- teeth
 def _teeth_config(args: argparse.Namespace) -> Config:
+    from .jobs.teeth import TEETH_STEPS
+
     return preset(args.preset, steps=args.steps or TEETH_STEPS)
 
 
 def add_tradeoff(p: argparse.ArgumentParser) -> None:
+    from .jobs.teeth import TEETH_STEPS
+
     add_options(p.add_argument, ("preset", "steps"), defaults={"steps": TEETH_STEPS})
     _output_format(p)
 
@@ -282,15 +255,17 @@ def cmd_tradeoff(args: argparse.Namespace) -> int:
     from .jobs.teeth import tradeoff, tradeoff_markdown
 
     cfg = _teeth_config(args)
-    rows = tradeoff(cfg)
+    rows = tradeoff(cfg, progress=_item_progress(args, f"drift tradeoff {cfg.name}"))
     print(json.dumps(rows, indent=2) if args.json else tradeoff_markdown(rows, cfg))
     return EXIT_PASS
 
 
 def add_mutants(p: argparse.ArgumentParser) -> None:
+    from .jobs.teeth import TEETH_STEPS
+
     add_options(p.add_argument, ("preset", "steps"), defaults={"steps": TEETH_STEPS})
-    p.add_argument("--mutant", action="append", choices=sorted(MUTANT_NAMES), metavar="NAME",
-                   help=f"only these (repeatable; default: all): {', '.join(sorted(MUTANT_NAMES))}")
+    p.add_argument("--mutant", action="append", choices=sorted(MUTANTS), metavar="NAME",
+                   help=f"only these (repeatable; default: all): {', '.join(sorted(MUTANTS))}")
     _output_format(p)
 
 
@@ -298,13 +273,15 @@ def cmd_mutants(args: argparse.Namespace) -> int:
     from .jobs.teeth import catalogue, mutants_markdown
 
     cfg = _teeth_config(args)
-    rows = catalogue(cfg, args.mutant)
+    rows = catalogue(cfg, args.mutant, progress=_item_progress(args, f"drift mutants {cfg.name}"))
     print(json.dumps(rows, indent=2) if args.json else mutants_markdown(rows, cfg))
     return EXIT_PASS if all(r["caught"] for r in rows) else EXIT_FAIL
 
 
 # ------------------------------------------------------------------- golden
 def add_regen_golden(p: argparse.ArgumentParser) -> None:
+    from .check.golden import GOLDEN_PRESETS
+
     add_options(p.add_argument, ("preset",), repeat=("preset",))
     add_options(p.add_argument, ("seed",))
     p.set_defaults(golden_presets=GOLDEN_PRESETS)
@@ -339,6 +316,7 @@ def cmd_regen_golden(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------ capture
 def add_capture(p: argparse.ArgumentParser) -> None:
+    from .capture.transformers_capture import TINY_ARCHS
     from .options import device_name, seed_int
 
     p.add_argument("--model", default="tiny", metavar="tiny|PATH",
@@ -466,7 +444,7 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
 def build_parser(argv: Optional[Sequence[str]] = None) -> argparse.ArgumentParser:
     """The ``drift`` parser. With ``argv``, only the sub-command it names gets its options (the
     others a stub with their help line), so a command loads only the modules its own options
-    need; without, every sub-command is complete (documentation, tests)."""
+    need; without, every sub-command is complete (help texts, documentation, tests)."""
     ap = argparse.ArgumentParser(prog=PROG, description="Precision-drift and host-sync regression suite "
                                  "for the MTP state update of hybrid linear-attention models.",
                                  epilog="Exit codes: 0 every check passed, 1 a check failed, 2 usage, config, "
@@ -481,6 +459,42 @@ def build_parser(argv: Optional[Sequence[str]] = None) -> argparse.ArgumentParse
             add(p)
         p.set_defaults(func=run)
     return ap
+
+
+HELP_WIDTH = 100  # columns of the stored help texts (drift/_help.py) and the README's synopsis
+
+
+def help_texts() -> dict[str, str]:
+    """Every ``--help`` text at :data:`HELP_WIDTH` columns: ``""`` the top level, then each
+    sub-command (``"report merge"`` for a nested one). drift/_help.py stores these, so
+    ``drift [CMD] --help`` answers without importing torch (drift/__main__.py);
+    tests/test_cli.py checks they are fresh (regenerate: python scripts/update_readme.py)."""
+    old = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = str(HELP_WIDTH)
+    try:
+        ap = build_parser()
+        out = {"": ap.format_help()}
+        for action in ap._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, p in action.choices.items():
+                    out[name] = p.format_help()
+                    for inner in p._actions:
+                        if isinstance(inner, argparse._SubParsersAction):
+                            out.update({f"{name} {n}": q.format_help() for n, q in inner.choices.items()})
+        return out
+    finally:
+        if old is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = old
+
+
+def synopsis_markdown() -> str:
+    """Every command's usage, from the parser (the README's ``drift:synopsis`` block)."""
+    texts = help_texts()
+    usage = {name: text.split("\n\n", 1)[0] for name, text in texts.items() if name}
+    lines = [" ".join(u.split()) for u in usage.values()]
+    return "```text\n" + "\n".join(line.removeprefix("usage: ") for line in lines) + "\n```"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

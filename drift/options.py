@@ -24,7 +24,8 @@ import re
 from typing import Callable, Iterable, Optional
 
 from .config import DEFAULT_PRESET, FLOWS, PATTERNS, PRESETS, PROFILES, ROUNDINGS, SEED_MAX
-from .defaults import BUILTIN_UPDATES as BUILTINS, DEFAULT_UPDATE, KERNELS
+from .plug.loader import KERNELS
+from .plug.updates import BUILTINS, DEFAULT_UPDATE
 
 MODES = ("mtp", "sequential")
 
@@ -101,6 +102,10 @@ SPECS: dict[str, dict] = {
     "fail-fast": dict(action="store_true", help="stop the simulation at the end of the chunk (at most 256 "
                       "steps) in which a check first fails, and report the table so far"),
 }
+# The shared options (every entry point that runs a simulation has them; docs/extending.md): the
+# options that make a Config, and those plus what is under test.
+CONFIG_OPTIONS = ("preset", "steps", "seed", "device", "profile", "rounding", "pattern", "flow")
+RUN_OPTIONS = CONFIG_OPTIONS + ("update", "kernel", "mode", "trace", "loop", "no-graph")
 DEFAULTS: dict[str, object] = {"preset": DEFAULT_PRESET, "device": "cpu", "update": DEFAULT_UPDATE,
                                "kernel": "portable", "mode": "mtp", "loop": False}
 

@@ -1,11 +1,16 @@
 #!/usr/bin/env python3
-"""Regenerate the README's mutation score and trade-off sections from measurements.
+"""Regenerate what the documentation shows from the code and from measurements.
 
-    python scripts/update_readme.py
+    python scripts/update_readme.py            # everything (the tables take minutes)
+    python scripts/update_readme.py --help-only  # help texts and synopsis only (seconds)
 
-Runs ``drift mutants`` and ``drift tradeoff`` (ci-small, drift.teeth.TEETH_STEPS steps) and
-replaces the text between ``<!-- drift:mutants -->`` / ``<!-- drift:tradeoff -->`` and their
-closing markers. tests/test_teeth.py fails when the README and the measurements disagree.
+* drift/_help.py: every ``drift [CMD] --help`` text (drift/__main__.py answers --help from it
+  without importing torch), from drift.cli's parser;
+* the README's ``<!-- drift:synopsis -->`` block: every command's usage, from the same parser;
+* docs/teeth.md's ``<!-- drift:mutants -->`` / ``<!-- drift:tradeoff -->`` blocks: ``drift mutants``
+  and ``drift tradeoff`` on ci-small at drift.jobs.teeth.TEETH_STEPS steps.
+
+tests/test_cli.py (help, synopsis) and tests/test_teeth.py (tables) fail when these are stale.
 """
 
 import sys
@@ -14,33 +19,51 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from drift.config import preset  # noqa: E402
+from drift.cli import help_texts, synopsis_markdown  # noqa: E402
 from drift.fileio import atomic_write_text  # noqa: E402
-from drift.jobs.teeth import TEETH_STEPS, catalogue, mutants_markdown, tradeoff, tradeoff_markdown  # noqa: E402
+
+HELP_MODULE = ROOT / "drift" / "_help.py"
+README = ROOT / "README.md"
+TEETH_DOC = ROOT / "docs" / "teeth.md"  # the mutation score and trade-off tables
 
 
-def replace_section(text: str, name: str, body: str) -> str:
+def replace_section(text: str, name: str, body: str, where: Path = README) -> str:
     start, end = f"<!-- drift:{name} -->", f"<!-- /drift:{name} -->"
     if start not in text or end not in text:
-        raise SystemExit(f"README.md lacks the markers {start} ... {end}")
+        raise SystemExit(f"{where} lacks the markers {start} ... {end}")
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
     return f"{head}{start}\n{body}\n{end}{tail}"
 
 
-def main() -> int:
+def help_module() -> str:
+    """drift/_help.py's text: the help of every command, keyed as drift.cli.help_texts keys it."""
+    body = "".join(f"    {name!r}: {text!r},\n" for name, text in help_texts().items())
+    return ('"""Every ``drift [CMD] --help`` text. Generated from drift.cli\'s parser by\n'
+            'scripts/update_readme.py (tests/test_cli.py checks it is fresh): do not edit."""\n\n'
+            f"HELP = {{\n{body}}}\n")
+
+
+def main(argv: list[str]) -> int:
+    atomic_write_text(HELP_MODULE, help_module())
+    atomic_write_text(README, replace_section(README.read_text(), "synopsis", synopsis_markdown()))
+    print(f"updated {HELP_MODULE} and the synopsis in {README}")
+    if "--help-only" in argv:
+        return 0
     import torch
+
+    from drift.config import preset
+    from drift.jobs.teeth import TEETH_STEPS, catalogue, mutants_markdown, tradeoff, tradeoff_markdown
 
     torch.set_num_threads(1)
     cfg = preset("ci-small", steps=TEETH_STEPS)
-    readme = ROOT / "README.md"
-    text = readme.read_text()
-    text = replace_section(text, "mutants", mutants_markdown(catalogue(cfg), cfg))
-    text = replace_section(text, "tradeoff", tradeoff_markdown(tradeoff(cfg), cfg))
-    atomic_write_text(readme, text)
-    print(f"updated {readme}")
+    text = TEETH_DOC.read_text()
+    text = replace_section(text, "mutants", mutants_markdown(catalogue(cfg), cfg), TEETH_DOC)
+    text = replace_section(text, "tradeoff", tradeoff_markdown(tradeoff(cfg), cfg), TEETH_DOC)
+    atomic_write_text(TEETH_DOC, text)
+    print(f"updated {TEETH_DOC}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -168,34 +168,55 @@ def test_version(capsys):
     assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"drift {__version__}"
 
 
-# nightly's parser reads the nightly job's own constants (drift.jobs.nightly imports the runner).
-LIGHT_COMMANDS = ["run", "bench", "bench-update", "report", "tradeoff", "mutants", "regen-golden", "capture",
-                  "trace-stats"]
+def test_stored_help_texts_are_the_parsers():
+    """drift/_help.py (what --help prints without importing torch) is the parser's own help."""
+    from drift._help import HELP
+    from drift.cli import help_texts
+
+    assert HELP == help_texts(), "drift/_help.py is stale: run python scripts/update_readme.py --help-only"
+
+
+def test_readme_synopsis_is_the_parsers():
+    from pathlib import Path
+
+    from drift.cli import synopsis_markdown
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start, end = "<!-- drift:synopsis -->", "<!-- /drift:synopsis -->"
+    assert start in text and end in text
+    assert text.split(start, 1)[1].split(end, 1)[0].strip() == synopsis_markdown().strip(), \
+        "the README synopsis is stale: run python scripts/update_readme.py --help-only"
+
+
+@pytest.mark.parametrize("argv, key", [(["--help"], ""), (["run", "--help"], "run"), (["run", "--steps", "5", "-h"], "run"),
+                                       (["report", "merge", "-h"], "report merge"), (["nightly", "-h"], "nightly")])
+def test_help_answers_from_the_stored_texts(argv, key):
+    from drift.__main__ import quick_answer
+    from drift._help import HELP
+
+    assert quick_answer(argv) == HELP[key] and HELP[key].startswith("usage: drift")
+
+
+def test_other_arguments_go_to_the_parser():
+    from drift.__main__ import quick_answer
+
+    # Negative controls: no help flag, or an unknown command (the parser names the error).
+    assert quick_answer(["run", "--steps", "5"]) is None and quick_answer(["bogus", "--help"]) is None
 
 
 def test_help_and_version_import_no_torch():
-    """--help and --version answer from drift.cli, drift.options and drift.defaults alone: torch
-    (seconds to import) stays unloaded. Negative control: running a command does load it."""
-    code = ("import sys, contextlib, io\nfrom drift.cli import main\n"
-            "for argv in [['--version'], ['--help']] + [[c, '--help'] for c in sys.argv[1:]]:\n"
-            "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
-            "        main(argv)\n"
-            "    assert 'torch' not in sys.modules, argv\n"
-            "main(['bench-update', '--batches', '1', '--steps', '1', '--update', 'sglang-0.5.23'])\n"
+    """The drift command's --help and --version load neither torch nor drift.cli (seconds to
+    import). Negative control: running a command does load torch."""
+    code = ("import sys, contextlib, io\nfrom drift.__main__ import main\n"
+            "cmds = ['run', 'bench', 'bench-update', 'nightly', 'report', 'tradeoff', 'mutants', 'regen-golden',\n"
+            "        'capture', 'trace-stats']\n"
+            "for argv in [['--version'], ['--help'], ['report', 'merge', '--help']] + [[c, '--help'] for c in cmds]:\n"
+            "    with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+            "        assert main(argv) == 0 and out.getvalue().startswith(('usage: drift', 'drift ')), argv\n"
+            "    assert 'torch' not in sys.modules and 'drift.cli' not in sys.modules, argv\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    main(['bench-update', '--batches', '1', '--steps', '1', '--update', 'sglang-0.5.23'])\n"
             "print('torch' in sys.modules)\n")
-    run = subprocess.run([sys.executable, "-c", code, *LIGHT_COMMANDS], capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.strip().endswith("True")
-
-
-def test_help_name_lists_match_the_catalogues():
-    """drift.defaults holds the names --help shows without importing the catalogues: each list
-    must be its catalogue's, in order."""
-    from drift import defaults
-    from drift.capture.transformers_capture import TINY_ARCHS
-    from drift.plug.loader import KERNELS
-    from drift.plug.mutants import MUTANTS
-    from drift.plug.updates import BUILTINS
-
-    assert defaults.BUILTIN_UPDATES == tuple(BUILTINS) and defaults.MUTANT_NAMES == tuple(MUTANTS)
-    assert defaults.KERNELS is KERNELS and TINY_ARCHS is defaults.TINY_ARCHS
+    assert run.stdout.strip() == "True"

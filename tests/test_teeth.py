@@ -1,5 +1,5 @@
 """Issue 7: every known regression is caught, correct implementations raise no alarm, and the
-README's mutation score and trade-off table are what the code measures."""
+docs/teeth.md's mutation score and trade-off table are what the code measures."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from drift.runner import run_checked
 from drift.jobs.teeth import (TEETH_STEPS, catalogue, mutant_steps, mutants_markdown, tradeoff,
                               tradeoff_markdown)
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+TEETH_DOC = Path(__file__).resolve().parents[1] / "docs" / "teeth.md"  # the tables, from scripts/update_readme.py
 # The tests of the catalogue and the trade-off share one worker under pytest-xdist (--dist
 # loadgroup, pyproject.toml): those module fixtures are computed once, not once per worker.
 SHARED_RUNS = pytest.mark.xdist_group("teeth")
@@ -105,19 +105,19 @@ def test_tradeoff_reports_the_seesaw(trade):
 
 
 def _section(name: str) -> str:
-    text = README.read_text()
+    text = TEETH_DOC.read_text()
     start, end = f"<!-- drift:{name} -->", f"<!-- /drift:{name} -->"
-    assert start in text and end in text, f"README.md lacks the {name} markers"
+    assert start in text and end in text, f"docs/teeth.md lacks the {name} markers"
     return text.split(start, 1)[1].split(end, 1)[0].strip()
 
 
 @SHARED_RUNS
 def test_readme_shows_the_measured_mutation_score(results):
     assert _section("mutants") == mutants_markdown(list(results.values()), CFG).strip(), \
-        "README mutation score is stale: run python scripts/update_readme.py"
+        "docs/teeth.md mutation score is stale: run python scripts/update_readme.py"
 
 
 @SHARED_RUNS
 def test_readme_shows_the_measured_tradeoff(trade):
     assert _section("tradeoff") == tradeoff_markdown(trade, CFG).strip(), \
-        "README trade-off table is stale: run python scripts/update_readme.py"
+        "docs/teeth.md trade-off table is stale: run python scripts/update_readme.py"

@@ -53,12 +53,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..defaults import TINY_ARCHS  # noqa: F401 (re-exported)
 from ..errors import ConfigError
 from ..sim.tracefile import bytes_per_token_per_layer, write_trace
 
 GDN_SUFFIX = "GatedDeltaNet"
 RUN_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+TINY_ARCHS = ("qwen3_next", "qwen3_5")
 # Config fields copied into the manifest (those that exist on the model's text config).
 CONFIG_FIELDS = ("model_type", "architectures", "vocab_size", "hidden_size", "num_hidden_layers", "layer_types",
                  "hidden_act", "rms_norm_eps", "linear_num_key_heads", "linear_num_value_heads",

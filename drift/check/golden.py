@@ -47,7 +47,6 @@ import numpy as np
 import torch
 
 from ..config import PRESETS, Config, preset
-from ..defaults import GOLDEN_PRESETS  # noqa: F401 (re-exported)
 from ..errors import GoldenError
 from ..fileio import atomic_write_bytes, atomic_write_json, load_npz, npz_bytes
 from ..sim.stream import StreamParams, TrueTokens, max_position
@@ -56,6 +55,7 @@ from ..sim.tracefile import trace_paths
 SCHEMA = 1
 GENERATOR_VERSION = "2"  # 2: the op's quantised inputs (bf16 mix_qkv, fp32 g), [V, K] states
 CHECKPOINT_EVERY = 4096  # positions between full-state checkpoints
+GOLDEN_PRESETS = ("ci-small", "stagnation")  # the PR-gating presets
 REGEN_HINT = "drift regen-golden --preset {name} --force"
 F64 = torch.float64
 

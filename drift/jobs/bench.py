@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -143,7 +143,8 @@ def _positive(name: str, value: int) -> None:
 
 
 def bench(cfg: Config, layers: Optional[int] = None, steps: int = 20, naive_steps: int = 2,
-          repeats: int = 3, copy_bytes: int = COPY_BYTES, threads: Optional[int] = None) -> dict:
+          repeats: int = 3, copy_bytes: int = COPY_BYTES, threads: Optional[int] = None,
+          progress: Optional[Callable[..., None]] = None) -> dict:
     """Time the vectorised and the naive step on ``cfg`` (first ``layers`` GDN layers).
 
     After a warm-up, per candidate CPU thread count (``threads``, or both 1 and torch's
@@ -154,6 +155,7 @@ def bench(cfg: Config, layers: Optional[int] = None, steps: int = 20, naive_step
     the copy bandwidth is the best copy with the same thread count (the same CPU resources),
     measured before and after the steps. Returns a JSON-ready dict with
     ``bandwidth_ratio = steps_per_s * min_bytes_per_step / (copy_bandwidth_GBps * 1e9)``.
+    ``progress(done, total, what)`` after each timed part (probe, block, naive step).
     """
     for name, value in (("steps", steps), ("naive_steps", naive_steps), ("repeats", repeats),
                         ("copy_bytes", copy_bytes)):
@@ -173,23 +175,33 @@ def bench(cfg: Config, layers: Optional[int] = None, steps: int = 20, naive_step
     start_threads = torch.get_num_threads()
     candidates = [threads] if threads is not None else sorted({1, start_threads})
     copies, probes = {}, {}
+    parts = [0, 1 + len(candidates) + repeats * (2 if captured is not None else 1) + naive_steps]
+
+    def tick(what: str, value):
+        parts[0] += 1
+        if progress is not None:
+            progress(parts[0], parts[1], what)
+        return value
     try:
-        sim.run(steps=WARMUP_STEPS)
+        tick("warm-up", sim.run(steps=WARMUP_STEPS))
         for c in candidates:
             torch.set_num_threads(c)
             copies[c] = copy_bandwidth(dev, copy_bytes)
             # A stalling thread count is given up once it has taken a few times the best probe.
             budget = 3 * PROBE_STEPS * min(probes.values()) if probes else math.inf
-            probes[c] = _probe(sim, budget)
+            probes[c] = tick(f"probe, {c} thread(s)", _probe(sim, budget))
         chosen = min(candidates, key=lambda c: probes[c])
         torch.set_num_threads(chosen)
-        blocks = [_timed(dev, lambda: sim.run(steps=steps)) / steps for _ in range(repeats)]
+        blocks = [tick(f"block {i + 1}/{repeats}", _timed(dev, lambda: sim.run(steps=steps)) / steps)
+                  for i in range(repeats)]
         graph_blocks = []
         if captured is not None:
             captured.run(steps=WARMUP_STEPS)  # warm-up, capture
-            graph_blocks = [_timed(dev, lambda: captured.run(steps=steps)) / steps for _ in range(repeats)]
-        naive_blocks = [_timed(dev, lambda: naive_step(sim, sim.stream.chunk(1), 0))
-                        for _ in range(naive_steps)]
+            graph_blocks = [tick(f"captured block {i + 1}/{repeats}",
+                                 _timed(dev, lambda: captured.run(steps=steps)) / steps) for i in range(repeats)]
+        naive_blocks = [tick(f"naive step {i + 1}/{naive_steps}",
+                             _timed(dev, lambda: naive_step(sim, sim.stream.chunk(1), 0)))
+                        for i in range(naive_steps)]
         copy_bps = max(copies[chosen], copy_bandwidth(dev, copy_bytes))
     finally:
         torch.set_num_threads(start_threads)

@@ -119,20 +119,25 @@ class _Lines:
         self.stream.flush()
 
 
-def progress_printer(label: str, stream: Optional[TextIO] = None) -> Callable[[int, int], None]:
-    """A progress callback (rate and ETA from tqdm): a live bar on a terminal, a plain line at
-    most every 10 s otherwise (CI logs)."""
+def progress_printer(label: str, stream: Optional[TextIO] = None, unit: str = "step",
+                     every_s: Optional[float] = None) -> Callable[..., None]:
+    """A progress callback ``update(done, total, what="")`` (rate and ETA from tqdm; ``what``
+    names the item just finished): a live bar on a terminal, a plain line at most every
+    ``every_s`` seconds otherwise (CI logs; default 10 s for steps, every item for coarser units)."""
     stream = stream or sys.stderr
     from tqdm import tqdm
 
     tty = stream.isatty()
+    every = every_s if every_s is not None else (10.0 if unit == "step" else 0.0)
     bars: list = []
 
-    def update(done: int, total: int) -> None:
+    def update(done: int, total: int, what: str = "") -> None:
         if not bars:
-            bars.append(tqdm(total=total, desc=label, unit="step", file=stream if tty else _Lines(stream),
-                             dynamic_ncols=tty, ascii=not tty, mininterval=0.1 if tty else 10.0))
+            bars.append(tqdm(total=total, desc=label, unit=unit, file=stream if tty else _Lines(stream),
+                             dynamic_ncols=tty, ascii=not tty, mininterval=0.1 if tty else every))
         bar = bars[0]
+        if what:
+            bar.set_postfix_str(what, refresh=False)
         bar.update(done - bar.n)
         if done >= total:
             bar.close()

@@ -8,16 +8,18 @@ each direction (the seesaw of the sglang #32130 review). Both report what they m
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from ..config import Config
-from ..defaults import TEETH_STEPS  # noqa: F401 (re-exported)
 from ..plug.loader import load_kernel, mutant_config
 from ..plug.mutants import MUTANTS
 from ..plug.updates import BUILTINS, DEFAULT_UPDATE
 from ..runner import run_checked
 from ..syncs.costmodel import measure
 
+# Decode steps per run: every mutant is caught well within it (measured 16/16 at 512 steps; the
+# test suite's nightly twin runs the catalogue at 1,024, docs/bounds.md).
+TEETH_STEPS = 512
 # A precision loss needs the horizon to pile up; a host sync is found by the scan of the update
 # (no horizon at all) and a semantic slip within the first track intervals (measured at 256
 # steps: every semantic mutant over 500x its bound). Those run a quarter of the horizon, at least
@@ -62,19 +64,28 @@ def evaluate_mutant(name: str, cfg: Config) -> dict:
             "worst_bound_ratio": ratio, "syncs_per_step": syncs}
 
 
-def catalogue(cfg: Config, names: Optional[Sequence[str]] = None) -> list[dict]:
-    return [evaluate_mutant(n, cfg) for n in (names or list(MUTANTS))]
+def catalogue(cfg: Config, names: Optional[Sequence[str]] = None,
+              progress: Optional[Callable[..., None]] = None) -> list[dict]:
+    """:func:`evaluate_mutant` of each of ``names`` (default: the whole catalogue);
+    ``progress(done, total, name)`` after each."""
+    names = list(names or MUTANTS)
+    rows = []
+    for name in names:
+        rows.append(evaluate_mutant(name, cfg))
+        if progress is not None:
+            progress(len(rows), len(names), name)
+    return rows
 
 
 FLOWS = ("sglang", "accepted")
 
 
 def tradeoff(cfg: Config, impls: Sequence[str] = tuple(BUILTINS), unpadded_guard: bool = True,
-             flows: Sequence[str] = FLOWS) -> list[dict]:
+             flows: Sequence[str] = FLOWS, progress: Optional[Callable[..., None]] = None) -> list[dict]:
     """One row per built-in and verify flow (docs/semantics.md §6) on ``cfg``; with
     ``unpadded_guard`` also ``sglang-31659`` on the same batch without padded rows (its guard never
     fires while a padded row carries step -1). Syncs and bytes are the update's own (the same in
-    every flow); precision is the flow's."""
+    every flow); precision is the flow's. ``progress(done, total, what)`` after each checked run."""
     runs = [(impl, cfg, impl) for impl in impls]
     if unpadded_guard and GUARDED in impls and cfg.num_padded > 0:
         runs.append((GUARDED, cfg.replace(num_padded=0), f"{GUARDED} (no padded rows)"))
@@ -84,6 +95,8 @@ def tradeoff(cfg: Config, impls: Sequence[str] = tuple(BUILTINS), unpadded_guard
         for impl, c, label in runs:
             c = c.replace(flow=flow)
             rep = run_checked(c, impl)
+            if progress is not None:
+                progress(len(rows) + 1, len(flows) * len(runs), f"{label}, {flow} flow")
             failed, ratio, syncs = _verdicts(rep)
             cost = costs[label]
             state = next(x for x in rep.checks if x.name == "committed state")

@@ -25,7 +25,6 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from ..defaults import KERNELS
 from ..errors import HarnessLacks, LoadError
 from ..sim import kernels
 from ..sim.kernels import VerifyKernel
@@ -38,6 +37,12 @@ from .triton_kernel import sglang_triton_function, triton_adapter
 from .updates import BUILTINS, RENAMED
 
 REQUIRED = ("self", "last_correct_step_indices", "mamba_track_indices", "mamba_steps_to_track")
+KERNELS = {  # built-in kernel specs -> what they load
+    "portable": "drift's own op (drift.sim.kernels.recurrent_gated_delta_rule)",
+    "npu": "torch.ops.npu.recurrent_gated_delta_rule from sgl_kernel_npu, called as SGLang 0.5.23 calls it",
+    "npu-legacy": "torch_npu.npu_recurrent_gated_delta_rule (the older public op)",
+    "sglang-triton": "SGLang 0.5.23's Triton fused_recurrent_gated_delta_rule_update (CUDA)",
+}
 
 
 @dataclass

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..defaults import BUILTIN_UPDATES, DEFAULT_UPDATE  # noqa: F401 (re-exported)
 from .parts import Recipe, commit_unless_all_step0, track_boolean_mask
 
 SGLANG_0523 = Recipe()
@@ -34,6 +33,6 @@ BUILTINS: dict[str, Callable] = {
     "sglang-0.5.23": SGLANG_0523.build(
         "sglang-0.5.23", "SGLang 0.5.23: device-side tracking by torch.where; no sync."),
 }
-assert tuple(BUILTINS) == BUILTIN_UPDATES  # the names --help shows (drift.defaults)
+DEFAULT_UPDATE = "sglang-0.5.23"
 # Names earlier drift releases used, for a message that points at the new one.
 RENAMED = {"guarded": "sglang-31659", "sync_free": "sglang-32130", "device_select": "sglang-0.5.23"}

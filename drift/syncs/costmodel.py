@@ -27,7 +27,6 @@ from typing import Optional, Sequence
 import torch
 
 from ..config import Config
-from ..defaults import BATCH_SIZES, COSTMODEL_STEPS
 from ..devices import resolve_device
 from ..plug.loader import Update, load_update
 from ..plug.updates import BUILTINS
@@ -35,7 +34,8 @@ from ..sim.pool import Harness, StatePool
 from .detector import SyncDetector, to_virtual
 from .scan import step_indices, update_calls, virtual_harness
 
-DEFAULT_STEPS = COSTMODEL_STEPS
+BATCH_SIZES: tuple[int, ...] = tuple(2 ** i for i in range(9))  # 1 .. 256 active requests
+DEFAULT_STEPS = 16
 BYTES_MODEL = ("from shapes, per non-view dispatched op: an indexed read (index, index_select, gather) "
                "moves 2 x the bytes it gathers plus its indices; an indexed write (index_put, index_copy, "
                "scatter) 2 x the bytes of its values plus its indices; any other op its input bytes plus "
