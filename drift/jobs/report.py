@@ -9,7 +9,7 @@ from typing import Callable, Optional, TextIO
 
 from ..check.result import CheckResult
 from ..fileio import atomic_write_json, atomic_write_text
-from .plots import run_plot
+from .plots import planned_plots, run_plot
 
 
 def _fmt(v: Optional[float]) -> str:
@@ -226,6 +226,10 @@ def nightly_markdown(rep: dict) -> str:
     if fails:
         lines += ["", "## Failures", ""]
         lines += [f"- `{k}` **{c['name']}**: {c.get('detail') or ''} ({c.get('where') or ''})" for k, c in fails]
-    lines += ["", "Plots: `drift_vs_step.png` (error and bound envelope per head, log-log), "
-              "`mtp_vs_sequential.png`, `rounding_modes.png`.", ""]
+    plots = planned_plots(entries)
+    if plots:
+        lines += ["", "Plots (per value head, the worst error over layers and rows as a ratio to its bound, "
+                  "log-log; a check fails above the line at 1): " + ", ".join(f"`{p}`" for p in plots) + ".", ""]
+    else:
+        lines.append("")
     return "\n".join(lines)

@@ -211,8 +211,9 @@ def format_stats(stats: dict) -> str:
 
 
 def plot_stats(stats: dict, path: Path) -> Path:
-    """One PNG: per head, the trace's and each preset's -ln(decay) (with its quartiles), beta,
-    key rank / K and value RMS."""
+    """One PNG: per head, the trace's and each preset's median decay per token (with its
+    quartiles; placed by -ln(decay) on a log axis, so 0.999 and 1e-9 both read, and labelled in
+    decay as the table is), beta, key rank / K and value RMS."""
     from .plots import METADATA, _plt
 
     plt = _plt()
@@ -228,18 +229,24 @@ def plot_stats(stats: dict, path: Path) -> Path:
     def logdec(v: float) -> float:
         return max(-math.log(max(v, tiny)), 1e-12)
 
-    panels = (("-ln(decay) per token", lambda h: logdec(h["decay_median"]), True),
+    panels = (("decay per token\n(axis: -ln decay)", lambda h: logdec(h["decay_median"]), True),
               ("beta (median)", lambda h: max(h["beta_median"], 1e-12), True),
               ("key rank / K", lambda h: h["key_rank"] / h["key_dim"], False),
               ("value RMS", lambda h: h["value_rms"], True))
     for ax, (title, fn, log) in zip(axes, panels):
         for i, (lbl, h) in enumerate(groups):
             ax.scatter([i], [fn(h)], color=colors[lbl], s=22, label=lbl)
-            if title.startswith("-ln"):
+            if title.startswith("decay"):
                 lo, hi = logdec(h["decay_p75"]), logdec(h["decay_p25"])
                 ax.plot([i, i], [lo, hi], color=colors[lbl], lw=1.2)
         if log:
             ax.set_yscale("log")
+        if title.startswith("decay"):  # ticks say the decay itself, as the table does
+            from matplotlib.ticker import FuncFormatter
+
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{math.exp(-y):.4g}"))
+            ax.yaxis.set_minor_formatter(FuncFormatter(lambda y, _: ""))
+            ax.invert_yaxis()  # slower decay (closer to 1) higher up
         ax.set_ylabel(title, fontsize=8)
         ax.grid(True, which="major", alpha=0.3)
     handles = {lbl: h for h, lbl in zip(*axes[0].get_legend_handles_labels())}
