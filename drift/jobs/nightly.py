@@ -32,6 +32,7 @@ from ..errors import ConfigError, DataError
 from ..fileio import atomic_write_json, atomic_write_text
 from ..plug.updates import DEFAULT_UPDATE
 from ..runner import CheckedRun, versions
+from ..check.registry import find_result, result_key
 from ..runspec import RunSpec
 from .plots import nightly_plots
 from .report import nightly_markdown
@@ -178,7 +179,7 @@ def run_entry(entry: Entry, device: str, ckpt_dir: Optional[Path] = None,
                    checkpoint_every=every)
     seconds = prior + time.perf_counter() - t0
     results = run.results(info)
-    syncs = next((r.worst for r in results if r.name == "host syncs"), None)
+    syncs = getattr(find_result(results, "host_syncs"), "worst", None)
     from dataclasses import replace
 
     full = replace(entry, layers=None).config(device)  # the preset's (the trace's) every layer
@@ -218,7 +219,7 @@ def trend(current: dict, baseline: dict, factor: float = TREND_FACTOR) -> list[d
 
 def _curve(entry: dict):
     for c in entry["checks"]:
-        if c["name"] == "drift bound" and c.get("bound"):
+        if result_key(c) == "drift_bound" and c.get("bound"):
             cur = c["bound"]["curves"].get("rel_err")
             return (cur["step"], cur["mean"]) if cur else None
     return None
