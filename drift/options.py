@@ -85,7 +85,8 @@ SPECS: dict[str, dict] = {
     "mode": dict(type=_choice(MODES, "mode"), metavar="M", help="mtp or sequential (non-MTP) decode"),
     "update": dict(metavar="SPEC", help=f"update under test: a built-in ({', '.join(BUILTINS)}), "
                    "mutant:<name>, package.module:qualname or path/to/file.py:qualname"),
-    "kernel": dict(metavar="SPEC", help=f"verify kernel under test: {', '.join(KERNELS)}, npu-op:<spec>, "
+    "kernel": dict(metavar="SPEC", help=f"verify kernel under test: "
+                   f"{', '.join(n + (':<spec>' if KERNELS[n].takes_arg else '') for n in KERNELS)}, "
                    "mutant:<name>, package.module:qualname or path/to/file.py:qualname"),
     "flow": dict(type=_choice(FLOWS, "flow"), metavar="F",
                  help="where each verify starts (docs/semantics.md §6): sglang (SGLang 0.5.23's arguments: "
