@@ -435,6 +435,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from .plug.extensions import load_extensions
+
+    try:
+        load_extensions()  # $DRIFT_EXTENSIONS: entries they register become choices of the options
+    except DriftError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
     args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
     try:
         return args.func(args)
