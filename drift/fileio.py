@@ -54,8 +54,6 @@ def npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
     return buf.getvalue()
 
 
-def atomic_save_npz(path: str | os.PathLike, arrays: dict[str, np.ndarray]) -> None:
-    atomic_write_bytes(path, npz_bytes(arrays))
 
 
 def load_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:

@@ -26,8 +26,8 @@ from typing import Callable, Iterable, Optional
 from .config import DEFAULT_PRESET, FLOWS, PATTERNS, PRESETS, PROFILES, ROUNDINGS, SEED_MAX
 from .plug.loader import KERNELS
 from .plug.updates import BUILTINS, DEFAULT_UPDATE
+from .simulate import MODES
 
-MODES = ("mtp", "sequential")
 
 
 def positive_int(text: str) -> int:

@@ -1,4 +1,4 @@
-"""Shared helpers of the drift test suite (issue 2, CPU).
+"""Shared helpers of the drift test suite (CPU).
 
 Everything here is deterministic: fixed seeds, explicit dtypes, small shapes so the
 whole suite stays fast on two cores. Test modules import the plain helpers with
@@ -159,7 +159,7 @@ def committed_by_position(cfg, **kwargs) -> dict:
 
 
 def checks_of(cfg, update=DEFAULT_UPDATE, **kwargs) -> dict[str, CheckResult]:
-    """``run_checked`` with the semantic core checks (issue 2; not the drift bound, which is
+    """``run_checked`` with the semantic core checks (not the drift bound, which is
     calibrated on the presets' shapes, not on these small configs; nor the host-sync scan,
     which tests/test_syncs.py covers) as a dict check key -> result, plus the report under
     'report'."""

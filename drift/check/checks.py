@@ -1,4 +1,4 @@
-"""Checks of a run: each consumes :class:`~drift.compare.MetricsChunk` s and ends in a
+"""Checks of a run: each consumes :class:`~drift.check.compare.MetricsChunk` s and ends in a
 :class:`CheckResult` (verdict, worst value, its limit, and where it happened).
 
 The semantic threshold ``SEMANTIC_TOL`` separates a wrong state from a rounded one:
@@ -13,7 +13,7 @@ The semantic threshold ``SEMANTIC_TOL`` separates a wrong state from a rounded o
 
 ``SEMANTIC_TOL = 0.25`` sits between the two: above everything rounding produces on the
 PR-gating presets (truncation included), below every semantic error measured. The
-fine-grained precision verdict is the bound check's (:mod:`drift.bounds`).
+fine-grained precision verdict is the bound check's (:mod:`drift.check.bounds`).
 """
 
 from __future__ import annotations

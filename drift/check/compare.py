@@ -90,9 +90,9 @@ class Consumer(Protocol):
 
 class Comparison:
     """Observer comparing committed states, tracked snapshots, conv windows and outputs of the
-    active rows with a :class:`~drift.reference.Float64Twin` at every step.
+    active rows with a :class:`~drift.sim.twin.Float64Twin` at every step.
 
-    golden: a :class:`~drift.golden.Golden`, ``None`` to look one up for the config, or
+    golden: a :class:`~drift.check.golden.Golden`, ``None`` to look one up for the config, or
     ``False`` for none. The twin runs on the run's device, or on the CPU when that device
     lacks float64 (NPU).
     """

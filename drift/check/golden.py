@@ -59,7 +59,6 @@ GOLDEN_PRESETS = ("ci-small", "stagnation")  # the PR-gating presets
 REGEN_HINT = "drift regen-golden --preset {name} --force"
 F64 = torch.float64
 
-ARRAYS_PER_POSITION = ("proj_state", "state_norm", "proj_out")
 
 
 def golden_dir() -> Path:
