@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from drift import preset
+from drift.dtypes import as_bits
 from drift.check.checks import core_checks
 from drift.check.result import CheckResult
 from drift.plug.shim import sgl_kernels
@@ -54,11 +55,6 @@ def small_cfg(steps: int = 200, profile: Optional[str] = None, **overrides):
     """``ci-small`` shrunk to :data:`SMALL`, with ``steps`` and any field overrides."""
     cfg = preset("ci-small", steps=steps, **{**SMALL, **overrides})
     return cfg.with_profile(profile) if profile else cfg
-
-
-def as_bits(t: torch.Tensor) -> torch.Tensor:
-    """Integer view of a float tensor: bit-exact, NaN-safe comparisons."""
-    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

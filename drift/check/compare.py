@@ -18,7 +18,7 @@ from ..checkpoint import saveable
 from ..devices import supports_float64
 from ..dtypes import store_dtype
 from ..sim import native
-from ..sim.pool import as_bits
+from ..dtypes import as_bits
 from ..sim.twin import F64, Float64Twin
 from ..simulate import StopRun
 from .golden import Golden, load_golden

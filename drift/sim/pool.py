@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..config import Config
-from ..dtypes import store_dtype
+from ..dtypes import as_bits
 from ..layouts import LAYOUTS
 
 STALE = float("nan")  # fills the dummy slot and never-valid rows: any read of them shows
@@ -122,11 +122,6 @@ def raw_state(t: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"a state block of shape [{V}, {K}] with strides ({sv}, {sk}) is not dense; "
                          "drift's pool layouts keep every [V, K] block dense")
     return torch.as_strided(t, t.shape, (*t.stride()[:-2], K, 1), t.storage_offset())
-
-
-def as_bits(t: torch.Tensor) -> torch.Tensor:
-    """Same-width integer view of a 2- or 4-byte float tensor (any strides): NaN-safe bit compares."""
-    return t.view(store_dtype(t.dtype).int_view)
 
 
 class _ForwardMetadata:
