@@ -19,21 +19,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import signal
 import sys
-import tempfile
+import threading
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from .config import Config, preset
 from .devices import resolve_device
 from .errors import EXIT_FAIL, EXIT_PASS, ConfigError, DriftError, UpdateRaised
+from .fileio import output_file, output_files, writable_dir
 from .options import add_options, positive_int
 from .plug.loader import load_kernel, load_update
 from .plug.mutants import MUTANTS
 from .plug.updates import BUILTINS
 
 PROG = "drift"
+REPORT_FILES = ("report.json", "report.md", "drift_vs_step.png")  # what --report DIR receives
 CONFIG_OPTIONS = ("preset", "steps", "seed", "device", "profile", "rounding", "pattern", "flow")
 
 
@@ -62,20 +64,10 @@ def config_from_args(args: argparse.Namespace, **defaults) -> Config:
     else:
         cfg = cfg.replace(**changes) if changes else cfg
     resolve_device(cfg.device)
+    from .sim.pool import check_fits
+
+    check_fits(cfg)  # a shape too large for this machine is refused here, not by the allocator
     return cfg
-
-
-def writable_dir(path: Path, option: str) -> Path:
-    """Create ``path`` and prove a file can be written there, before any work starts."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".drift-probe-", dir=path)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        raise ConfigError(f"{option} {path}: cannot write there ({exc.strerror or exc}); pass a writable "
-                          "directory") from None
-    return path
 
 
 def _output_format(p: argparse.ArgumentParser) -> None:
@@ -98,7 +90,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .runner import run_checked
 
     cfg = config_from_args(args)
-    report_dir = writable_dir(args.report, "--report") if args.report else None
+    report_dir = output_files(args.report, REPORT_FILES, "--report") if args.report else None
     update = load_update(args.update) if args.mode == "mtp" else None
     kernel = load_kernel(args.kernel)
     golden = None
@@ -363,7 +355,8 @@ def cmd_capture(args: argparse.Namespace) -> int:
     from .sim.tracefile import read_trace, trace_paths
 
     npz, man = trace_paths(args.out)
-    writable_dir(npz.parent, "--out")
+    output_file(npz, "--out")
+    output_file(man, "--out")
     if args.model != "tiny" and not (Path(args.model) / "config.json").is_file():
         raise ConfigError(f"--model {args.model}: not a checkpoint directory (no config.json); pass tiny or a local "
                           "Hugging Face model directory (drift capture downloads nothing)")
@@ -414,7 +407,7 @@ def cmd_trace_stats(args: argparse.Namespace) -> int:
     from .sim.tracefile import read_trace
 
     if args.plot is not None:
-        writable_dir(args.plot.parent if str(args.plot.parent) else Path("."), "--plot")
+        output_file(args.plot, "--plot")
     tr = read_trace(args.file)
     stats = {"trace": trace_stats(tr), "presets": preset_stats(tokens=args.preset_tokens)}
     if args.plot is not None:
@@ -459,8 +452,20 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread like KeyboardInterrupt is for SIGINT: every atomic write
+    in flight removes its temporary file, nothing half-written is left, and drift exits 143."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return args.func(args)
     except UpdateRaised as exc:
@@ -469,6 +474,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except DriftError as exc:
         print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except (KeyboardInterrupt, Terminated) as exc:
+        name, code = ("SIGINT", 130) if isinstance(exc, KeyboardInterrupt) else ("SIGTERM", 143)
+        print(f"{PROG} {args.command}: interrupted ({name}); finished files are intact, nothing half-written "
+              "is left (run it again; a nightly continues with --resume)", file=sys.stderr)
+        return code
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":  # pragma: no cover
