@@ -36,6 +36,7 @@ from .plug.updates import BUILTINS
 
 PROG = "drift"
 REPORT_FILES = ("report.json", "report.md", "drift_vs_step.png")  # what --report DIR receives
+NIGHTLY_FILES = REPORT_FILES + ("mtp_vs_sequential.png", "rounding_modes.png")
 CONFIG_OPTIONS = ("preset", "steps", "seed", "device", "profile", "rounding", "pattern", "flow")
 
 
@@ -170,9 +171,14 @@ def add_nightly(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variant", action="append", default=[], choices=VARIANTS,
                    help=f"store variant (repeatable; default: all of {', '.join(VARIANTS)})")
     p.add_argument("--layers", default="auto", help=f"auto ({CPU_LAYERS} on cpu, all elsewhere), all, or N")
-    p.add_argument("--report", type=Path, default=Path("nightly-report"), metavar="DIR", help="report directory")
+    p.add_argument("--report", type=Path, default=Path("nightly-report"), metavar="DIR",
+                   help="report directory (default: nightly-report; one holding a report is refused without "
+                        "--resume or --force)")
     p.add_argument("--checkpoint-every", type=positive_int, default=DEFAULT_CHECKPOINT_EVERY, metavar="N")
-    p.add_argument("--resume", action="store_true", help="continue from checkpoints and finished entries")
+    p.add_argument("--resume", action="store_true", help="continue from checkpoints and finished entries (those "
+                   "of exactly this configuration; the others are redone, saying why)")
+    p.add_argument("--force", action="store_true", help="overwrite a report already in --report (without --resume "
+                   "or --force a directory that holds one is refused)")
     p.add_argument("--shard", help="run shard K of N (K/N), e.g. 2/4")
     p.add_argument("--baseline", type=Path, help="previous report.json: flag heads whose error grew")
     p.add_argument("--trend-factor", type=float, default=TREND_FACTOR)
@@ -181,8 +187,8 @@ def add_nightly(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_nightly(args: argparse.Namespace) -> int:
-    from .jobs.nightly import (DEFAULT_STEPS, VARIANTS, build_matrix, layers_for, parse_shard, read_report,
-                               run_nightly, shard)
+    from .jobs.nightly import (DEFAULT_STEPS, VARIANTS, build_matrix, layers_for, locked, match_baseline,
+                               parse_shard, read_report, run_nightly, shard)
     from .jobs.report import progress_printer
 
     presets, updates = args.nightly_defaults
@@ -202,15 +208,27 @@ def cmd_nightly(args: argparse.Namespace) -> int:
     k, n = parse_shard(args.shard)
     mine = shard(entries, k, n)
     baseline = read_report(args.baseline) if args.baseline else None
+    if baseline is not None:
+        unmatched = match_baseline(baseline, [e.key for e in mine], args.baseline)
+        if unmatched:
+            print(f"drift nightly: --baseline {args.baseline} has no entry for {len(unmatched)} of this run's "
+                  f"{len(mine)} entries; they get no trend: {', '.join(unmatched)}", file=sys.stderr)
     if not args.trend_factor > 0:
         raise ConfigError(f"--trend-factor {args.trend_factor} is invalid; allowed: a number > 0")
-    out = writable_dir(args.report, "--report")
+    out = output_files(args.report, NIGHTLY_FILES, "--report")
+    for sub in ("entries", "checkpoints"):
+        writable_dir(out / sub, "--report")
+    if (out / "report.json").exists() and not (args.resume or args.force):
+        raise ConfigError(f"--report {out} already holds a report (report.json); pass --resume to continue that "
+                          "run, --force to overwrite it, or another --report directory")
     steps_text = f"{steps} steps" if steps is not None else "the whole trace"
-    print(f"drift nightly: {len(mine)} of {len(entries)} entries (shard {k}/{n}), {steps_text} each, "
-          f"device {args.device}" + (f", at most {layers} layers per preset" if layers else "")
-          + (f", trace {args.trace}" + (" (looped)" if args.loop else "") if args.trace else ""), file=sys.stderr)
-    report, written = run_nightly(entries, mine, f"{k}/{n}", args.device, out, args.checkpoint_every, args.resume,
-                                  baseline, args.trend_factor, None if args.quiet else progress_printer)
+    with locked(out):
+        print(f"drift nightly: {len(mine)} of {len(entries)} entries (shard {k}/{n}), {steps_text} each, "
+              f"device {args.device}" + (f", at most {layers} layers per preset" if layers else "")
+              + (f", trace {args.trace}" + (" (looped)" if args.loop else "") if args.trace else ""), file=sys.stderr)
+        report, written = run_nightly(entries, mine, f"{k}/{n}", args.device, out, args.checkpoint_every,
+                                      args.resume, baseline, args.trend_factor,
+                                      None if args.quiet else progress_printer)
     for path in written:
         print(f"wrote {path}")
     if report["trend"]:
@@ -229,7 +247,7 @@ def add_report(p: argparse.ArgumentParser) -> None:
 def cmd_report(args: argparse.Namespace) -> int:
     from .jobs.nightly import merge
 
-    out = writable_dir(args.out, "--out")
+    out = output_files(args.out, NIGHTLY_FILES, "--out")
     rep = merge(args.dirs, out)
     print(f"merged {len(rep['entries'])} entries into {out}")
     return EXIT_PASS if rep["verdict"] == "pass" else EXIT_FAIL
