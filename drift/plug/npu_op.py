@@ -31,17 +31,50 @@ call it.
 from __future__ import annotations
 
 import importlib
+import inspect
+import math
 from typing import Callable
 
 import torch
 
 from ..devices import npu_available
-from ..errors import LoadError
+from ..errors import LoadError, UpdateRaised
 from ..sim import kernels
 from ..sim.kernels import VerifyArgs, VerifyKernel
 from ..sim.pool import raw_state
 
 BF16, F32, I32 = torch.bfloat16, torch.float32, torch.int32
+
+
+OP_KEYWORDS = ("beta", "scale", "actual_seq_lengths", "ssm_state_indices", "nk", "nv", "intermediate_state",
+               "cache_indices", "num_accepted_tokens", "g")
+
+
+def check_op_signature(op: Callable, spec: str) -> None:
+    """LoadError (at load, exit 2) when ``op`` cannot take the call SGLang makes (above); an op
+    whose signature cannot be read (a torch op, a builtin) is taken on trust."""
+    try:
+        sig = inspect.signature(op)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(None, None, **{k: None for k in OP_KEYWORDS})
+    except TypeError as exc:
+        raise LoadError(f"kernel spec {spec!r} has signature {getattr(op, '__name__', op)}{sig}, which cannot take "
+                        f"SGLang's call ({exc}); expected op(mix_qkv, recurrent_state, *, {', '.join(OP_KEYWORDS)})"
+                        ) from None
+
+
+def output_problem(out: object, shape: tuple[int, ...], exact: bool = False) -> str:
+    """What is wrong with a verify output that should be a bf16 tensor of ``shape`` ('' when nothing);
+    ``exact`` False accepts any shape of as many elements (the op's ``[B, S, HV, V]`` or a flat view)."""
+    if not isinstance(out, torch.Tensor):
+        return f"returned {type(out).__name__}, not a bfloat16 tensor of shape {shape}"
+    if out.dtype != BF16:
+        return f"returned a {out.dtype} tensor, expected bfloat16 of shape {shape}"
+    if (tuple(out.shape) != shape) if exact else (out.numel() != math.prod(shape)):
+        return f"returned shape {tuple(out.shape)}, expected {shape}"
+    return ""
 
 
 def npu_op_adapter(op: Callable) -> VerifyKernel:
@@ -54,12 +87,18 @@ def npu_op_adapter(op: Callable) -> VerifyKernel:
         inter = raw_state(args.intermediate_state)
         idx = args.ssm_state_indices.to(I32).view(B, S)
         for layer in range(L):
-            o = op(args.mix_qkv[layer].to(BF16).contiguous(), rec[layer],
-                   beta=args.beta[layer].to(BF16).contiguous(), scale=args.scale,
-                   actual_seq_lengths=args.actual_seq_lengths.to(I32), ssm_state_indices=idx,
-                   nk=args.nk, nv=args.nv, intermediate_state=inter[layer].view(-1, HV, K, V),
-                   cache_indices=args.cache_indices.to(I32), num_accepted_tokens=args.num_accepted_tokens.to(I32),
-                   g=args.g[layer].to(F32).contiguous())
+            try:
+                o = op(args.mix_qkv[layer].to(BF16).contiguous(), rec[layer],
+                       beta=args.beta[layer].to(BF16).contiguous(), scale=args.scale,
+                       actual_seq_lengths=args.actual_seq_lengths.to(I32), ssm_state_indices=idx,
+                       nk=args.nk, nv=args.nv, intermediate_state=inter[layer].view(-1, HV, K, V),
+                       cache_indices=args.cache_indices.to(I32),
+                       num_accepted_tokens=args.num_accepted_tokens.to(I32), g=args.g[layer].to(F32).contiguous())
+            except Exception as exc:
+                raise UpdateRaised(f"layer {layer}: the op raised {exc!r}") from exc
+            problem = output_problem(o, (B, S, HV, V))
+            if problem:
+                raise UpdateRaised(f"layer {layer}: the op {problem}")
             out[layer] = o.reshape(B, S, HV, V)
         return out
 
