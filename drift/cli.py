@@ -323,9 +323,11 @@ def cmd_regen_golden(args: argparse.Namespace) -> int:
         base = preset(args.preset[0] if args.preset else DEFAULT_PRESET)
         base = base.replace(seed=args.seed) if args.seed is not None else base
         cfg = Config.from_trace(load_trace(args.trace), base)
-        writable_dir(trace_golden_dir(args.trace), "--trace (its golden directory)")
+        gdir = trace_golden_dir(args.trace)  # created only once its data is generated: none is left empty
+        writable_dir(gdir if gdir.exists() else gdir.parent, "--trace (its golden directory)")
         return write_trace_golden(cfg, force=args.force, out=sys.stdout)
-    directory = writable_dir(args.golden_dir or golden_dir(), "--golden-dir")
+    directory = writable_dir(args.golden_dir or golden_dir(),
+                             "--golden-dir" if args.golden_dir else "the golden directory ($DRIFT_GOLDEN_DIR or drift's own)")
     return regenerate(args.preset or args.golden_presets, args.seed, args.force, directory)
 
 
