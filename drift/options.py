@@ -98,6 +98,10 @@ SPECS: dict[str, dict] = {
     "no-graph": dict(action="store_true", help="eager decode, as SGLang without graph mode: no device "
                      "graph capture of the step, and the verify op's eager arguments (prepare_gdn_inputs)"),
 }
+# The shared options (every entry point that runs a simulation has them; docs/extending.md): the
+# options that make a Config, and those plus what is under test.
+CONFIG_OPTIONS = ("preset", "steps", "seed", "device", "profile", "rounding", "pattern", "flow")
+RUN_OPTIONS = CONFIG_OPTIONS + ("update", "kernel", "mode", "trace", "loop", "no-graph")
 DEFAULTS: dict[str, object] = {"preset": DEFAULT_PRESET, "device": "cpu", "update": DEFAULT_UPDATE,
                                "kernel": "portable", "mode": "mtp", "loop": False}
 

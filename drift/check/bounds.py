@@ -29,9 +29,10 @@ from typing import Optional
 
 import numpy as np
 
+from ..dtypes import STORE_DTYPES
 from .checks import Check
 from .result import CheckResult
-from .compare import MANTISSA_BITS, MetricsChunk
+from .compare import MetricsChunk
 from .metrics import DriftCurves, growth_exponent, rel_err, ulp_err
 
 # Variance of one store rounding in units of ulp^2: uniform error on [-ulp/2, ulp/2] for
@@ -67,9 +68,9 @@ BOUND_CONSTANT = CALIBRATED_RATIO * BOUND_MARGIN
 
 GROWTH_LIMIT = 0.6  # growth exponent allowed for non-stagnating heads (random walk is 0.5)
 
-# A head is stagnation-prone when its per-step decay a satisfies 1 - a < 2^-8: then
-# fl(a x) == x for bf16 elements whose mantissa is near 1 (relative half-ulp up to 2^-8).
-STAGNATION_MARGIN = {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 2.0**-24}
+# A head is stagnation-prone when its per-step decay a satisfies 1 - a < 2^-p (2^-8 for bf16): then
+# fl(a x) == x for elements whose mantissa is near 1 (relative half-ulp up to 2^-p);
+# drift.dtypes.StoreDtype.stagnation_margin.
 
 
 class BoundCheck(Check):
@@ -104,7 +105,7 @@ class BoundCheck(Check):
             self.env2 = np.asarray(self.initial_env2, np.float64).copy()
             self.var2 = np.zeros_like(self.env2)
         # ulp^2 on the fp32 grid = ulp^2 on the state's grid * 4^-(24 - p) (same exponents).
-        self.compute_scale = KAPPA_COMPUTE * 4.0 ** -(COMPUTE_MANTISSA - MANTISSA_BITS[cfg.torch_ssm_dtype])
+        self.compute_scale = KAPPA_COMPUTE * 4.0 ** -(COMPUTE_MANTISSA - STORE_DTYPES[cfg.ssm_dtype].mantissa_bits)
         self.curves = DriftCurves((cfg.num_layers, cfg.num_v_heads))
         self.logdecay_sum = np.zeros((cfg.num_layers, cfg.num_v_heads))  # sum over steps and rows
         self.logdecay_n = 0
@@ -150,7 +151,7 @@ class BoundCheck(Check):
 
     def stagnation_prone(self) -> np.ndarray:
         """``[L, HV]`` bool: heads whose per-step decay is within the dtype's half-ulp of 1."""
-        return (1.0 - self.head_decay()) < STAGNATION_MARGIN[self.cfg.ssm_dtype]
+        return (1.0 - self.head_decay()) < STORE_DTYPES[self.cfg.ssm_dtype].stagnation_margin
 
     def growth(self) -> np.ndarray:
         """``[L, HV]`` growth exponent of the mean relative error (NaN when too short to fit).

@@ -37,12 +37,13 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence, TextIO
 
 from .. import checkpoint
-from ..config import PRESETS, Config, preset
+from ..config import PRESETS, Config
 from ..errors import ConfigError, DataError, DriftError
 from ..fileio import atomic_write_json, atomic_write_text, read_json
 from ..plug.loader import load_update
 from ..plug.updates import DEFAULT_UPDATE
 from ..runner import CheckedRun, versions
+from ..runspec import RunSpec
 from ..version import __version__
 from .plots import nightly_plots
 from .report import nightly_markdown
@@ -87,20 +88,12 @@ class Entry:
         return f"{self.preset}.seed{self.seed}.{update}.{self.variant}"
 
     def config(self, device: str) -> Config:
-        if self.trace:
-            from ..sim.stream import load_trace
-
-            cfg = Config.from_trace(load_trace(self.trace), preset(self.preset, seed=self.seed, device=device),
-                                    steps=self.steps, loop=self.loop)
-        else:
-            cfg = preset(self.preset, seed=self.seed, steps=self.steps, device=device)
-        if self.layers is not None and self.layers < cfg.num_layers:
-            cfg = cfg.replace(num_layers=self.layers)
-        if not self.graph:
-            cfg = cfg.replace(graph_mode=False)
-        if self.variant == "fp32":
-            return cfg.with_profile("fp32")
-        return cfg.replace(store_rounding="stochastic" if self.variant == "stochastic" else "rne")
+        """The entry's run (drift/runspec.py): the variant picks the rounding or the fp32 profile."""
+        return RunSpec(preset=self.preset, seed=self.seed, steps=self.steps, device=device,
+                       trace=self.trace or None, loop=self.loop, no_graph=not self.graph, layers=self.layers,
+                       profile="fp32" if self.variant == "fp32" else None,
+                       rounding=None if self.variant == "fp32" else
+                       ("stochastic" if self.variant == "stochastic" else "rne")).config()
 
 
 def build_matrix(presets: Sequence[str], seeds: Sequence[int], updates: Sequence[str], variants: Sequence[str],
