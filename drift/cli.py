@@ -180,8 +180,10 @@ def cmd_nightly(args: argparse.Namespace) -> int:
     steps = args.steps if (args.steps is not None or args.trace) else DEFAULT_STEPS
     entries = build_matrix(args.preset or presets, args.seed or [0], updates, args.variant or VARIANTS,
                            steps, layers, trace=args.trace or "", loop=args.loop, graph=not args.no_graph)
-    for e in entries:
-        e.config(args.device)  # a bad trace, option or steps past a trace's end: an error now, not after hours
+    from .sim.pool import check_fits
+
+    for e in entries:  # a bad trace, option, steps past a trace's end or states too large: an error now
+        check_fits(e.config(args.device))
     k, n = parse_shard(args.shard)
     mine = shard(entries, k, n)
     baseline = read_report(args.baseline) if args.baseline else None
