@@ -146,6 +146,14 @@ def _trace(tmp_path: Path, name: str = "t") -> Path:
                        model={"name": "unit", "source": "tiny", "config": {"num_k_heads": 1, "head_k_dim": K, "head_v_dim": K}})
 
 
+def test_a_trace_too_large_for_the_memory_limit_leaves_no_golden_directory(tmp_path, capsys, monkeypatch):
+    npz = _trace(tmp_path)
+    monkeypatch.setenv("DRIFT_MAX_BYTES", "16K")  # the trace's arrays fit (5 KiB of x); its run's states do not
+    assert main(["run", "--trace", str(npz), "--quiet"]) == EXIT_USAGE
+    assert "the states of ci-small+trace:t" in err_of(capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json", "t.npz"]  # no empty t.golden/
+
+
 def test_damaged_json_and_non_files_exit_2(tmp_path, capsys):
     npz = _trace(tmp_path)
     npz.with_suffix(".json").write_text(DEEP)
