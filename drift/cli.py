@@ -305,8 +305,8 @@ def cmd_regen_golden(args: argparse.Namespace) -> int:
         gdir = trace_golden_dir(args.trace)  # created only once its data is generated: none is left empty
         writable_dir(gdir if gdir.exists() else gdir.parent, "--trace (its golden directory)")
         return write_trace_golden(cfg, force=args.force, out=sys.stdout)
-    directory = writable_dir(args.golden_dir or golden_dir(),
-                             "--golden-dir" if args.golden_dir else "the golden directory ($DRIFT_GOLDEN_DIR or drift's own)")
+    where = "--golden-dir" if args.golden_dir else "the golden directory ($DRIFT_GOLDEN_DIR or drift's own)"
+    directory = writable_dir(args.golden_dir or golden_dir(), where)
     return regenerate(args.preset or args.golden_presets, args.seed, args.force, directory)
 
 

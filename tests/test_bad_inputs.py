@@ -9,7 +9,6 @@ Runs ``drift.cli.main`` in-process with tiny shapes and a few steps; subprocesse
 from __future__ import annotations
 
 import errno
-import hashlib
 import io
 import json
 import os
@@ -19,7 +18,6 @@ import sys
 import zipfile
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -338,7 +336,9 @@ def test_a_bad_baseline_is_refused_before_the_nightly_runs(nightly_dir, tmp_path
 def test_an_interrupt_exits_with_one_line_and_leaves_nothing_half_written(tmp_path, sig, code):
     gdir = tmp_path / "g"
     proc = subprocess.Popen([sys.executable, "-m", "drift", "regen-golden", "--golden-dir", str(gdir),
-                             "--preset", "stagnation"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--preset", "stagnation"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # SIGINT as a terminal delivers it, even where the test runner's worker ignores it
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert "generating" in proc.stdout.readline()  # it is working now
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)

@@ -238,7 +238,8 @@ def build_tiny_model(arch: str = "qwen3_next", seed: int = 0, dtype: torch.dtype
 
 # The files from_pretrained reads weights from (transformers 5.24.0, transformers.utils: SAFE_WEIGHTS_NAME,
 # SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME).
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
 
 
 def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> torch.nn.Module:

@@ -330,8 +330,8 @@ def read_report(path: Path) -> dict:
     fix = "pass the report.json an earlier drift nightly wrote, intact"
     rep = read_json(path, "nightly report", fix)
     if not isinstance(rep, dict) or rep.get("kind") != "drift-nightly":
-        raise DataError(f"{path} is not a drift nightly report (kind {rep.get('kind') if isinstance(rep, dict) else None!r}); "
-                        f"{fix}")
+        kind = rep.get("kind") if isinstance(rep, dict) else None
+        raise DataError(f"{path} is not a drift nightly report (kind {kind!r}); {fix}")
 
     def bad(field: str, problem: str) -> DataError:
         return DataError(f"nightly report {path}: {field} {problem}; {fix}")
