@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from ..config import PRESETS, Config, preset
-from ..errors import DriftError, GoldenError
+from ..errors import DriftError, GoldenError, WriteError
 from ..fileio import atomic_write_bytes, atomic_write_json, load_npz, npz_bytes, read_bytes, read_json
 from ..sim.stream import StreamParams, TrueTokens, max_position
 from ..sim.tracefile import trace_paths
@@ -352,6 +352,8 @@ def _load_trace_golden(cfg: Config, directory: Optional[Path]) -> tuple[Golden, 
               file=sys.stderr, flush=True)
         try:
             write_trace_golden(cfg, directory, force=False, out=sys.stderr)
+        except WriteError:  # names the file and the cause (a full disk) itself
+            raise
         except OSError as exc:
             raise GoldenError(f"cannot write the golden data of trace {cfg.trace} into {directory} "
                               f"({exc.strerror or exc}); copy the trace (NAME.npz and NAME.json) into a writable "
