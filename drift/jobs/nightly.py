@@ -272,7 +272,7 @@ def trend(current: dict, baseline: dict, factor: float = TREND_FACTOR) -> list[d
         va, vb = a[1][a[0].index(step)], b[1][b[0].index(step)]
         for l, (ra, rb) in enumerate(zip(va, vb)):
             for h, (x, y) in enumerate(zip(ra, rb)):
-                if x > 0 and y > factor * x:
+                if x is not None and y is not None and x > 0 and y > factor * x:
                     flags.append({"key": key, "layer": l, "head": h, "step": step, "baseline": x,
                                   "current": y, "ratio": y / x})
     return flags
@@ -350,8 +350,10 @@ def read_report(path: Path) -> dict:
                 steps, mean = curve
                 if not (isinstance(steps, list) and isinstance(mean, list) and len(steps) == len(mean)):
                     raise TypeError("steps and mean are not two lists of one length")
-                for row in mean:
-                    [float(x) for layer in row for x in layer]
+                for row in mean:  # [layers][heads] per step; null where a run went non-finite
+                    for x in (x for layer in row for x in layer):
+                        if x is not None:
+                            float(x)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise bad(f"entry {key!r}", f"has a malformed drift-bound curve ({exc!r})") from None
     return rep
