@@ -160,6 +160,9 @@ class TrackCheck(Check):
         super().start(comparison)
         sim = comparison.sim
         self.enabled = sim.cfg.track_interval > 0 and sim.mode == "mtp"
+        # A trace replayed without --loop ends where the trace ends: a longer run is not possible.
+        self.fixed_horizon = bool(sim.cfg.trace) and not sim.cfg.trace_loop
+        self.interval = sim.cfg.track_interval
 
     def consume(self, chunk: MetricsChunk) -> None:
         if not self.enabled:
@@ -179,6 +182,11 @@ class TrackCheck(Check):
         if not self.enabled:
             return CheckResult(self.name, True, None, None, "", "not applicable: tracking off "
                                "(track_interval = 0) or sequential decode", extra={"applicable": False})
+        if self.tracked == 0 and self.fixed_horizon:  # the run cannot be lengthened: not exercised, not gated
+            return CheckResult(self.name, True, None, self.limit, "",
+                               f"not exercised: no tracking boundary (track interval {self.interval}) within the "
+                               "positions of this trace; pass --loop with more --steps to run past its end, or a "
+                               "preset with a shorter track interval", extra={"applicable": False})
         if self.tracked == 0:
             return CheckResult(self.name, False, None, self.limit, "",
                                "tracking is on but no boundary was crossed: lengthen the run")

@@ -31,6 +31,7 @@ call it.
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Callable
 
 import torch
@@ -62,6 +63,25 @@ class NpuOpAdapter(LayerOpAdapter):
                        nk=args.nk, nv=args.nv, intermediate_state=inter[layer].view(-1, HV, K, V),
                        cache_indices=args.cache_indices.to(I32), num_accepted_tokens=args.num_accepted_tokens.to(I32),
                        g=args.g[layer].to(F32).contiguous())
+
+
+OP_KEYWORDS = ("beta", "scale", "actual_seq_lengths", "ssm_state_indices", "nk", "nv", "intermediate_state",
+               "cache_indices", "num_accepted_tokens", "g")
+
+
+def check_op_signature(op: Callable, spec: str) -> None:
+    """LoadError (at load, exit 2) when ``op`` cannot take the call SGLang makes (above); an op
+    whose signature cannot be read (a torch op, a builtin) is taken on trust."""
+    try:
+        sig = inspect.signature(op)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(None, None, **{k: None for k in OP_KEYWORDS})
+    except TypeError as exc:
+        raise LoadError(f"kernel spec {spec!r} has signature {getattr(op, '__name__', op)}{sig}, which cannot take "
+                        f"SGLang's call ({exc}); expected op(mix_qkv, recurrent_state, *, {', '.join(OP_KEYWORDS)})"
+                        ) from None
 
 
 def npu_op_adapter(op: Callable) -> VerifyKernel:
