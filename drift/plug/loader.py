@@ -28,6 +28,7 @@ from .shim import sgl_kernels
 from .specs import MUTANT_PREFIX, resolve_spec
 from .triton_kernel import sglang_triton_function, triton_adapter
 from .updates import BUILTINS, RENAMED
+from .vllm_kernel import vllm_triton_adapter, vllm_triton_function
 
 REQUIRED = ("self", "last_correct_step_indices", "mamba_track_indices", "mamba_steps_to_track")
 
@@ -87,8 +88,11 @@ for _k in (
                 # its post-sigmoid beta in bf16 moves states by about 2^-9 relative per token (vLLM #53877)
                 Conformance(2 ** -6, 1e-2, 2 ** -6, 1e-2, "beta rounded to bf16 after the sigmoid")),
     KernelEntry("sglang-triton", "SGLang 0.5.23's Triton fused_recurrent_gated_delta_rule_update (CUDA; "
-                "srt/layers/attention/fla/fused_recurrent.py)",
+                "kernels/ops/attention/fla/fused_recurrent.py)",
                 lambda arg: triton_adapter(sglang_triton_function()), REORDERED_FP32),
+    KernelEntry("vllm-triton", "vLLM 0.33.0's Triton fused_recurrent_gated_delta_rule (CUDA; "
+                "vllm/third_party/flash_linear_attention/ops/fused_recurrent.py) through drift's flows",
+                lambda arg: vllm_triton_adapter(vllm_triton_function()), REORDERED_FP32),
 ):
     KERNELS.register(_k.name, _k)
 
