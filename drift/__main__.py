@@ -7,6 +7,7 @@ torch; everything else goes to :func:`drift.cli.main`.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -15,7 +16,10 @@ HELP_FLAGS = ("-h", "--help")
 
 def quick_answer(argv: Sequence[str]) -> Optional[str]:
     """The text ``drift --version`` / ``drift [CMD [SUB]] --help`` prints, or None when ``argv``
-    asks for something else (or names no known command: the parser then says so)."""
+    asks for something else, names no known command (the parser then says so), or when
+    ``$DRIFT_EXTENSIONS`` registers more choices than the stored texts know."""
+    if os.environ.get("DRIFT_EXTENSIONS"):  # extensions add choices: only the live parser knows them
+        return None
     if list(argv[:1]) == ["--version"]:
         from .version import __version__
 

@@ -10,16 +10,15 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from .check.bounds import BoundCheck, GrowthCheck, OutputBoundCheck
-from .check.checks import Check, core_checks, untouched_result
+from .check.bounds import BoundCheck
+from .check.checks import Check
 from .check.compare import Comparison
+from .check.registry import CHECKS, RunContext
 from .check.result import CheckResult
-from .check.shadow import SequentialShadow
 from .config import Config
 from .plug.loader import Update, load_update
 from .plug.shim import kernels_in_use
 from .plug.updates import DEFAULT_UPDATE
-from .sim.graph import GraphStatus
 from .sim.twin import F64
 from .simulate import ResumePoint, RunInfo, Simulation
 from .syncs.scan import sync_check
@@ -64,9 +63,10 @@ def versions() -> dict:
 
 
 class CheckedRun:
-    """A simulation wired to its checks: the float64 twin (golden-validated), the semantic
-    checks, the drift bound and growth exponent (unless ``checks`` replaces them), optional
-    MTP-vs-sequential shadow. ``run`` then ``results`` / ``report``.
+    """A simulation wired to its checks: every applicable check of the registry
+    (drift/check/registry.py) in report order -- the float64 twin (golden-validated), the semantic
+    checks, the drift bound and what reads it, the sequential shadow when asked, and the run-level
+    verdicts -- unless ``checks`` replaces the per-step ones. ``run`` then ``results`` / ``report``.
 
     golden: as for :class:`Comparison`. vs_sequential: also run the stream through sequential
     decode in lockstep and report the divergence. start / env2_start: resume every row from a
@@ -78,18 +78,26 @@ class CheckedRun:
                  vs_sequential: bool = False, start: Optional[ResumePoint] = None,
                  env2_start: Optional[np.ndarray] = None, observers: Sequence = (), fail_fast: bool = False):
         self.cfg, self.mode = cfg, mode
-        self.bound: Optional[BoundCheck] = None
-        self.post = []
-        if checks is None:
-            self.bound = BoundCheck(initial_env2=env2_start)
-            checks = core_checks() + [self.bound]
-            self.post = [GrowthCheck(self.bound), OutputBoundCheck(self.bound)]
-        self.checks = list(checks)
+        self.ctx = RunContext(cfg, mode, vs_sequential, env2_start)
+        specs = [s for s in CHECKS.in_order() if s.applies(self.ctx)]
+        if checks is not None:  # the caller's per-step checks replace the registry's
+            specs = [s for s in specs if s.shape in ("observer", "run")]
+            self.ctx.checks.update({getattr(c, "key", f"check{i}"): c for i, c in enumerate(checks)})
+        for spec in specs:
+            if spec.shape != "run":
+                missing = [k for k in spec.needs if k not in self.ctx.checks]
+                if missing:
+                    raise ValueError(f"check {spec.key!r} needs {missing}, which is not in this run")
+                self.ctx.checks[spec.key] = spec.build(self.ctx)
+        self.specs = specs
+        self.checks = [c for c in self.ctx.checks.values() if hasattr(c, "consume")]
+        self.bound: Optional[BoundCheck] = self.ctx.checks.get("drift_bound")
         self.comparison = Comparison(self.checks, golden=golden)
         self.comparison.fail_fast = fail_fast
-        self.shadows = [SequentialShadow()] if vs_sequential else []
-        self.sim = Simulation(cfg, update, mode=mode, observers=[self.comparison, *self.shadows, *observers],
+        shadows = [self.ctx.checks[s.key] for s in specs if s.shape == "observer"]
+        self.sim = Simulation(cfg, update, mode=mode, observers=[self.comparison, *shadows, *observers],
                               verify_kernel=verify_kernel, start=start)
+        self.ctx.sim, self.ctx.comparison = self.sim, self.comparison
 
     def run(self, steps: Optional[int] = None, **kwargs) -> RunInfo:
         """``Simulation.run`` (progress, resume_state, checkpoint, checkpoint_every pass through)."""
@@ -101,50 +109,29 @@ class CheckedRun:
 
     def results(self, info: RunInfo, sync_scan: bool = True,
                 syncs: Optional[CheckResult] = None) -> list[CheckResult]:
-        """One result per check; in MTP mode also the slot guard and (sync_scan) the host-sync scan
-        (``syncs``: its result when it already ran)."""
-        results = ([c.result() for c in self.checks] + [p.result() for p in self.post]
-                   + [s.result() for s in self.shadows])
-        if self.mode == "mtp":
-            results.append(untouched_result(info.untouched_violation, info.steps))
-            if syncs is None and sync_scan:
-                syncs = sync_check(self.cfg, self.sim.update)
-            if syncs is not None:
-                results.append(syncs)
-            results.append(graph_result(self.sim.graph_status, syncs, self.sim.device))
-        if info.stopped_early:
-            results.append(CheckResult("run completed", False, None, None, "", f"stopped early: {info.stopped_early}"))
-        return results
+        """One result per check in report order, each tagged with its registry key; the host-sync
+        scan of the update runs when ``sync_scan`` (``syncs``: its result when it already ran)."""
+        ctx = self.ctx
+        ctx.info, ctx.results = info, {}
+        if syncs is not None:
+            ctx.sync_scan = lambda: syncs
+        else:
+            ctx.sync_scan = (lambda: sync_check(self.cfg, self.sim.update)) if sync_scan else None
+        for key, obj in ctx.checks.items():
+            if key not in {s.key for s in self.specs}:  # a caller's own per-step check
+                res = obj.result()
+                res.key = res.key or key
+                ctx.results[key] = res
+        for spec in self.specs:
+            res = spec.result(ctx) if spec.shape == "run" else ctx.checks[spec.key].result()
+            if res is not None:
+                res.key = spec.key
+                ctx.results[spec.key] = res
+        return list(ctx.results.values())
 
     def report(self, info: RunInfo, sync_scan: bool = True, syncs: Optional[CheckResult] = None) -> RunReport:
         return RunReport(self.cfg, info, self.results(info, sync_scan, syncs),
                          self.comparison.reference_description())
-
-
-def graph_result(status: GraphStatus, syncs: Optional[CheckResult], device: torch.device) -> CheckResult:
-    """The "graph capture" check: could the decode step (update included) be captured as SGLang's
-    graph mode captures it (docs/semantics.md §11)? On a device with graphs the capture answers;
-    where there is none (a CPU) the host-syncs check on the virtual device answers the same
-    question; with graph mode off (``--no-graph``) it is not asked."""
-    name = "graph capture"
-    extra = {"graph": status.state}
-    if status.captured:
-        return CheckResult(name, True, 0.0, 0.0, "", status.note, extra)
-    if status.failed:
-        return CheckResult(name, False, 1.0, 0.0, status.where or "(no line outside torch)",
-                           f"{status.error}; {status.note}. A step that cannot be captured breaks SGLang's "
-                           "graph mode: keep the update device-side (no .item(), bool(tensor), data-dependent "
-                           "shapes).", extra)
-    if status.note.startswith("eager: "):  # not requested, or a host input the step needs
-        return CheckResult(name, True, None, None, "", status.note, {**extra, "applicable": False})
-    if syncs is None:
-        return CheckResult(name, True, None, None, "", f"{status.note}; the host-syncs scan was off",
-                           {**extra, "applicable": False})
-    # Reported, not gated: the host-syncs result above already gates the same finding.
-    return CheckResult(name, syncs.passed, syncs.worst, syncs.limit, syncs.where,
-                       f"{status.note}; the host-syncs check on the virtual device answers: "
-                       f"{'no host sync, capturable' if syncs.passed else 'a host sync, which breaks capture'}",
-                       {**extra, "answered_by": "host syncs", "kind": "info"})
 
 
 def run_checked(cfg: Config, update=DEFAULT_UPDATE, mode: str = "mtp", steps: Optional[int] = None,
@@ -155,13 +142,13 @@ def run_checked(cfg: Config, update=DEFAULT_UPDATE, mode: str = "mtp", steps: Op
                 observers: Sequence = (), sync_scan: bool = True, sync_first: bool = False,
                 fail_fast: bool = False, sync_sample: int = 0) -> RunReport:
     """Run ``cfg`` through ``update`` under every check (see :class:`CheckedRun`) and report.
-    sync_scan: also run the update on the virtual accelerator and fail on any host sync.
-    sync_first: run that scan before the simulation and, when it finds a sync, report at once
-    (the precision checks not run: a sync fails the run whatever they would say).
+    sync_scan: also run the update on the virtual accelerator and fail on any host sync; the scan
+    runs before the simulation (cheap, and a sync fails the run whatever else it finds).
+    sync_first: when the scan finds a sync, report at once (the precision checks not run).
     fail_fast: stop the simulation at the end of the first chunk in which a check failed.
     sync_sample: real steps of the run's horizon the scan re-checks beyond its representative ones."""
     syncs = None
-    if sync_scan and mode == "mtp":  # the scan first: cheap, and a sync is a failure whatever else
+    if sync_scan and mode == "mtp":
         update = load_update(update)
         t0 = time.perf_counter()
         syncs = sync_check(cfg, update, sample=sync_sample)
@@ -176,7 +163,8 @@ def sync_failed_report(cfg: Config, update: Update, syncs: CheckResult, wall_s: 
     """The report of a run stopped by the host-sync scan before its first decode step."""
     skipped = CheckResult("precision checks", True, None, None, "",
                           "not run: the host-sync scan runs first and a sync fails the run at once "
-                          "(drift run --all-checks runs every check anyway)", {"applicable": False})
+                          "(drift run --all-checks runs every check anyway)", {"applicable": False},
+                          key="precision_checks")
     info = RunInfo(steps=0, wall_s=wall_s, mode="mtp", update=update.name, kernels=kernels_in_use(),
                    device=str(cfg.device), verify_kernel=str(getattr(verify_kernel, "__qualname__", "") or "portable"),
                    meta={"update_spec": update.spec, "update_source": update.source,

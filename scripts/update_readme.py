@@ -2,15 +2,17 @@
 """Regenerate what the documentation shows from the code and from measurements.
 
     python scripts/update_readme.py            # everything (the tables take minutes)
-    python scripts/update_readme.py --help-only  # help texts and synopsis only (seconds)
+    python scripts/update_readme.py --help-only  # help texts, synopsis, checks table (seconds)
 
 * drift/_help.py: every ``drift [CMD] --help`` text (drift/__main__.py answers --help from it
   without importing torch), from drift.cli's parser;
 * the README's ``<!-- drift:synopsis -->`` block: every command's usage, from the same parser;
+* the README's ``<!-- drift:checks -->`` block: the checks table, from drift's check registry;
 * docs/teeth.md's ``<!-- drift:mutants -->`` / ``<!-- drift:tradeoff -->`` blocks: ``drift mutants``
   and ``drift tradeoff`` on ci-small at drift.jobs.teeth.TEETH_STEPS steps.
 
-tests/test_cli.py (help, synopsis) and tests/test_teeth.py (tables) fail when these are stale.
+tests/test_cli.py (help, synopsis), tests/test_check_registry.py (checks) and tests/test_teeth.py
+(mutation score, trade-off) fail when these are stale.
 """
 
 import sys
@@ -19,6 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import drift.check  # noqa: E402,F401  (registers the checks)
+from drift.check.registry import checks_markdown  # noqa: E402
 from drift.cli import help_texts, synopsis_markdown  # noqa: E402
 from drift.fileio import atomic_write_text  # noqa: E402
 
@@ -46,8 +50,9 @@ def help_module() -> str:
 
 def main(argv: list[str]) -> int:
     atomic_write_text(HELP_MODULE, help_module())
-    atomic_write_text(README, replace_section(README.read_text(), "synopsis", synopsis_markdown()))
-    print(f"updated {HELP_MODULE} and the synopsis in {README}")
+    text = replace_section(README.read_text(), "synopsis", synopsis_markdown())
+    atomic_write_text(README, replace_section(text, "checks", checks_markdown()))
+    print(f"updated {HELP_MODULE}, and the synopsis and the checks table in {README}")
     if "--help-only" in argv:
         return 0
     import torch

@@ -31,6 +31,7 @@ import numpy as np
 
 from ..dtypes import STORE_DTYPES
 from .checks import Check
+from .registry import CHECKS, CheckSpec
 from .result import CheckResult
 from .compare import MetricsChunk
 from .metrics import DriftCurves, growth_exponent, rel_err, ulp_err
@@ -54,7 +55,7 @@ KAPPA_COMPUTE = 3.0 / 12.0
 COMPUTE_MANTISSA = 24  # fp32 compute
 # Floor of the bound, relative to the true state: inputs, gates and norms are computed in
 # fp32 too, which the rounding envelope leaves out; it matters only for fp32 states, whose
-# store is exact. 1e-5 is the fp32 sanity tolerance (issue 3, test 1); measured fp32-state
+# store is exact. 1e-5 is the fp32 sanity tolerance (the fp32-state sanity test, tests/test_precision.py); measured fp32-state
 # errors stay below ~1e-6 (docs/bounds.md).
 COMPUTE_FLOOR = 1e-5
 
@@ -80,7 +81,7 @@ class BoundCheck(Check):
     error, the bound (as a relative error) and the bound ratio, and the growth exponent.
     """
 
-    name = "drift bound"
+    key = "drift_bound"
     _state = Check._state + ("env2", "var2", "worst_head", "logdecay_sum", "logdecay_n")
 
     def __init__(self, constant: float = BOUND_CONSTANT, growth_limit: float = GROWTH_LIMIT,
@@ -212,7 +213,7 @@ class OutputBound(Check):
     the state envelope); MTP only.
     """
 
-    name = "output bound"
+    key = "output_bound"
 
     def __init__(self):
         super().__init__(1.0)
@@ -220,9 +221,6 @@ class OutputBound(Check):
     def start(self, comparison) -> None:
         super().start(comparison)
         self.applies = comparison.sim.mode == "mtp"
-
-    def consume(self, chunk: MetricsChunk) -> None:  # fed by BoundCheck.consume
-        pass
 
     def consume_bound(self, chunk: MetricsChunk, prev_env: np.ndarray, prev_var: np.ndarray, constant: float) -> None:
         if not self.applies:
@@ -242,7 +240,7 @@ class OutputBound(Check):
 class OutputBoundCheck:
     """The :class:`OutputBound` of a :class:`BoundCheck`, as a check result."""
 
-    name = OutputBound.name
+    name = property(lambda self: CHECKS.title("output_bound"))
 
     def __init__(self, bound: BoundCheck):
         self.bound = bound
@@ -256,7 +254,7 @@ class OutputBoundCheck:
 class GrowthCheck:
     """Growth exponent of every non-stagnating head at most GROWTH_LIMIT (reads a BoundCheck)."""
 
-    name = "growth exponent"
+    name = property(lambda self: CHECKS.title("growth_exponent"))
 
     def __init__(self, bound: BoundCheck, limit: float = GROWTH_LIMIT):
         self.bound, self.limit = bound, limit
@@ -277,3 +275,20 @@ class GrowthCheck:
         note = f"{int(prone.sum())} stagnation-prone head(s) not judged" if prone.any() else ""
         return CheckResult(self.name, ok, worst, self.limit, f"layer {l}, head {h}",
                            note if ok else f"error grows like step^{worst:.2f}; {note}".rstrip("; "))
+
+
+def _mtp(ctx) -> bool:
+    return ctx.mode == "mtp"
+
+
+for _spec in (
+    CheckSpec("drift_bound", "drift bound", 70, "state error above `C * envelope` at any step, layer, row, head "
+              "(bf16 drift, biased rounding)", "consumer", build=lambda ctx: BoundCheck(initial_env2=ctx.env2_start)),
+    CheckSpec("growth_exponent", "growth exponent", 80, f"error of a non-stagnating head growing faster than "
+              f"`step^{GROWTH_LIMIT}`", "derived", needs=("drift_bound",),
+              build=lambda ctx: GrowthCheck(ctx.checks["drift_bound"])),
+    CheckSpec("output_bound", "output bound", 90, "output error above the carried state error plus the op's own "
+              "bf16 output rounding (`docs/bounds.md` §8)", "derived", needs=("drift_bound",),
+              build=lambda ctx: OutputBoundCheck(ctx.checks["drift_bound"])),
+):
+    CHECKS.add(_spec)

@@ -8,6 +8,9 @@ from typing import Optional
 
 import numpy as np
 
+from ..check.registry import result_key
+from ..fileio import save_figure
+
 METADATA = {"Software": None}  # no version stamp: identical reports give identical files
 
 
@@ -22,7 +25,7 @@ def _plt():
 
 def _curves(entry: dict, name: str, stat: str = "mean") -> Optional[tuple[np.ndarray, np.ndarray]]:
     for c in entry["checks"]:
-        if c["name"] == "drift bound" and c.get("bound"):
+        if result_key(c) == "drift_bound" and c.get("bound"):
             cur = c["bound"]["curves"].get(name)
             if cur and cur["step"]:
                 return np.asarray(cur["step"]), np.asarray(cur[stat])  # [B], [B, L, H]
@@ -38,7 +41,7 @@ def _worst_ratio(entry: dict) -> Optional[tuple[np.ndarray, np.ndarray]]:
 
 def _decays(entry: dict) -> list[float]:
     for c in entry["checks"]:
-        if c["name"] == "drift bound" and c.get("bound"):
+        if result_key(c) == "drift_bound" and c.get("bound"):
             return list(np.mean(np.asarray(c["bound"]["step_decay"]), axis=0))
     return []
 
@@ -149,7 +152,7 @@ def nightly_figures(report: dict) -> dict:
 
 
 def _save(fig, path: Path) -> Path:
-    fig.savefig(path, dpi=110, metadata=METADATA)
+    save_figure(fig, path, dpi=110, metadata=METADATA)
     _plt().close(fig)
     return path
 

@@ -1,0 +1,81 @@
+"""vLLM's Triton GDN recurrent kernel as a drift verify kernel: ``--kernel vllm-triton``.
+
+vLLM 0.33.0 ``vllm/third_party/flash_linear_attention/ops/fused_recurrent.py:
+fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state, inplace_final_state,
+cu_seqlens, ssm_state_indices, num_accepted_tokens, use_qk_l2norm_in_kernel)`` keeps state in
+one block buffer ``[blocks, HV, V, K]`` (block 0 is vLLM's ``NULL_BLOCK_ID``: a row whose start
+index is <= 0 is skipped, and no state is stored at an index <= 0). In speculative decoding a row
+starts from block ``ssm_state_indices[n, num_accepted_tokens[n] - 1]`` and writes its state after
+token ``t`` in place to block ``ssm_state_indices[n, t]`` (docs/semantics.md §6).
+
+The adapter runs it under drift's flows, per layer, in a block buffer of its own: block 0 the
+NULL block, blocks ``1 + b * S + t`` row ``b``'s tokens; each row's start state (the committed
+state or the scratch block its accept count names, as drift's flow says:
+:meth:`LayerOpAdapter.start_states`) is put in the block the kernel will read first
+(``1 + b * S + n_b - 1``), so the kernel's start rule and drift's agree; afterwards the token
+blocks are copied into drift's scratch. q and k are L2-normalised by drift in fp32 (the op's
+formula), q times the scale, passed with ``scale=1.0`` and ``use_qk_l2norm_in_kernel=False``;
+v, g in fp32; beta = sigmoid(b) in fp32; the fp32 output cast to bf16 (round to nearest).
+
+It needs an installed ``vllm`` whose package imports; drift does not stub vllm's packages.
+Triton runs it on a GPU; on a CPU only under ``TRITON_INTERPRET=1`` (slow: tests run a few steps).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+import torch
+
+from ..errors import LoadError
+from ..sim.kernels import VerifyArgs, VerifyKernel
+from .adapter import LayerOpAdapter
+
+MODULE = "vllm.third_party.flash_linear_attention.ops.fused_recurrent"
+FUNCTION = "fused_recurrent_gated_delta_rule"
+F32, I32 = torch.float32, torch.int32
+
+
+def vllm_triton_function() -> Callable:
+    """vLLM's ``fused_recurrent_gated_delta_rule``; LoadError saying what is missing."""
+    try:
+        module = importlib.import_module(MODULE)
+    except Exception as exc:
+        raise LoadError(f"--kernel vllm-triton needs an installed vllm (0.33.0 was modelled) with triton; "
+                        f"importing {MODULE} raised {exc!r}") from exc
+    fn = getattr(module, FUNCTION, None)
+    if fn is None:
+        raise LoadError(f"{MODULE} has no {FUNCTION}; this vllm is not the one drift models (0.33.0)")
+    return fn
+
+
+class VllmTritonAdapter(LayerOpAdapter):
+    """Calls vLLM's recurrent kernel per layer over a block buffer laid out as above."""
+
+    def prepare(self, args: VerifyArgs):
+        L, B, S, HV, V, K = args.dims
+        q, k, v, _, beta = args.inputs(F32)
+        group = HV // args.nk  # op_inputs repeats key heads over their value-head group; the kernel groups them
+        dev = q.device
+        idx = (1 + torch.arange(B * S, dtype=I32, device=dev)).view(B, S)  # block 0: the NULL block
+        n = args.num_accepted_tokens.to(torch.int64)
+        first = 1 + torch.arange(B, device=dev, dtype=torch.int64) * S + (n - 1).clamp(min=0)
+        return (q[..., ::group, :].contiguous(), k[..., ::group, :].contiguous(), v, args.g.to(F32), beta, idx,
+                args.num_accepted_tokens.to(I32), first)
+
+    def call_layer(self, args: VerifyArgs, layer: int, ctx) -> torch.Tensor:
+        q, k, v, g, beta, idx, n, first = ctx
+        L, B, S, HV, V, K = args.dims
+        blocks = torch.zeros(1 + B * S, HV, V, K, dtype=args.intermediate_state.dtype, device=q.device)
+        blocks.index_copy_(0, first, self.start_states(args, layer).to(blocks.dtype))
+        o, _ = self.op(q[layer], k[layer], v[layer].contiguous(), g[layer].contiguous(), beta[layer].contiguous(),
+                       scale=1.0, initial_state=blocks, inplace_final_state=True, cu_seqlens=None,
+                       ssm_state_indices=idx, num_accepted_tokens=n, use_qk_l2norm_in_kernel=False)
+        self.write_back(args, layer, blocks[1:])
+        return o.reshape(B, S, HV, V).to(torch.bfloat16)
+
+
+def vllm_triton_adapter(fn: Callable) -> VerifyKernel:
+    """A verify kernel calling vLLM's recurrent kernel ``fn`` per layer (the mapping above)."""
+    return VllmTritonAdapter(fn, f"vllm-triton ({MODULE}.{FUNCTION})")
