@@ -28,41 +28,19 @@ from typing import Callable, Optional, Sequence
 from .config import Config, preset
 from .devices import resolve_device
 from .errors import EXIT_FAIL, EXIT_PASS, ConfigError, DriftError, UpdateRaised
-from .options import add_options, positive_int
+from .options import CONFIG_OPTIONS, RUN_OPTIONS, add_options, dest, positive_int
 from .plug.loader import load_kernel, load_update
 from .plug.mutants import MUTANTS
 from .plug.updates import BUILTINS
+from .runspec import RunSpec
 
 PROG = "drift"
-CONFIG_OPTIONS = ("preset", "steps", "seed", "device", "profile", "rounding", "pattern", "flow")
 
 
 # ------------------------------------------------------------------ helpers
-def config_from_args(args: argparse.Namespace, **defaults) -> Config:
-    """The preset named by ``--preset`` with every config option given on the command line; with
-    ``--trace FILE`` replaying that trace on the preset's batch (:meth:`Config.from_trace`: the
-    trace read and validated here, before any work)."""
-    cfg = preset(args.preset)
-    if getattr(args, "profile", None):
-        cfg = cfg.with_profile(args.profile)
-    fields = {"steps": "steps", "seed": "seed", "device": "device", "rounding": "store_rounding",
-              "pattern": "pattern", "flow": "flow"}
-    changes = {**defaults, **{f: getattr(args, a) for a, f in fields.items() if getattr(args, a, None) is not None}}
-    if getattr(args, "no_graph", False):
-        changes["graph_mode"] = False
-    trace, loop = getattr(args, "trace", None), bool(getattr(args, "loop", False))
-    if loop and not trace:
-        raise ConfigError("--loop needs --trace FILE: it wraps the positions of a replayed trace")
-    if trace:
-        from .sim.stream import load_trace
-
-        steps = changes.pop("steps", None)
-        cfg = cfg.replace(**changes) if changes else cfg
-        cfg = Config.from_trace(load_trace(trace), cfg, steps=steps, loop=loop)
-    else:
-        cfg = cfg.replace(**changes) if changes else cfg
-    resolve_device(cfg.device)
-    return cfg
+def config_from_args(args: argparse.Namespace, **fixed) -> Config:
+    """The :class:`RunSpec` of the options this command has (drift/runspec.py), as a validated Config."""
+    return RunSpec.from_options(lambda name: getattr(args, dest("", name), None), **fixed).config()
 
 
 def writable_dir(path: Path, option: str) -> Path:
@@ -86,7 +64,7 @@ def _output_format(p: argparse.ArgumentParser) -> None:
 
 # ---------------------------------------------------------------------- run
 def add_run(p: argparse.ArgumentParser) -> None:
-    add_options(p.add_argument, CONFIG_OPTIONS + ("update", "kernel", "mode", "trace", "loop", "no-graph"))
+    add_options(p.add_argument, RUN_OPTIONS)
     p.add_argument("--vs-sequential", action="store_true",
                    help="also decode the stream sequentially in lockstep and report the MTP-vs-sequential divergence")
     p.add_argument("--report", type=Path, metavar="DIR", help="write report.json, report.md and drift_vs_step.png here")
@@ -175,7 +153,7 @@ def add_bench_update(p: argparse.ArgumentParser) -> None:
 def cmd_bench_update(args: argparse.Namespace) -> int:
     from .syncs.costmodel import format_table, measure, to_json
 
-    cfg = config_from_args(argparse.Namespace(preset=args.preset, device=args.device))
+    cfg = RunSpec(preset=args.preset, device=args.device).config()
     updates = [load_update(u) for u in (args.update or BUILTINS)]
     rows = measure(cfg, updates=updates, batch_sizes=args.batches, steps=args.steps)
     print(to_json(rows) if args.json else format_table(rows))
@@ -214,14 +192,11 @@ def cmd_nightly(args: argparse.Namespace) -> int:
     updates = args.update or list(updates)
     for spec in updates:
         load_update(spec)  # a bad spec is an error now, not after hours
-    if args.loop and not args.trace:
-        raise ConfigError("--loop needs --trace FILE: it wraps the positions of a replayed trace")
     steps = args.steps if (args.steps is not None or args.trace) else DEFAULT_STEPS
     entries = build_matrix(args.preset or presets, args.seed or [0], updates, args.variant or VARIANTS,
                            steps, layers, trace=args.trace or "", loop=args.loop, graph=not args.no_graph)
-    if args.trace:
-        for e in entries:
-            e.config(args.device)  # a bad trace, or steps past its end, is an error now, not after hours
+    for e in entries:
+        e.config(args.device)  # a bad trace, option or steps past a trace's end: an error now, not after hours
     k, n = parse_shard(args.shard)
     mine = shard(entries, k, n)
     baseline = read_report(args.baseline) if args.baseline else None

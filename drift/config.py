@@ -20,38 +20,68 @@ from typing import Any
 import numpy as np
 import torch
 
+from .dtypes import STORE_DTYPES
 from .errors import ConfigError
+from .layouts import LAYOUTS
+from .registry import Registry
 
-DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-}
 ROUNDINGS = ("rne", "stochastic", "truncate")
-LAYOUTS = ("contiguous", "transposed", "mixed")
 PATTERNS = ("model", "all-1", "all-D", "mixed")
 DEVICES = ("cpu", "cuda", "npu")
-# Where the verify op starts each row (docs/semantics.md §6): "sglang" = the arguments SGLang
-# 0.5.23 builds (every row from its committed state); "accepted" = real accepted counts (a row
-# continues from the previous step's intermediate).
-FLOWS = ("sglang", "accepted")
 
-# State-store profiles (docs/semantics.md §4): the dtypes of the committed SSM state, the
-# scratch intermediate_ssm and the conv window, and the memory layout of the states.
-PROFILES: dict[str, dict[str, str]] = {
+
+@dataclass(frozen=True)
+class Flow:
+    """Where the verify op starts each row, and what that models (docs/semantics.md §6)."""
+
+    name: str
+    description: str
+
+
+# Verify flows (docs/semantics.md §6).
+FLOWS: Registry[Flow] = Registry("flow")
+FLOWS.register("sglang", Flow(
+    "sglang", "SGLang 0.5.23's arguments (srt/hardware_backend/npu/attention/ascend_gdn_backend.py: "
+    "prepare_gdn_inputs; ascend_hybrid_linear_attn_backend.py: _replay_metadata): num_accepted_tokens = "
+    "ones, ssm_state_indices = arange, so every row starts from its committed state"))
+FLOWS.register("accepted", Flow(
+    "accepted", "real accepted counts passed to the NPU op (a row continues from the previous step's "
+    "scratch), plus SGLang's commit copy: the op's accepted-count argument form, which SGLang 0.5.23 "
+    "does not use"))
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A state-store profile: the dtypes of the committed state / scratch and of the conv window, a
+    layout (drift.layouts), and the deployment it models (docs/semantics.md §4)."""
+
+    name: str
+    ssm_dtype: str
+    conv_dtype: str
+    layout: str
+    models: str
+
+    def fields(self) -> dict[str, str]:
+        """The Config fields this profile sets."""
+        return {"ssm_dtype": self.ssm_dtype, "conv_dtype": self.conv_dtype, "layout": self.layout}
+
+
+PROFILES: Registry[Profile] = Registry("profile")
+for _p in (
     # SGLang 0.5.23's Ascend deployment (--mamba-ssm-dtype bfloat16): MambaPool's plain
     # contiguous temporal [L, S, HV, V, K] and intermediate_ssm, _init_npu_conv_state's [L, S, W, C].
-    "ascend": {"ssm_dtype": "bfloat16", "conv_dtype": "bfloat16", "layout": "contiguous"},
-    # The layout sgl-kernel-npu #748 describes: committed state and scratch transposed views of
-    # [K, V] storage, conv a transposed view of channel-major [C, W] storage.
-    "ascend-transposed": {"ssm_dtype": "bfloat16", "conv_dtype": "bfloat16", "layout": "transposed"},
-    # Committed state a transposed view of [K, V] storage, scratch and conv contiguous: where a
-    # logical copy and sgl-kernel-npu's raw copy differ.
-    "ascend-mixed": {"ssm_dtype": "bfloat16", "conv_dtype": "bfloat16", "layout": "mixed"},
+    Profile("ascend", "bfloat16", "bfloat16", "contiguous",
+            "SGLang 0.5.23's Ascend deployment: srt/mem_cache/memory_pool.py (MambaPool), "
+            "srt/hardware_backend/npu/memory_pool_npu.py: _init_npu_conv_state"),
+    Profile("ascend-transposed", "bfloat16", "bfloat16", "transposed",
+            "the layout sgl-kernel-npu #748 describes (an older SGLang)"),
+    Profile("ascend-mixed", "bfloat16", "bfloat16", "state-transposed",
+            "where a logical copy and sgl-kernel-npu's raw-memory move_intermediate_cache differ"),
     # CUDA's default (SGLANG_MAMBA_SSM_DTYPE=float32): fp32 states, bf16 conv, contiguous.
-    "fp32": {"ssm_dtype": "float32", "conv_dtype": "bfloat16", "layout": "contiguous"},
-}
-DEFAULT_PROFILE = "ascend"
+    Profile("fp32", "float32", "bfloat16", "contiguous",
+            "CUDA's default (SGLANG_MAMBA_SSM_DTYPE=float32, srt/configs/mamba_utils.py)"),
+):
+    PROFILES.register(_p.name, _p)
 
 
 # drift.stream keys its generators with the seed masked to 32 bits: a larger seed would
@@ -100,7 +130,7 @@ class Config:
     conv_dtype: str = "bfloat16"
     layout: str = "contiguous"
     store_rounding: str = "rne"  # how fp32 states are stored into ssm_dtype
-    flow: str = "sglang"  # where the verify op starts each row, see FLOWS
+    flow: str = "sglang"  # where the verify op starts each row: an entry of FLOWS
     graph_mode: bool = True  # the verify op's metadata as SGLang's graph mode builds it (else eager)
     device: str = "cpu"
     description: str = ""
@@ -138,16 +168,16 @@ class Config:
 
     @property
     def torch_ssm_dtype(self) -> torch.dtype:
-        return DTYPES[self.ssm_dtype]
+        return STORE_DTYPES[self.ssm_dtype].torch_dtype
 
     @property
     def torch_conv_dtype(self) -> torch.dtype:
-        return DTYPES[self.conv_dtype]
+        return STORE_DTYPES[self.conv_dtype].torch_dtype
 
     @property
     def unit_roundoff(self) -> float:
-        """u of the state dtype: 2^-8 for bf16, 2^-11 for fp16, 2^-24 for fp32."""
-        return {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 2.0**-24}[self.ssm_dtype]
+        """u of the state dtype (drift.dtypes): 2^-8 for bf16, 2^-11 for fp16, 2^-24 for fp32."""
+        return STORE_DTYPES[self.ssm_dtype].unit_roundoff
 
     def replace(self, **changes: Any) -> "Config":
         """A copy with some fields changed (validated again).
@@ -213,12 +243,10 @@ class Config:
     def profile(self) -> str:
         """The name of the profile these dtypes and this layout make ('custom' when none)."""
         mine = {"ssm_dtype": self.ssm_dtype, "conv_dtype": self.conv_dtype, "layout": self.layout}
-        return next((name for name, p in PROFILES.items() if p == mine), "custom")
+        return next((name for name, p in PROFILES.items() if p.fields() == mine), "custom")
 
     def with_profile(self, profile: str) -> "Config":
-        if profile not in PROFILES:
-            raise ConfigError(f"profile={profile!r} is not known; allowed: {sorted(PROFILES)}")
-        return self.replace(**PROFILES[profile])
+        return self.replace(**PROFILES[profile].fields())
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -269,8 +297,8 @@ def _validate(cfg: Config) -> None:
     if cfg.key_rank > cfg.head_k_dim:
         raise ConfigError(f"key_rank={cfg.key_rank} exceeds head_k_dim={cfg.head_k_dim}; "
                           f"allowed: 0 (full rank) .. {cfg.head_k_dim}")
-    for name, allowed in (("ssm_dtype", tuple(DTYPES)), ("conv_dtype", tuple(DTYPES)),
-                          ("store_rounding", ROUNDINGS), ("layout", LAYOUTS), ("flow", FLOWS),
+    for name, allowed in (("ssm_dtype", STORE_DTYPES.names()), ("conv_dtype", STORE_DTYPES.names()),
+                          ("store_rounding", ROUNDINGS), ("layout", LAYOUTS.names()), ("flow", FLOWS.names()),
                           ("pattern", PATTERNS), ("device", DEVICES)):
         _choice(cfg, name, allowed)
     if not isinstance(cfg.graph_mode, bool):

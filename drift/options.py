@@ -85,7 +85,8 @@ SPECS: dict[str, dict] = {
     "mode": dict(type=_choice(MODES, "mode"), metavar="M", help="mtp or sequential (non-MTP) decode"),
     "update": dict(metavar="SPEC", help=f"update under test: a built-in ({', '.join(BUILTINS)}), "
                    "mutant:<name>, package.module:qualname or path/to/file.py:qualname"),
-    "kernel": dict(metavar="SPEC", help=f"verify kernel under test: {', '.join(KERNELS)}, npu-op:<spec>, "
+    "kernel": dict(metavar="SPEC", help=f"verify kernel under test: "
+                   f"{', '.join(n + (':<spec>' if KERNELS[n].takes_arg else '') for n in KERNELS)}, "
                    "mutant:<name>, package.module:qualname or path/to/file.py:qualname"),
     "flow": dict(type=_choice(FLOWS, "flow"), metavar="F",
                  help="where each verify starts (docs/semantics.md §6): sglang (SGLang 0.5.23's arguments: "
@@ -98,6 +99,10 @@ SPECS: dict[str, dict] = {
     "no-graph": dict(action="store_true", help="eager decode, as SGLang without graph mode: no device "
                      "graph capture of the step, and the verify op's eager arguments (prepare_gdn_inputs)"),
 }
+# The shared options (every entry point that runs a simulation has them; docs/extending.md): the
+# options that make a Config, and those plus what is under test.
+CONFIG_OPTIONS = ("preset", "steps", "seed", "device", "profile", "rounding", "pattern", "flow")
+RUN_OPTIONS = CONFIG_OPTIONS + ("update", "kernel", "mode", "trace", "loop", "no-graph")
 DEFAULTS: dict[str, object] = {"preset": DEFAULT_PRESET, "device": "cpu", "update": DEFAULT_UPDATE,
                                "kernel": "portable", "mode": "mtp", "loop": False}
 

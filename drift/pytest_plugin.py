@@ -6,20 +6,13 @@ An engine's CI runs drift's PR-gating checks against its own code::
         --drift-update sglang.srt.hardware_backend.npu.attention.ascend_hybrid_linear_attn_backend:AscendHybridLinearAttnBackend.update_mamba_state_after_mtp_verify \\
         --drift-kernel npu
 
-Options:
-  --drift-device D      cpu (default), cuda or npu: where the simulation runs
-  --drift-update SPEC   an implementation under test (repeatable; default: sglang-0.5.23)
-  --drift-kernel SPEC   the verify kernel under test (default: drift's portable kernel)
-  --drift-preset P      the preset (default ci-small)
-  --drift-steps N       decode steps (default: the preset's)
-  --drift-seed S        the stream's seed (default: the preset's)
-  --drift-trace FILE    replay a captured trace (drift capture) instead of the synthetic stream:
-                        its shapes and tokens on the preset's batch, golden data beside it
-                        (generated on first use); without --drift-steps the whole trace
-  --drift-loop          with --drift-trace: positions past its end wrap around
-  --drift-no-graph      eager decode steps: no device graph capture, eager verify arguments
-  --drift-force-regen   regenerate golden data a test asks for, then fail that test so the
-                        change is reviewed (as pytest-regressions' --force-regen)
+Options: every shared run option of ``drift run`` (drift/options.py: ``RUN_OPTIONS``), spelled
+``--drift-`` + its name and read into the same :class:`drift.runspec.RunSpec`: ``--drift-preset
+--drift-steps --drift-seed --drift-device --drift-profile --drift-rounding --drift-pattern
+--drift-flow --drift-update`` (repeatable) ``--drift-kernel --drift-mode --drift-trace --drift-loop
+--drift-no-graph``; ``pytest --help`` lists them with their defaults. Also ``--drift-force-regen``:
+regenerate golden data a test asks for, then fail that test so the change is reviewed (as
+pytest-regressions' ``--force-regen``).
 
 Markers: ``cuda``, ``npu`` (a test needing that device skips, naming it, when the run did not
 ask for the device, and fails when it asked and the device is absent) and ``nightly``.
@@ -30,10 +23,10 @@ from __future__ import annotations
 import pytest
 
 from drift.check.golden import GOLDEN_PRESETS, load_golden, regenerate, write_trace_golden
-from drift.config import Config, preset
+from drift.runspec import RunSpec
 from drift.devices import resolve_device
-from drift.errors import DeviceUnavailable
-from drift.options import DEFAULTS, add_options, dest
+from drift.errors import DeviceUnavailable, DriftError
+from drift.options import DEFAULTS, RUN_OPTIONS, add_options, dest
 from drift.plug.loader import load_kernel
 from drift.sim import native
 
@@ -48,9 +41,7 @@ PREFIX = "drift-"
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("drift", "drift precision-drift suite")
-    add_options(group.addoption, ("device", "update", "kernel", "preset", "steps", "seed", "trace", "loop",
-                                  "no-graph"),
-                prefix=PREFIX, repeat=("update",))
+    add_options(group.addoption, RUN_OPTIONS, prefix=PREFIX, repeat=("update",))
     group.addoption("--drift-force-regen", action="store_true", default=False,
                     help="regenerate golden trajectories used by the tests (then fail them for review)")
 
@@ -90,25 +81,33 @@ def drift_device(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def drift_config(request: pytest.FixtureRequest, drift_device: str):
-    """The preset chosen by --drift-preset/--drift-steps, on --drift-device; with --drift-trace
-    replaying that trace on the preset's batch (drift.config.Config.from_trace)."""
-    opt = request.config.getoption
-    cfg = preset(opt(dest(PREFIX, "preset")), device=drift_device)
-    trace, loop = opt(dest(PREFIX, "trace")), bool(opt(dest(PREFIX, "loop")))
-    if loop and not trace:
-        pytest.fail("--drift-loop needs --drift-trace FILE: it wraps the positions of a replayed trace",
-                    pytrace=False)
-    if trace:
-        from drift.sim.stream import load_trace
+def drift_spec(request: pytest.FixtureRequest) -> RunSpec:
+    """The run the --drift-* options ask for (drift/runspec.py), the same spec ``drift run`` builds."""
+    return spec_from_options(request.config.getoption)
 
-        if opt(dest(PREFIX, "seed")) is not None:
-            cfg = cfg.replace(seed=opt(dest(PREFIX, "seed")))
-        return Config.from_trace(load_trace(trace), cfg, steps=opt(dest(PREFIX, "steps")), loop=loop)
-    changes = {k: opt(dest(PREFIX, k)) for k in ("steps", "seed") if opt(dest(PREFIX, k)) is not None}
-    if opt(dest(PREFIX, "no-graph")):
-        changes["graph_mode"] = False
-    return cfg.replace(**changes) if changes else cfg
+
+def spec_from_options(getoption) -> RunSpec:
+    """The RunSpec of a pytest ``getoption(dest, default)``; the updates are parametrised instead
+    (``--drift-update`` repeats: one test per update, :func:`pytest_generate_tests`)."""
+    return RunSpec.from_options(lambda name: getoption(dest(PREFIX, name), None) if name != "update" else None,
+                                prefix=PREFIX)
+
+
+@pytest.fixture
+def drift_config(drift_spec: RunSpec):
+    """The validated Config of :func:`drift_spec`: the preset with every --drift-* option applied; with
+    --drift-trace replaying that trace on the preset's batch (drift.config.Config.from_trace). A bad
+    combination fails the test naming the option (never a traceback)."""
+    try:
+        return drift_spec.config()
+    except DriftError as exc:
+        pytest.fail(f"{type(exc).__name__}: {exc}", pytrace=False)
+
+
+@pytest.fixture
+def drift_mode(drift_spec: RunSpec) -> str:
+    """mtp (default) or sequential (--drift-mode)."""
+    return drift_spec.mode
 
 
 @pytest.fixture

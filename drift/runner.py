@@ -9,14 +9,13 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from .check.bounds import BoundCheck, GrowthCheck, OutputBoundCheck
-from .check.checks import Check, core_checks, untouched_result
+from .check.bounds import BoundCheck
+from .check.checks import Check
 from .check.compare import Comparison
+from .check.registry import CHECKS, RunContext
 from .check.result import CheckResult
-from .check.shadow import SequentialShadow
 from .config import Config
 from .plug.updates import DEFAULT_UPDATE
-from .sim.graph import GraphStatus
 from .sim.twin import F64
 from .simulate import ResumePoint, RunInfo, Simulation
 from .syncs.scan import sync_check
@@ -61,9 +60,10 @@ def versions() -> dict:
 
 
 class CheckedRun:
-    """A simulation wired to its checks: the float64 twin (golden-validated), the semantic
-    checks, the drift bound and growth exponent (unless ``checks`` replaces them), optional
-    MTP-vs-sequential shadow. ``run`` then ``results`` / ``report``.
+    """A simulation wired to its checks: every applicable check of the registry
+    (drift/check/registry.py) in report order -- the float64 twin (golden-validated), the semantic
+    checks, the drift bound and what reads it, the sequential shadow when asked, and the run-level
+    verdicts -- unless ``checks`` replaces the per-step ones. ``run`` then ``results`` / ``report``.
 
     golden: as for :class:`Comparison`. vs_sequential: also run the stream through sequential
     decode in lockstep and report the divergence. start / env2_start: resume every row from a
@@ -75,17 +75,25 @@ class CheckedRun:
                  vs_sequential: bool = False, start: Optional[ResumePoint] = None,
                  env2_start: Optional[np.ndarray] = None, observers: Sequence = ()):
         self.cfg, self.mode = cfg, mode
-        self.bound: Optional[BoundCheck] = None
-        self.post = []
-        if checks is None:
-            self.bound = BoundCheck(initial_env2=env2_start)
-            checks = core_checks() + [self.bound]
-            self.post = [GrowthCheck(self.bound), OutputBoundCheck(self.bound)]
-        self.checks = list(checks)
+        self.ctx = RunContext(cfg, mode, vs_sequential, env2_start)
+        specs = [s for s in CHECKS.in_order() if s.applies(self.ctx)]
+        if checks is not None:  # the caller's per-step checks replace the registry's
+            specs = [s for s in specs if s.shape in ("observer", "run")]
+            self.ctx.checks.update({getattr(c, "key", f"check{i}"): c for i, c in enumerate(checks)})
+        for spec in specs:
+            if spec.shape != "run":
+                missing = [k for k in spec.needs if k not in self.ctx.checks]
+                if missing:
+                    raise ValueError(f"check {spec.key!r} needs {missing}, which is not in this run")
+                self.ctx.checks[spec.key] = spec.build(self.ctx)
+        self.specs = specs
+        self.checks = [c for c in self.ctx.checks.values() if hasattr(c, "consume")]
+        self.bound: Optional[BoundCheck] = self.ctx.checks.get("drift_bound")
         self.comparison = Comparison(self.checks, golden=golden)
-        self.shadows = [SequentialShadow()] if vs_sequential else []
-        self.sim = Simulation(cfg, update, mode=mode, observers=[self.comparison, *self.shadows, *observers],
+        shadows = [self.ctx.checks[s.key] for s in specs if s.shape == "observer"]
+        self.sim = Simulation(cfg, update, mode=mode, observers=[self.comparison, *shadows, *observers],
                               verify_kernel=verify_kernel, start=start)
+        self.ctx.sim, self.ctx.comparison = self.sim, self.comparison
 
     def run(self, steps: Optional[int] = None, **kwargs) -> RunInfo:
         """``Simulation.run`` (progress, resume_state, checkpoint, checkpoint_every pass through)."""
@@ -96,47 +104,25 @@ class CheckedRun:
         return info
 
     def results(self, info: RunInfo, sync_scan: bool = True) -> list[CheckResult]:
-        """One result per check; in MTP mode also the slot guard and (sync_scan) the host-sync scan."""
-        results = ([c.result() for c in self.checks] + [p.result() for p in self.post]
-                   + [s.result() for s in self.shadows])
-        if self.mode == "mtp":
-            results.append(untouched_result(info.untouched_violation, info.steps))
-            syncs = sync_check(self.cfg, self.sim.update) if sync_scan else None
-            if syncs is not None:
-                results.append(syncs)
-            results.append(graph_result(self.sim.graph_status, syncs, self.sim.device))
-        if info.stopped_early:
-            results.append(CheckResult("run completed", False, None, None, "", f"stopped early: {info.stopped_early}"))
-        return results
+        """One result per check in report order, each tagged with its registry key; the host-sync
+        scan of the update runs when ``sync_scan``."""
+        ctx = self.ctx
+        ctx.info, ctx.results = info, {}
+        ctx.sync_scan = (lambda: sync_check(self.cfg, self.sim.update)) if sync_scan else None
+        for key, obj in ctx.checks.items():
+            if key not in {s.key for s in self.specs}:  # a caller's own per-step check
+                res = obj.result()
+                res.key = res.key or key
+                ctx.results[key] = res
+        for spec in self.specs:
+            res = spec.result(ctx) if spec.shape == "run" else ctx.checks[spec.key].result()
+            if res is not None:
+                res.key = spec.key
+                ctx.results[spec.key] = res
+        return list(ctx.results.values())
 
     def report(self, info: RunInfo, sync_scan: bool = True) -> RunReport:
         return RunReport(self.cfg, info, self.results(info, sync_scan), self.comparison.reference_description())
-
-
-def graph_result(status: GraphStatus, syncs: Optional[CheckResult], device: torch.device) -> CheckResult:
-    """The "graph capture" check: could the decode step (update included) be captured as SGLang's
-    graph mode captures it (docs/semantics.md §11)? On a device with graphs the capture answers;
-    where there is none (a CPU) the host-syncs check on the virtual device answers the same
-    question; with graph mode off (``--no-graph``) it is not asked."""
-    name = "graph capture"
-    extra = {"graph": status.state}
-    if status.captured:
-        return CheckResult(name, True, 0.0, 0.0, "", status.note, extra)
-    if status.failed:
-        return CheckResult(name, False, 1.0, 0.0, status.where or "(no line outside torch)",
-                           f"{status.error}; {status.note}. A step that cannot be captured breaks SGLang's "
-                           "graph mode: keep the update device-side (no .item(), bool(tensor), data-dependent "
-                           "shapes).", extra)
-    if status.note.startswith("eager: "):  # not requested, or a host input the step needs
-        return CheckResult(name, True, None, None, "", status.note, {**extra, "applicable": False})
-    if syncs is None:
-        return CheckResult(name, True, None, None, "", f"{status.note}; the host-syncs scan was off",
-                           {**extra, "applicable": False})
-    # Reported, not gated: the host-syncs result above already gates the same finding.
-    return CheckResult(name, syncs.passed, syncs.worst, syncs.limit, syncs.where,
-                       f"{status.note}; the host-syncs check on the virtual device answers: "
-                       f"{'no host sync, capturable' if syncs.passed else 'a host sync, which breaks capture'}",
-                       {**extra, "answered_by": "host syncs", "kind": "info"})
 
 
 def run_checked(cfg: Config, update=DEFAULT_UPDATE, mode: str = "mtp", steps: Optional[int] = None,

@@ -19,9 +19,9 @@ def _failures(rep) -> str:
     return "; ".join(f"{c.name}: {c.detail} ({c.where})" for c in rep.checks if c.failed) or "none"
 
 
-def test_update_keeps_precision(drift_config, drift_update, drift_kernel, drift_golden):
+def test_update_keeps_precision(drift_config, drift_mode, drift_update, drift_kernel, drift_golden):
     drift_golden(drift_config)  # PR-gating presets must have golden data; fails, never skips
-    rep = run_checked(drift_config, drift_update, verify_kernel=drift_kernel, sync_scan=False)
+    rep = run_checked(drift_config, drift_update, mode=drift_mode, verify_kernel=drift_kernel, sync_scan=False)
     assert rep.passed, f"{drift_update}: {_failures(rep)}"
 
 

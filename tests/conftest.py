@@ -161,12 +161,12 @@ def committed_by_position(cfg, **kwargs) -> dict:
 def checks_of(cfg, update=DEFAULT_UPDATE, **kwargs) -> dict[str, CheckResult]:
     """``run_checked`` with the semantic core checks (issue 2; not the drift bound, which is
     calibrated on the presets' shapes, not on these small configs; nor the host-sync scan,
-    which tests/test_syncs.py covers) as a dict check name -> result, plus the report under
+    which tests/test_syncs.py covers) as a dict check key -> result, plus the report under
     'report'."""
     kwargs.setdefault("checks", core_checks())
     kwargs.setdefault("sync_scan", False)
     rep = run_checked(cfg, update, **kwargs)
-    out = {c.name: c for c in rep.checks}
+    out = {c.key: c for c in rep.checks}
     out["report"] = rep
     return out
 

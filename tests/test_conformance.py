@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from drift.layouts import LAYOUTS
+
 REPO_FILE = "python/sgl_kernel_npu/sgl_kernel_npu/mamba/mamba_state_update_triton.py"
 
 
@@ -42,7 +44,7 @@ def _run(code: str, timeout: int = 900) -> str:
 
 def test_shim_kernels_match_sgl_kernel_npus_triton_kernels():
     """The raw block copy of move_intermediate_cache is sgl-kernel-npu's, bit for bit, on the
-    contiguous, transposed and mixed layouts; conv_state_rollback agrees on a contiguous pool and,
+    every registered layout; conv_state_rollback agrees on a contiguous pool and,
     as modelled (docs/semantics.md §3), differs on a strided one, where the 2026-08-21 kernel
     loses its writes to a .contiguous() copy (sgl-kernel-npu #748 made it work in place; drift's
     rollback is the post-#748 one). Shapes keep C a power of two: the real rollback's
@@ -61,12 +63,13 @@ def test_shim_kernels_match_sgl_kernel_npus_triton_kernels():
         real = importlib.util.module_from_spec(spec); spec.loader.exec_module(real)
         from drift.sim import kernels
         from drift.config import preset
+        from drift.layouts import LAYOUTS
         from drift.sim.pool import StatePool
         g = torch.Generator().manual_seed(0)
         bits = lambda t: t.view(torch.int16)
-        for profile in ("ascend", "ascend-transposed", "ascend-mixed"):
+        for layout in LAYOUTS:
             cfg = preset("ci-small", num_layers=2, head_k_dim=16, head_v_dim=8, num_v_heads=2, num_k_heads=1,
-                         decays=(0.5, 0.9)).with_profile(profile)  # C = 2*16 + 2*8 = 48
+                         decays=(0.5, 0.9), layout=layout)  # C = 2*16 + 2*8 = 48
             pool = StatePool(cfg, torch.device("cpu"))
             for t in (pool.temporal, pool.intermediate_ssm):
                 t.copy_(torch.randn(t.shape, generator=g))
@@ -75,7 +78,7 @@ def test_shim_kernels_match_sgl_kernel_npus_triton_kernels():
             dst, src, last = torch.tensor([3, 1, 5, 0, 2]), torch.arange(5), torch.tensor([2, -1, 0, 3, 1])
             real.move_intermediate_cache(a, pool.intermediate_ssm, dst, src, last)
             kernels.move_intermediate_cache(b, pool.intermediate_ssm, dst, src, last)
-            print("move", profile, torch.equal(bits(a), bits(b)), not torch.equal(bits(a), bits(pool.temporal)))
+            print("move", layout, torch.equal(bits(a), bits(b)), not torch.equal(bits(a), bits(pool.temporal)))
         for contiguous in (True, False):
             L, S, W, C, D = 2, 6, 6, 32, 4
             conv = (torch.randn(L, S, W, C, generator=g) if contiguous
@@ -87,8 +90,8 @@ def test_shim_kernels_match_sgl_kernel_npus_triton_kernels():
             print("rollback", contiguous, torch.equal(bits(a), bits(b)), torch.equal(bits(a), bits(conv)))
     """)
     lines = out.strip().splitlines()
-    for profile in ("ascend", "ascend-transposed", "ascend-mixed"):
-        assert f"move {profile} True True" in lines, out  # equal, and the copy did something
+    for layout in LAYOUTS:
+        assert f"move {layout} True True" in lines, out  # equal, and the copy did something
     assert "rollback True True False" in lines, out  # contiguous: the same in-place rollback
     assert "rollback False False True" in lines, out  # strided: the real one left the pool as it was
 

@@ -15,7 +15,7 @@ import torch
 from conftest import small_cfg
 from drift import devices
 from drift.devices import DeviceUnavailable, resolve_device, supports_float64
-from drift.config import preset
+from drift.config import PROFILES, preset
 from drift.simulate import Simulation
 
 
@@ -71,7 +71,7 @@ def test_float64_support():
 META = torch.device("meta")
 
 
-@pytest.mark.parametrize("profile", ["ascend", "ascend-transposed", "ascend-mixed", "fp32"])
+@pytest.mark.parametrize("profile", list(PROFILES))
 @pytest.mark.parametrize("flow", ["sglang", "accepted"])
 def test_every_tensor_of_a_step_lives_on_the_run_device(profile, flow):
     cfg = preset("ci-small").with_profile(profile).replace(flow=flow)

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from drift.config import preset
+from drift.layouts import LAYOUTS
 from drift.sim import kernels, naive
 from drift.sim.kernels import VerifyArgs
 from drift.sim.pool import StatePool, raw_state
@@ -30,10 +31,9 @@ STEPS = {  # last_steps of the 5 batch rows (D = 4): -1 skips; a step >= D is NO
     "all-committed": [0, 1, 2, 3, 3],
     "past-D": [4, 1, -3, 0, -1],  # row 0 reads flat block 0 * 4 + 4: scratch row 1, step 0
 }
-# (committed-state layout, scratch layout, ssm dtype): every pair of the two block layouts
-# (drift's pools give three of them; "scratch-transposed" is built by hand), and fp32.
-POOLS = [("contiguous", "bfloat16"), ("transposed", "bfloat16"), ("mixed", "bfloat16"),
-         ("scratch-transposed", "bfloat16"), ("contiguous", "float32")]
+# (layout, ssm dtype): every registered layout in bf16 (together every pair of the two block
+# layouts, test_the_pools_cover_every_layout_pair), and fp32.
+POOLS = [(name, "bfloat16") for name in LAYOUTS] + [("contiguous", "float32")]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -52,15 +52,9 @@ def random_bits_(t: torch.Tensor, gen: torch.Generator) -> None:
 
 
 def pool_for(layout: str, ssm_dtype: str) -> StatePool:
-    """ci-small with 3 layers, every state filled with random bits. 'scratch-transposed': the
-    committed states dense, the scratch a transposed view of [K, V] storage (the pair no
-    profile has)."""
-    cfg = preset("ci-small", layout="contiguous" if layout == "scratch-transposed" else layout,
-                 ssm_dtype=ssm_dtype, num_layers=3)
+    """ci-small with 3 layers, every state filled with random bits."""
+    cfg = preset("ci-small", layout=layout, ssm_dtype=ssm_dtype, num_layers=3)
     pool = StatePool(cfg, torch.device("cpu"))
-    if layout == "scratch-transposed":
-        s = pool.intermediate_ssm.shape
-        pool.intermediate_ssm = torch.zeros(*s[:-2], s[-1], s[-2], dtype=pool.intermediate_ssm.dtype).transpose(-1, -2)
     gen = torch.Generator().manual_seed(7)
     random_bits_(pool.temporal, gen)
     random_bits_(pool.intermediate_ssm, gen)

@@ -136,7 +136,7 @@ def test_no_golden_falls_back_to_twin_and_says_so(tiny_golden):
     assert g is None and "seed 5" in note
     rep = run_checked(cfg, "sglang-0.5.23", steps=20, sync_scan=False)
     assert "falling back to the twin" in rep.reference
-    golden_row = next(c for c in rep.checks if c.name == "golden")
+    golden_row = next(c for c in rep.checks if c.key == "golden")
     assert golden_row.verdict == "n/a" and "no golden" in golden_row.detail
 
 
@@ -178,7 +178,7 @@ def test_regeneration_into_a_fresh_directory_is_reviewed_against_the_shipped_dat
 def test_run_past_the_golden_horizon_says_so(tiny_golden):
     cfg = preset("ci-small", pattern="all-D")
     rep = run_checked(cfg, "sglang-0.5.23", steps=TINY_STEPS + 20, sync_scan=False)
-    golden_row = next(c for c in rep.checks if c.name == "golden")
+    golden_row = next(c for c in rep.checks if c.key == "golden")
     assert golden_row.passed and golden_row.verdict == "PASS"
     assert "past golden position" in rep.reference and "twin alone" in rep.reference
 
@@ -193,7 +193,7 @@ def test_a_stale_golden_is_caught_by_the_run(tiny_golden, monkeypatch):
 
     monkeypatch.setattr(StreamParams, "generate", staticmethod(shifted))
     rep = run_checked(preset("ci-small"), "sglang-0.5.23", steps=20, sync_scan=False)
-    golden_row = next(c for c in rep.checks if c.name == "golden")
+    golden_row = next(c for c in rep.checks if c.key == "golden")
     assert not golden_row.passed and "drift regen-golden --preset ci-small --force" in golden_row.detail
 
 

@@ -1,4 +1,4 @@
-"""The captured decode step (drift.sim.graph, Simulation's graph path, the "graph capture" check).
+"""The captured decode step (drift.sim.graph, Simulation's graph path, the "graph_capture" check).
 
 A CPU has no device graph, so the CPU tests drive the graph path through a stand-in API whose
 "capture" runs the body (a CPU cannot defer work) and whose first replay after capture is
@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from drift.config import preset
-from drift.runner import CheckedRun, graph_result
+from drift.check.runlevel import graph_result
+from drift.runner import CheckedRun
 from drift.sim import graph as graph_mod
 from drift.sim.graph import GraphStatus, StepGraph, blame
 from drift.sim.pool import as_bits
@@ -231,14 +232,14 @@ def test_the_check_passes_a_captured_step_and_is_not_asked_without_graph_mode():
 
 def capture_check(update):
     run_ = CheckedRun(CI, update=update)
-    return {r.name: r for r in run_.results(run_.run(4))}["graph capture"]
+    return {r.key: r for r in run_.results(run_.run(4))}["graph_capture"]
 
 
 def test_on_the_cpu_the_virtual_device_answers_for_capture():
     good = capture_check("sglang-0.5.23")
-    assert good.passed and good.extra["answered_by"] == "host syncs" and good.verdict == "info"
+    assert good.passed and good.extra["answered_by"] == "host_syncs" and good.verdict == "info"
     bad = capture_check("sglang-31659")  # negative control: .item() in the update
-    # Not passed, named at the line; informational because "host syncs" gates the same finding.
+    # Not passed, named at the line; informational because "host_syncs" gates the same finding.
     assert not bad.passed and "parts.py" in bad.where and bad.verdict == "info" and not bad.failed
 
 

@@ -15,9 +15,11 @@ import drift
 ROOT = Path(drift.__file__).resolve().parent
 # The stages, bottom up; a module may import only from its own stage or the ones below it.
 STAGES = [
-    {"drift.version", "drift.errors", "drift.compat", "drift.config", "drift.devices", "drift.fileio",
+    {"drift.version", "drift.errors", "drift.registry", "drift.dtypes", "drift.layouts", "drift.compat",
+     "drift.config", "drift.devices", "drift.fileio",
      "drift.checkpoint"},
     {"drift.sim"},
+    {"drift.runspec"},
     {"drift.capture"},
     {"drift.plug"},
     {"drift.simulate"},

@@ -18,6 +18,7 @@ import pytest
 from drift.cli import main
 from drift.jobs import nightly
 from drift.sim import native
+from drift.check.registry import CHECKS
 
 PNG = b"\x89PNG\r\n\x1a\n"
 # One worker runs this module under pytest-xdist (--dist loadgroup, pyproject.toml): its module
@@ -50,7 +51,7 @@ def test_short_run_writes_every_report_file(short_report):
     assert rep["verdict"] == "pass" and rep["kind"] == "drift-nightly"
     assert set(e["entry"]["variant"] for e in rep["entries"].values()) == set(nightly.VARIANTS)
     for key, e in rep["entries"].items():
-        bound = next(c for c in e["checks"] if c["name"] == "drift bound")
+        bound = next(c for c in e["checks"] if c["key"] == "drift_bound")
         curves = bound["bound"]["curves"]["rel_err"]
         assert len(curves["step"]) > 5 and np.array(curves["mean"]).shape[1:] == (2, 4)
         assert bound["bound"]["growth_exponent"] and "first_fail" not in bound
@@ -81,7 +82,7 @@ def test_failing_entry_gives_nonzero_exit(tmp_path):
     assert code == 1  # sglang-32130 syncs on its tracking path
     rep = json.loads((tmp_path / "report.json").read_text())
     assert rep["verdict"] == "fail"
-    assert "host syncs" in (tmp_path / "report.md").read_text()
+    assert CHECKS.title("host_syncs") in (tmp_path / "report.md").read_text()
 
 
 def test_bad_arguments_exit_2(tmp_path, cpu_only, capsys):
@@ -134,7 +135,7 @@ def test_baseline_flags_an_injected_regression(short_report, tmp_path):
     assert same["trend"] == [] and same["verdict"] == "pass"
     better = copy.deepcopy(rep)  # a baseline whose errors were half of today's
     key = next(k for k, e in better["entries"].items() if e["entry"]["variant"] == "rne")
-    bound = next(c for c in better["entries"][key]["checks"] if c["name"] == "drift bound")
+    bound = next(c for c in better["entries"][key]["checks"] if c["key"] == "drift_bound")
     mean = np.array(bound["bound"]["curves"]["rel_err"]["mean"])
     mean[..., 3] *= 0.5  # head 3 only
     bound["bound"]["curves"]["rel_err"]["mean"] = mean.tolist()

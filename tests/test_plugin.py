@@ -20,6 +20,7 @@ from drift.runner import run_checked
 from drift.plug.loader import load_kernel
 from drift.plug.npu_op import npu_op_adapter
 from drift.sim.kernels import VerifyArgs
+from drift.check.registry import CHECKS
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 METHOD = "AscendHybridLinearAttnBackend.update_mamba_state_after_mtp_verify"
@@ -43,7 +44,7 @@ def broken(tmp_path_factory):
 
 
 def by_name(rep):
-    return {c.name: c for c in rep.checks}
+    return {c.key: c for c in rep.checks}
 
 
 # The PR suite's horizon, and the nightly twin's (as tests/test_precision.py).
@@ -51,7 +52,7 @@ def by_name(rep):
 def test_sglang_style_method_passes_every_check(steps):
     rep = run_checked(preset("ci-small"), GOOD, steps=steps)
     assert rep.passed, [c.to_dict() for c in rep.checks if c.failed]
-    assert by_name(rep)["host syncs"].passed and by_name(rep)["golden"].verdict == "PASS"
+    assert by_name(rep)["host_syncs"].passed and by_name(rep)["golden"].verdict == "PASS"
 
 
 # The plug-in machinery, not the horizon: the broken copy shows at the first tracking event (step
@@ -62,9 +63,9 @@ WIRING_STEPS = 64
 def test_broken_copy_of_it_fails_tracked_snapshots(broken):
     rep = run_checked(preset("ci-small"), broken, steps=WIRING_STEPS)
     checks = by_name(rep)
-    assert not checks["tracked snapshots"].passed
-    assert "conv window" in checks["tracked snapshots"].detail
-    assert checks["committed state"].passed  # the commit itself is right
+    assert not checks["tracked_snapshots"].passed
+    assert "conv window" in checks["tracked_snapshots"].detail
+    assert checks["committed_state"].passed  # the commit itself is right
 
 
 def _pytest(*args, cwd):
@@ -82,7 +83,7 @@ def test_engine_ci_runs_the_gate_with_its_own_update(tmp_path, broken):
     assert run.returncode == 1, run.stdout[-3000:]
     assert "1 failed, 5 passed" in run.stdout and "skipped" in run.stdout, run.stdout[-3000:]  # cuda/npu skip
     [failed] = [line for line in run.stdout.splitlines() if line.startswith("FAILED")]
-    assert "test_update_keeps_precision" in failed and "tracked snapshots" in run.stdout
+    assert "test_update_keeps_precision" in failed and CHECKS.title("tracked_snapshots") in run.stdout
     assert "ascend_backend_broken.py" in run.stdout  # the failure names the broken copy's file
     if not torch.cuda.is_available():  # a device nobody asked for skips, naming it
         assert "did not ask for (--drift-device cuda)" in run.stdout

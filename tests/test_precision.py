@@ -26,7 +26,7 @@ FP32_TOL = 1e-5  # issue 3 test 1: fp32 state vs golden (fp32 arithmetic gives ~
 
 
 def row(rep, name):
-    return next(c for c in rep.checks if c.name == name)
+    return next(c for c in rep.checks if c.key == name)
 
 
 def assert_golden_reference(rep):
@@ -49,7 +49,7 @@ def bf16_runs(request):
 def test_fp32_state_profile_matches_golden(steps):
     rep = run_checked(preset("ci-small").with_profile("fp32"), "sglang-0.5.23", steps=steps, sync_scan=False)
     assert_golden_reference(rep)
-    state = row(rep, "committed state")
+    state = row(rep, "committed_state")
     assert state.worst is not None and state.worst <= FP32_TOL, state.worst
     assert rep.passed, [c.to_dict() for c in rep.checks if c.failed]
 
@@ -59,17 +59,17 @@ def test_fp32_state_profile_matches_golden(steps):
 def test_bf16_drift_within_bound(bf16_runs, impl):
     rep = bf16_runs[impl]
     assert_golden_reference(rep)
-    bound = row(rep, "drift bound")
+    bound = row(rep, "drift_bound")
     assert bound.passed and 0 < bound.worst <= 1.0, bound.to_dict()
     per_head = np.array(bound.extra["bound"]["worst_ratio_per_head"])
     assert per_head.shape == (2, 4) and (per_head <= 1.0).all()
-    growth = row(rep, "growth exponent")
+    growth = row(rep, "growth_exponent")
     assert growth.passed and growth.worst <= GROWTH_LIMIT
     prone = np.array(bound.extra["bound"]["stagnation_prone"])
     assert not prone.any()  # ci-small's slowest head (0.995/token) decays ~1.2% per step
     # Conv windows equal the truth bit for bit at every step; over the long horizon the twin's
     # windows are also compared with golden checkpoints (positions 4096 and 8192 are reached).
-    conv = row(rep, "conv windows")
+    conv = row(rep, "conv_windows")
     assert conv.passed and conv.worst == 0
     if rep.info.steps >= LONG_STEPS:
         assert "0 checkpoints" not in row(rep, "golden").detail
@@ -79,8 +79,8 @@ def test_bf16_drift_within_bound(bf16_runs, impl):
 @BF16_RUNS_GROUP
 def test_sync_free_and_device_select_commit_identical_states(bf16_runs):
     a, b = bf16_runs["sglang-32130"], bf16_runs["sglang-0.5.23"]
-    assert row(a, "committed state").worst == row(b, "committed state").worst
-    assert row(a, "drift bound").extra["bound"]["curves"] == row(b, "drift bound").extra["bound"]["curves"]
+    assert row(a, "committed_state").worst == row(b, "committed_state").worst
+    assert row(a, "drift_bound").extra["bound"]["curves"] == row(b, "drift_bound").extra["bound"]["curves"]
 
 
 @pytest.mark.parametrize("steps", HORIZONS)
@@ -90,14 +90,14 @@ def test_mtp_and_sequential_both_bounded_and_divergence_reported(steps):
     seq = run_checked(cfg, mode="sequential", steps=steps)
     for rep in (mtp, seq):
         assert_golden_reference(rep)
-        assert row(rep, "drift bound").passed and rep.passed
-    div = row(mtp, "MTP vs sequential")
+        assert row(rep, "drift_bound").passed and rep.passed
+    div = row(mtp, "mtp_vs_sequential")
     assert div.verdict == "info" and div.worst > 0
     # The two errors are independent roundings of the same truth: their difference is at most
     # their sum, and far from zero (MTP rounds once per step, sequential once per token).
-    worst_sum = row(mtp, "committed state").worst + row(seq, "committed state").worst
+    worst_sum = row(mtp, "committed_state").worst + row(seq, "committed_state").worst
     assert div.worst <= worst_sum
-    assert row(seq, "committed state").worst > row(mtp, "committed state").worst * 0.5
+    assert row(seq, "committed_state").worst > row(mtp, "committed_state").worst * 0.5
 
 
 @pytest.mark.parametrize("steps", HORIZONS)
@@ -109,7 +109,7 @@ def test_resumed_from_tracked_snapshot_stays_within_bound(steps):
     assert original.passed and (point.positions % cfg.track_interval == 0).all()
     resumed = run_checked(cfg, "sglang-0.5.23", steps=steps // 2, start=point, env2_start=env2, sync_scan=False)
     assert_golden_reference(resumed)
-    assert row(resumed, "drift bound").passed and resumed.passed
+    assert row(resumed, "drift_bound").passed and resumed.passed
 
 
 # What the stagnation blow-up reaches (bf16 round-to-nearest, sglang-0.5.23, seed 0), measured:
@@ -129,20 +129,20 @@ def test_stagnation_blow_up_is_measured(stagnation_rne):
     """bf16 round-to-nearest on the stagnation preset: the slow head stops decaying and the
     error grows past the bound, faster than a random walk."""
     steps, rep = stagnation_rne
-    bound = row(rep, "drift bound")
+    bound = row(rep, "drift_bound")
     info = bound.extra["bound"]
     min_ratio, min_error = STAGNATION_FLOOR[steps]
     assert np.array(info["stagnation_prone"]).all()
     assert bound.worst > min_ratio  # past the bound
     assert max(info["growth_exponent"][0]) > 0.9  # faster than a random walk
-    assert row(rep, "committed state").worst > min_error  # growing garbage, not rounding
+    assert row(rep, "committed_state").worst > min_error  # growing garbage, not rounding
 
 
 @pytest.mark.xfail(strict=True, reason="bf16 round-to-nearest stagnates at per-token decay ~0.999 "
                    "(docs/bounds.md); a fix (e.g. stochastic rounding in the verify kernel's store) "
                    "turns this into a visible XPASS")
 def test_stagnation_rne_within_bound(stagnation_rne):
-    assert row(stagnation_rne[1], "drift bound").passed
+    assert row(stagnation_rne[1], "drift_bound").passed
 
 
 @pytest.mark.parametrize("steps", STAGNATION_HORIZONS)
@@ -150,21 +150,21 @@ def test_stagnation_stochastic_rounding_within_bound(steps):
     rep = run_checked(preset("stagnation", store_rounding="stochastic"), "sglang-0.5.23", steps=steps,
                       sync_scan=False)
     assert_golden_reference(rep)
-    assert row(rep, "drift bound").passed, row(rep, "drift bound").to_dict()
+    assert row(rep, "drift_bound").passed, row(rep, "drift_bound").to_dict()
 
 
 @pytest.mark.parametrize("steps", STAGNATION_HORIZONS)
 def test_stagnation_fp32_state_within_bound(steps):
     rep = run_checked(preset("stagnation").with_profile("fp32"), "sglang-0.5.23", steps=steps, sync_scan=False)
-    assert row(rep, "drift bound").passed
-    assert row(rep, "committed state").worst <= FP32_TOL
+    assert row(rep, "drift_bound").passed
+    assert row(rep, "committed_state").worst <= FP32_TOL
 
 
 # ------------------------------------------------------------- negative controls
 def test_truncation_store_fails_the_bound():
     rep = run_checked(preset("ci-small", store_rounding="truncate"), "sglang-0.5.23", steps=PR_STEPS, sync_scan=False)
-    assert not row(rep, "drift bound").passed
-    assert row(rep, "committed state").passed  # small but biased: a precision failure, not a semantic one
+    assert not row(rep, "drift_bound").passed
+    assert row(rep, "committed_state").passed  # small but biased: a precision failure, not a semantic one
 
 
 # The PR twin is the mutant catalogue's run of skip_step0 (tests/test_teeth.py: caught by the
@@ -172,7 +172,7 @@ def test_truncation_store_fails_the_bound():
 @pytest.mark.nightly
 def test_skipping_step0_commits_fails():
     rep = run_checked(preset("ci-small"), "mutant:skip_step0", steps=LONG_STEPS, sync_scan=False)
-    assert not row(rep, "committed state").passed and not row(rep, "drift bound").passed
+    assert not row(rep, "committed_state").passed and not row(rep, "drift_bound").passed
 
 
 # #31659's guard, with and without padded rows in the batch: tests/test_teeth.py

@@ -13,8 +13,8 @@ from drift.simulate import RunInfo
 def test_mtp_run_adds_the_untouched_slot_and_graph_verdicts_sequential_does_not():
     mtp = checks_of(small_cfg(20))["report"]
     seq = checks_of(small_cfg(20), mode="sequential")["report"]
-    assert [c.name for c in mtp.checks][-2:] == ["untouched slots", "graph capture"]
-    assert not {"untouched slots", "graph capture"} & {c.name for c in seq.checks}
+    assert [c.key for c in mtp.checks][-2:] == ["untouched_slots", "graph_capture"]
+    assert not {"untouched_slots", "graph_capture"} & {c.key for c in seq.checks}
     assert mtp.info.meta["update_spec"] == "sglang-0.5.23" and "parts.py" in mtp.info.meta["update_source"]
     assert seq.info.update == "(sequential decode)"
 

@@ -405,7 +405,7 @@ def test_sync_free_contract_holds(spec, cfg):
 def test_sync_check_fails_guarded_naming_the_item_line():
     res = sync_check(CI, "sglang-31659", STEPS)
     line = next(iter(ITEM_LINE))
-    assert res.name == "host syncs" and not res.passed and res.limit == 0.0
+    assert res.key == "host_syncs" and not res.passed and res.limit == 0.0
     assert "aten._local_scalar_dense" in res.where and res.where.split(" at ")[1].startswith(
         f"{display_path(parts.__file__)}:{line} ")
     # one .item() per step plus at least one mask sync per step (tracking is on)

@@ -20,10 +20,10 @@ SHARED_RUNS = pytest.mark.xdist_group("teeth")
 CFG = preset("ci-small", steps=TEETH_STEPS)
 # Which checks must catch each direction: syncs by the detector, semantic slips by the
 # semantic checks (state, windows, snapshots, slots), precision losses by the bound.
-EXPECTED = {"sync": {"host syncs"},
-            "semantics": {"committed state", "conv windows", "tracked snapshots", "untouched slots",
-                          "finite states", "outputs"},
-            "precision": {"drift bound"}}
+EXPECTED = {"sync": {"host_syncs"},
+            "semantics": {"committed_state", "conv_windows", "tracked_snapshots", "untouched_slots",
+                          "finite_states", "outputs"},
+            "precision": {"drift_bound"}}
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def test_mutant_is_caught_by_its_direction(results, name):
 def test_skipping_step0_is_caught_by_the_state_check_and_the_bound(results):
     """The PR twin of tests/test_precision.py's nightly test_skipping_step0_commits_fails: the lost
     update of a step-0 row is an order-one state error and past the bound."""
-    assert {"committed state", "drift bound"} <= set(results["skip_step0"]["caught_by"]), results["skip_step0"]
+    assert {"committed_state", "drift_bound"} <= set(results["skip_step0"]["caught_by"]), results["skip_step0"]
 
 
 # The PR suite runs the catalogue's horizon; the nightly twins run the same assertions twice
@@ -113,10 +113,10 @@ def test_tradeoff_reports_the_seesaw(trade):
     # it never fires.
     for r in trade:
         if r["impl"] == "sglang-31659 (no padded rows)":
-            assert {"committed state", "drift bound"} <= set(r["failed_checks"]), r
+            assert {"committed_state", "drift_bound"} <= set(r["failed_checks"]), r
             assert not r["precision_ok"]
         elif r["impl"] == "sglang-31659":
-            assert r["precision_ok"] and r["failed_checks"] == ["host syncs"], r
+            assert r["precision_ok"] and r["failed_checks"] == ["host_syncs"], r
     assert {r["flow"] for r in trade} == {"sglang", "accepted"}
 
 

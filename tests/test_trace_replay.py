@@ -31,6 +31,7 @@ from drift.errors import EXIT_FAIL, EXIT_PASS, EXIT_USAGE, ConfigError, DataErro
 from drift.fileio import load_npz, npz_bytes
 from drift.sim.stream import InputStream, StreamParams, TrueTokens, load_trace, max_position
 from drift.sim.tracefile import read_trace, trace_paths, write_trace
+from drift.check.registry import CHECKS
 
 if importlib.util.find_spec("transformers") is None:  # found, not imported: capture imports it when it runs
     pytest.skip("drift capture needs transformers>=5 (drift's capture extra)", allow_module_level=True)
@@ -253,14 +254,14 @@ def test_a_mutant_update_fails_on_the_trace(captured, tmp_path):
     rc, out, _ = cli("run", "--trace", path, "--quiet", "--update", "mutant:step_plus1")
     assert rc == EXIT_FAIL
     failed = out.rstrip().splitlines()[-1]
-    assert failed.startswith("FAIL:") and "committed state" in failed and "golden" not in failed
+    assert failed.startswith("FAIL:") and CHECKS.title("committed_state") in failed and CHECKS.title("golden") not in failed
 
 
 def test_a_precision_mutant_kernel_fails_the_bound_on_the_trace(captured, tmp_path):
     """The verify kernel storing states by truncation: caught by the drift bound on real inputs."""
     path = fresh_copy(captured[0], tmp_path)
     rc, out, _ = cli("run", "--trace", path, "--quiet", "--kernel", "mutant:truncate_store")
-    assert rc == EXIT_FAIL and "drift bound" in out.rstrip().splitlines()[-1]
+    assert rc == EXIT_FAIL and CHECKS.title("drift_bound") in out.rstrip().splitlines()[-1]
 
 
 # ---------------------------------------------------------------------- steps vs the trace
@@ -382,7 +383,7 @@ def test_nightly_replays_the_trace(captured, tmp_path):
     assert set(rep["entries"]) == {"ci-small.trace-t.seed0.sglang-0.5.23.rne", "ci-small.trace-t.seed0.-.sequential"}
     for e in rep["entries"].values():
         assert e["verdict"] == "pass" and e["steps"] == WHOLE and e["config"]["trace"] == str(path)
-        golden = next(c for c in e["checks"] if c["name"] == "golden")
+        golden = next(c for c in e["checks"] if c["key"] == "golden")
         assert golden["verdict"] == "PASS", golden  # validated against the golden beside the trace
     # Explicit steps past the trace: refused before any entry runs.
     rc, _, err = cli("nightly", "--trace", path, "--steps", 1000, "--variant", "rne", "--report", tmp_path / "r2")
@@ -400,7 +401,7 @@ def test_pytest_plugin_replays_the_trace(captured, tmp_path):
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-2000:]
     assert "1 failed, 1 passed" in run.stdout and "step_plus1" in run.stdout
-    assert "committed state" in run.stdout
+    assert CHECKS.title("committed_state") in run.stdout
     assert (trace_golden_dir(path) / "manifest.json").is_file()
 
 

@@ -87,7 +87,7 @@ def test_guarded_loses_tokens_without_padded_rows():
     while with a padded row the same update passes."""
     bad = checks_of(small_cfg(STEPS, num_padded=0, **GUARD), "sglang-31659")
     # A lost token update is order one (measured 2.5 here), not rounding drift (~0.01).
-    assert not bad["committed state"].passed and bad["committed state"].worst > 0.5
+    assert not bad["committed_state"].passed and bad["committed_state"].worst > 0.5
     ok = checks_of(small_cfg(STEPS, num_padded=1, **GUARD), "sglang-31659")
     assert ok["report"].passed
 

@@ -29,9 +29,11 @@ from typing import Optional
 
 import numpy as np
 
+from ..dtypes import STORE_DTYPES
 from .checks import Check
+from .registry import CHECKS, CheckSpec
 from .result import CheckResult
-from .compare import MANTISSA_BITS, MetricsChunk
+from .compare import MetricsChunk
 from .metrics import DriftCurves, growth_exponent, rel_err, ulp_err
 
 # Variance of one store rounding in units of ulp^2: uniform error on [-ulp/2, ulp/2] for
@@ -67,9 +69,9 @@ BOUND_CONSTANT = CALIBRATED_RATIO * BOUND_MARGIN
 
 GROWTH_LIMIT = 0.6  # growth exponent allowed for non-stagnating heads (random walk is 0.5)
 
-# A head is stagnation-prone when its per-step decay a satisfies 1 - a < 2^-8: then
-# fl(a x) == x for bf16 elements whose mantissa is near 1 (relative half-ulp up to 2^-8).
-STAGNATION_MARGIN = {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 2.0**-24}
+# A head is stagnation-prone when its per-step decay a satisfies 1 - a < 2^-p (2^-8 for bf16): then
+# fl(a x) == x for elements whose mantissa is near 1 (relative half-ulp up to 2^-p);
+# drift.dtypes.StoreDtype.stagnation_margin.
 
 
 class BoundCheck(Check):
@@ -79,7 +81,7 @@ class BoundCheck(Check):
     error, the bound (as a relative error) and the bound ratio, and the growth exponent.
     """
 
-    name = "drift bound"
+    key = "drift_bound"
     _state = Check._state + ("env2", "var2", "worst_head", "logdecay_sum", "logdecay_n")
 
     def __init__(self, constant: float = BOUND_CONSTANT, growth_limit: float = GROWTH_LIMIT,
@@ -104,7 +106,7 @@ class BoundCheck(Check):
             self.env2 = np.asarray(self.initial_env2, np.float64).copy()
             self.var2 = np.zeros_like(self.env2)
         # ulp^2 on the fp32 grid = ulp^2 on the state's grid * 4^-(24 - p) (same exponents).
-        self.compute_scale = KAPPA_COMPUTE * 4.0 ** -(COMPUTE_MANTISSA - MANTISSA_BITS[cfg.torch_ssm_dtype])
+        self.compute_scale = KAPPA_COMPUTE * 4.0 ** -(COMPUTE_MANTISSA - STORE_DTYPES[cfg.ssm_dtype].mantissa_bits)
         self.curves = DriftCurves((cfg.num_layers, cfg.num_v_heads))
         self.logdecay_sum = np.zeros((cfg.num_layers, cfg.num_v_heads))  # sum over steps and rows
         self.logdecay_n = 0
@@ -150,7 +152,7 @@ class BoundCheck(Check):
 
     def stagnation_prone(self) -> np.ndarray:
         """``[L, HV]`` bool: heads whose per-step decay is within the dtype's half-ulp of 1."""
-        return (1.0 - self.head_decay()) < STAGNATION_MARGIN[self.cfg.ssm_dtype]
+        return (1.0 - self.head_decay()) < STORE_DTYPES[self.cfg.ssm_dtype].stagnation_margin
 
     def growth(self) -> np.ndarray:
         """``[L, HV]`` growth exponent of the mean relative error (NaN when too short to fit).
@@ -211,7 +213,7 @@ class OutputBound(Check):
     the state envelope); MTP only.
     """
 
-    name = "output bound"
+    key = "output_bound"
 
     def __init__(self):
         super().__init__(1.0)
@@ -241,7 +243,7 @@ class OutputBound(Check):
 class OutputBoundCheck:
     """The :class:`OutputBound` of a :class:`BoundCheck`, as a check result."""
 
-    name = OutputBound.name
+    name = property(lambda self: CHECKS.title("output_bound"))
 
     def __init__(self, bound: BoundCheck):
         self.bound = bound
@@ -255,7 +257,7 @@ class OutputBoundCheck:
 class GrowthCheck:
     """Growth exponent of every non-stagnating head at most GROWTH_LIMIT (reads a BoundCheck)."""
 
-    name = "growth exponent"
+    name = property(lambda self: CHECKS.title("growth_exponent"))
 
     def __init__(self, bound: BoundCheck, limit: float = GROWTH_LIMIT):
         self.bound, self.limit = bound, limit
@@ -276,3 +278,20 @@ class GrowthCheck:
         note = f"{int(prone.sum())} stagnation-prone head(s) not judged" if prone.any() else ""
         return CheckResult(self.name, ok, worst, self.limit, f"layer {l}, head {h}",
                            note if ok else f"error grows like step^{worst:.2f}; {note}".rstrip("; "))
+
+
+def _mtp(ctx) -> bool:
+    return ctx.mode == "mtp"
+
+
+for _spec in (
+    CheckSpec("drift_bound", "drift bound", 70, "state error above `C * envelope` at any step, layer, row, head "
+              "(bf16 drift, biased rounding)", "consumer", build=lambda ctx: BoundCheck(initial_env2=ctx.env2_start)),
+    CheckSpec("growth_exponent", "growth exponent", 80, f"error of a non-stagnating head growing faster than "
+              f"`step^{GROWTH_LIMIT}`", "derived", needs=("drift_bound",),
+              build=lambda ctx: GrowthCheck(ctx.checks["drift_bound"])),
+    CheckSpec("output_bound", "output bound", 90, "output error above the carried state error plus the op's own "
+              "bf16 output rounding (`docs/bounds.md` §8)", "derived", needs=("drift_bound",),
+              build=lambda ctx: OutputBoundCheck(ctx.checks["drift_bound"])),
+):
+    CHECKS.add(_spec)

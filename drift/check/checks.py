@@ -27,6 +27,7 @@ from ..checkpoint import Stateful
 from ..simulate import StopRun
 from .compare import MetricsChunk
 from .metrics import norm_floor, rel_err
+from .registry import CHECKS, CheckSpec, RunContext
 from .result import CheckResult, locate
 
 SEMANTIC_TOL = 0.25
@@ -40,8 +41,12 @@ GOLDEN_TOL = 1e-6
 class Check(Stateful):
     """Base consumer: tracks the worst value and the first place it crossed the limit."""
 
-    name = "check"
+    key = "check"  # its registry key (drift.check.registry); the title comes from there
     _state = ("worst", "worst_where", "first_fail", "seen")
+
+    @property
+    def name(self) -> str:
+        return CHECKS.title(self.key) if self.key in CHECKS else self.key
 
     def __init__(self, limit: Optional[float] = None):
         self.limit = limit
@@ -84,7 +89,7 @@ class Check(Stateful):
 class FiniteCheck(Check):
     """Committed states stay finite; the first NaN/Inf ends the run, named by step, layer, row, head."""
 
-    name = "finite states"
+    key = "finite_states"
 
     def consume(self, chunk: MetricsChunk) -> None:
         bad = ~chunk.finite
@@ -104,7 +109,7 @@ class FiniteCheck(Check):
 class StateCheck(Check):
     """Committed state of every active row vs the twin, relative Frobenius per (layer, head)."""
 
-    name = "committed state"
+    key = "committed_state"
 
     def __init__(self, limit: float = SEMANTIC_TOL):
         super().__init__(limit)
@@ -116,7 +121,7 @@ class StateCheck(Check):
 class OutputCheck(Check):
     """Outputs of the accepted tokens vs the twin's, relative per (layer, head)."""
 
-    name = "outputs"
+    key = "outputs"
 
     def __init__(self, limit: float = SEMANTIC_TOL):
         super().__init__(limit)
@@ -128,7 +133,7 @@ class OutputCheck(Check):
 class ConvWindowCheck(Check):
     """The last Kc-1 rows of every request's conv buffer equal the true inputs, bit for bit."""
 
-    name = "conv windows"
+    key = "conv_windows"
 
     def __init__(self):
         super().__init__(0.0)
@@ -142,7 +147,7 @@ class TrackCheck(Check):
     the conv window equals the true window there (bit-exact), and the state is within the
     semantic threshold of the twin's boundary state."""
 
-    name = "tracked snapshots"
+    key = "tracked_snapshots"
     _state = Check._state + ("tracked", "bits_fail", "conv_fail")
 
     def __init__(self, limit: float = SEMANTIC_TOL):
@@ -192,7 +197,7 @@ class GoldenCheck(Check):
     """The float64 twin agrees with the golden trajectory: projections at every committed
     position and accepted output, full states and conv windows at checkpoints."""
 
-    name = "golden"
+    key = "golden"
     _state = Check._state + ("ckpt_fail",)
 
     def __init__(self, tol: float = GOLDEN_TOL):
@@ -237,12 +242,13 @@ class GoldenCheck(Check):
 
 def untouched_result(violation: Optional[dict], steps: int) -> CheckResult:
     """Verdict of the simulation's slot guard."""
+    name = CHECKS.title("untouched_slots")
     if steps == 0:
-        return CheckResult("untouched slots", False, None, None, "", "no step ran")
+        return CheckResult(name, False, None, None, "", "no step ran")
     if violation is None:
-        return CheckResult("untouched slots", True, None, None, "",
+        return CheckResult(name, True, None, None, "",
                            "every slot neither committed nor tracked stayed bit-identical")
-    return CheckResult("untouched slots", False, None, None, f"step {violation['step']}",
+    return CheckResult(name, False, None, None, f"step {violation['step']}",
                        f"the update wrote {violation['role']} (slot {violation['slot']}) "
                        f"at step {violation['step']}, which it must leave untouched")
 
@@ -250,3 +256,35 @@ def untouched_result(violation: Optional[dict], steps: int) -> CheckResult:
 def core_checks() -> list[Check]:
     """Semantic checks against the reference (golden-validated float64 twin)."""
     return [FiniteCheck(), GoldenCheck(), StateCheck(), OutputCheck(), ConvWindowCheck(), TrackCheck()]
+
+
+def _mtp(ctx: RunContext) -> bool:
+    return ctx.mode == "mtp"
+
+
+def _stopped_early(ctx: RunContext) -> Optional[CheckResult]:
+    if not ctx.info.stopped_early:
+        return None  # reported only when the run did not complete
+    return CheckResult(CHECKS.title("run_completed"), False, None, None, "", f"stopped early: {ctx.info.stopped_early}")
+
+
+for _spec in (
+    CheckSpec("finite_states", "finite states", 10, "a NaN/Inf committed state (the run stops, naming step, "
+              "layer, row, head)", "consumer", build=lambda ctx: FiniteCheck()),
+    CheckSpec("golden", "golden", 20, "the float64 twin disagrees with the golden data (stream, parameters or "
+              "math changed)", "consumer", build=lambda ctx: GoldenCheck()),
+    CheckSpec("committed_state", "committed state", 30, f"a state more than {SEMANTIC_TOL} relative from the "
+              "truth: a semantic error (wrong step, slot, skipped commit)", "consumer", build=lambda ctx: StateCheck()),
+    CheckSpec("outputs", "outputs", 40, f"outputs of accepted tokens more than {SEMANTIC_TOL} relative from the "
+              "truth", "consumer", build=lambda ctx: OutputCheck()),
+    CheckSpec("conv_windows", "conv windows", 50, "the committed conv window differs from the true inputs in any "
+              "bit", "consumer", build=lambda ctx: ConvWindowCheck()),
+    CheckSpec("tracked_snapshots", "tracked snapshots", 60, "a prefix-cache snapshot that is not bit-identical to "
+              "the state at its boundary", "consumer", build=lambda ctx: TrackCheck()),
+    CheckSpec("untouched_slots", "untouched slots", 110, "the update wrote a slot it neither commits nor tracks "
+              "(the dummy slot included)", "run", applies=_mtp,
+              result=lambda ctx: untouched_result(ctx.info.untouched_violation, ctx.info.steps)),
+    CheckSpec("run_completed", "run completed", 140, "the run stopped before its last step (reported only then)",
+              "run", result=_stopped_early),
+):
+    CHECKS.add(_spec)

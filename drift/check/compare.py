@@ -16,6 +16,7 @@ import torch
 
 from ..checkpoint import saveable
 from ..devices import supports_float64
+from ..dtypes import store_dtype
 from ..sim import native
 from ..sim.pool import as_bits
 from ..sim.twin import F64, Float64Twin
@@ -43,7 +44,6 @@ PER_HEAD = (
 )
 # Per row, every step:
 PER_ROW = ("conv_bad", "trk_bits_bad", "trk_conv_bad", "gold_ckpt_bad", "gold_ckpt_dev")
-MANTISSA_BITS = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}
 BATCH_BYTES = 64 << 20  # per-step snapshots held between comparisons (a batch is at most a chunk)
 
 
@@ -51,7 +51,7 @@ def ulp_sq(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``ulp(x)^2`` elementwise: ulp = spacing of ``dtype``'s grid at each element of float64
     ``x`` (``2^(e - p)`` with ``x = m 2^e``, ``m`` in [0.5, 1), p mantissa bits), 0 where x is 0."""
     _, e = torch.frexp(x)
-    sq = torch.exp2((e - MANTISSA_BITS[dtype]).to(x.dtype) * 2.0)
+    sq = torch.exp2((e - store_dtype(dtype).mantissa_bits).to(x.dtype) * 2.0)
     return torch.where(x == 0, torch.zeros_like(x), sq)
 
 
@@ -145,8 +145,8 @@ class Comparison:
         self.ulp2_initial = u2.sum((-1, -2)).cpu().numpy()
         self.ulp4_initial = u2.square().sum((-1, -2)).cpu().numpy()
         self._col_frac = self._columns(u2)
-        self._native_metrics = (dev.type == "cpu" and native.available() and pool.temporal.dtype in MANTISSA_BITS
-                                and pool.temporal.dtype != torch.float16)
+        self._native_metrics = (dev.type == "cpu" and native.available()
+                                and store_dtype(pool.temporal.dtype).native)
         for c in self.consumers:
             c.start(self)
 
@@ -265,7 +265,7 @@ class Comparison:
         buf, twin = self._buf, self.twin
         dtype = self.sim.pool.temporal.dtype
         if self._native_metrics and type(run) is torch.Tensor and run.device.type == "cpu":
-            m, col = native.state_metrics(run.contiguous(), twin.state, MANTISSA_BITS[dtype])
+            m, col = native.state_metrics(run.contiguous(), twin.state, store_dtype(dtype).mantissa_bits)
             for j, name in enumerate(("err2", "ref2", "run2", "ulp2_run", "ulp4_run", "ulp2_bf16")):
                 buf[name][i] = m[..., j]
             buf["finite"][i] = m[..., 6] > 0

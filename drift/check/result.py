@@ -16,6 +16,7 @@ class CheckResult:
     where: str = ""
     detail: str = ""
     extra: dict = field(default_factory=dict)
+    key: str = ""  # the check's registry key (drift.check.registry), set by the run
 
     @property
     def applicable(self) -> bool:
@@ -46,7 +47,7 @@ class CheckResult:
             if isinstance(v, (list, tuple)):
                 return [clean(x) for x in v]
             return None if v is None or (isinstance(v, float) and not math.isfinite(v)) else v
-        return {"name": self.name, "passed": self.passed, "failed": self.failed, "verdict": self.verdict,
+        return {"key": self.key, "name": self.name, "passed": self.passed, "failed": self.failed, "verdict": self.verdict,
                 "worst": clean(self.worst),
                 "limit": clean(self.limit), "where": self.where, "detail": self.detail,
                 **clean(self.extra)}

@@ -13,6 +13,7 @@ from ..checkpoint import restore, saveable
 from ..sim.twin import F64
 from ..simulate import Simulation
 from .metrics import DriftCurves
+from .registry import CHECKS, CheckSpec
 from .result import CheckResult, locate
 
 
@@ -21,7 +22,7 @@ class SequentialShadow:
     measures the MTP-vs-sequential divergence of the committed states (sglang #25587):
     ``||h_mtp - h_seq||_F / ||h_mtp||_F`` per (layer, row, head) and step."""
 
-    name = "MTP vs sequential"
+    name = property(lambda self: CHECKS.title("mtp_vs_sequential"))
 
     def __init__(self):
         self.worst = -math.inf
@@ -76,3 +77,8 @@ class SequentialShadow:
         return CheckResult(self.name, True, self.worst, None, self.where,
                            f"reported, not gated: committed-state divergence; final per (layer, head) {per_head}",
                            extra={"kind": "info", "divergence": self.curves.to_dict()})
+
+
+CHECKS.add(CheckSpec("mtp_vs_sequential", "MTP vs sequential", 100, "never (reported, not gated: the "
+                     "MTP-vs-sequential divergence of the committed states, with `--vs-sequential`)", "observer",
+                     build=lambda ctx: SequentialShadow(), applies=lambda ctx: ctx.vs_sequential))

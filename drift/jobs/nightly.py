@@ -27,11 +27,13 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence, TextIO
 
 from .. import checkpoint
-from ..config import PRESETS, Config, preset
+from ..config import PRESETS, Config
 from ..errors import ConfigError, DataError
 from ..fileio import atomic_write_json, atomic_write_text
 from ..plug.updates import DEFAULT_UPDATE
 from ..runner import CheckedRun, versions
+from ..check.registry import find_result, result_key
+from ..runspec import RunSpec
 from .plots import nightly_plots
 from .report import nightly_markdown
 
@@ -75,20 +77,12 @@ class Entry:
         return f"{self.preset}.seed{self.seed}.{update}.{self.variant}"
 
     def config(self, device: str) -> Config:
-        if self.trace:
-            from ..sim.stream import load_trace
-
-            cfg = Config.from_trace(load_trace(self.trace), preset(self.preset, seed=self.seed, device=device),
-                                    steps=self.steps, loop=self.loop)
-        else:
-            cfg = preset(self.preset, seed=self.seed, steps=self.steps, device=device)
-        if self.layers is not None and self.layers < cfg.num_layers:
-            cfg = cfg.replace(num_layers=self.layers)
-        if not self.graph:
-            cfg = cfg.replace(graph_mode=False)
-        if self.variant == "fp32":
-            return cfg.with_profile("fp32")
-        return cfg.replace(store_rounding="stochastic" if self.variant == "stochastic" else "rne")
+        """The entry's run (drift/runspec.py): the variant picks the rounding or the fp32 profile."""
+        return RunSpec(preset=self.preset, seed=self.seed, steps=self.steps, device=device,
+                       trace=self.trace or None, loop=self.loop, no_graph=not self.graph, layers=self.layers,
+                       profile="fp32" if self.variant == "fp32" else None,
+                       rounding=None if self.variant == "fp32" else
+                       ("stochastic" if self.variant == "stochastic" else "rne")).config()
 
 
 def build_matrix(presets: Sequence[str], seeds: Sequence[int], updates: Sequence[str], variants: Sequence[str],
@@ -185,7 +179,7 @@ def run_entry(entry: Entry, device: str, ckpt_dir: Optional[Path] = None,
                    checkpoint_every=every)
     seconds = prior + time.perf_counter() - t0
     results = run.results(info)
-    syncs = next((r.worst for r in results if r.name == "host syncs"), None)
+    syncs = getattr(find_result(results, "host_syncs"), "worst", None)
     from dataclasses import replace
 
     full = replace(entry, layers=None).config(device)  # the preset's (the trace's) every layer
@@ -225,7 +219,7 @@ def trend(current: dict, baseline: dict, factor: float = TREND_FACTOR) -> list[d
 
 def _curve(entry: dict):
     for c in entry["checks"]:
-        if c["name"] == "drift bound" and c.get("bound"):
+        if result_key(c) == "drift_bound" and c.get("bound"):
             cur = c["bound"]["curves"].get("rel_err")
             return (cur["step"], cur["mean"]) if cur else None
     return None

@@ -8,6 +8,8 @@ from typing import Optional
 
 import numpy as np
 
+from ..check.registry import result_key
+
 METADATA = {"Software": None}  # no version stamp: identical reports give identical files
 
 
@@ -22,7 +24,7 @@ def _plt():
 
 def _curves(entry: dict, name: str) -> Optional[tuple[np.ndarray, np.ndarray]]:
     for c in entry["checks"]:
-        if c["name"] == "drift bound" and c.get("bound"):
+        if result_key(c) == "drift_bound" and c.get("bound"):
             cur = c["bound"]["curves"].get(name)
             if cur and cur["step"]:
                 return np.asarray(cur["step"]), np.asarray(cur["mean"])  # [B], [B, L, H]
@@ -31,7 +33,7 @@ def _curves(entry: dict, name: str) -> Optional[tuple[np.ndarray, np.ndarray]]:
 
 def _decays(entry: dict) -> list[float]:
     for c in entry["checks"]:
-        if c["name"] == "drift bound" and c.get("bound"):
+        if result_key(c) == "drift_bound" and c.get("bound"):
             return list(np.mean(np.asarray(c["bound"]["step_decay"]), axis=0))
     return []
 

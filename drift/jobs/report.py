@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional, TextIO
 
+from ..check.registry import find_result, result_key
 from ..check.result import CheckResult
 from ..fileio import atomic_write_json, atomic_write_text
 from .plots import run_plot
@@ -140,12 +141,12 @@ def progress_printer(label: str, stream: Optional[TextIO] = None) -> Callable[[i
 
 
 # ---------------------------------------------------------------------- nightly
-def _check(entry: dict, name: str) -> Optional[dict]:
-    return next((c for c in entry["checks"] if c["name"] == name), None)
+def _check(entry: dict, key: str) -> Optional[dict]:
+    return find_result(entry["checks"], key)
 
 
 def _bound(entry: dict) -> dict:
-    c = _check(entry, "drift bound")
+    c = _check(entry, "drift_bound")
     return (c or {}).get("bound") or {}
 
 
@@ -163,8 +164,8 @@ def nightly_markdown(rep: dict) -> str:
     rows = []
     for key, e in entries.items():
         en, b = e["entry"], _bound(e)
-        state = _check(e, "committed state") or {}
-        worst_ratio = (_check(e, "drift bound") or {}).get("worst")
+        state = _check(e, "committed_state") or {}
+        worst_ratio = (_check(e, "drift_bound") or {}).get("worst")
         failed = [c["name"] for c in e["checks"] if c["failed"]]
         rows.append([en["preset"], str(en["seed"]), en["update"], en["variant"], str(e["steps"]),
                      e["verdict"].upper(), _fmt(worst_ratio), _fmt(state.get("worst")),
@@ -202,9 +203,9 @@ def nightly_markdown(rep: dict) -> str:
             continue
         t = impls.setdefault(en["update"], {"syncs": 0.0, "ratio": 0.0, "precision": True})
         t["syncs"] = max(t["syncs"], e.get("syncs_per_step") or 0.0)
-        t["ratio"] = max(t["ratio"], (_check(e, "drift bound") or {}).get("worst") or 0.0)
+        t["ratio"] = max(t["ratio"], (_check(e, "drift_bound") or {}).get("worst") or 0.0)
         if en["variant"] == "rne":
-            t["precision"] &= not any(c["failed"] for c in e["checks"] if c["name"] != "host syncs")
+            t["precision"] &= not any(c["failed"] for c in e["checks"] if result_key(c) != "host_syncs")
     lines.append(markdown_table(["update", "syncs/step", "worst bound ratio (all variants)", "precision (rne)", "sync free"],
                                 [[k, _fmt(v["syncs"]), _fmt(v["ratio"]), "PASS" if v["precision"] else "FAIL",
                                   "PASS" if v["syncs"] == 0 else "FAIL"] for k, v in impls.items()]))

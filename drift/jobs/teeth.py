@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from ..config import Config
+from ..check.registry import CHECKS, find_result
+from ..config import FLOWS, Config
 from ..plug.loader import load_kernel, mutant_config
 from ..plug.mutants import MUTANTS
 from ..plug.updates import BUILTINS, DEFAULT_UPDATE
@@ -32,15 +33,15 @@ def mutant_steps(direction: str, steps: int) -> int:
     return steps if direction == "precision" else min(steps, max(SHORT_HORIZON_MIN, steps // SHORT_HORIZON_SHARE))
 
 
-SYNC_CHECK = "host syncs"
+SYNC_CHECK = "host_syncs"
 GUARDED = "sglang-31659"  # the built-in with the .item() precision guard
 
 
 def _verdicts(rep) -> tuple[list[str], Optional[float], Optional[float]]:
-    """(names of failed gated checks, worst bound ratio, syncs per step)."""
-    failed = [c.name for c in rep.checks if c.failed]
-    ratio = next((c.worst for c in rep.checks if c.name == "drift bound"), None)
-    syncs = next((c.worst for c in rep.checks if c.name == SYNC_CHECK), None)
+    """(keys of failed gated checks, worst bound ratio, syncs per step)."""
+    failed = [c.key for c in rep.checks if c.failed]
+    ratio = getattr(find_result(rep.checks, "drift_bound"), "worst", None)
+    syncs = getattr(find_result(rep.checks, SYNC_CHECK), "worst", None)
     return failed, ratio, syncs
 
 
@@ -68,11 +69,8 @@ def catalogue(cfg: Config, names: Optional[Sequence[str]] = None) -> list[dict]:
     return [evaluate_mutant(n, cfg) for n in (names or list(MUTANTS))]
 
 
-FLOWS = ("sglang", "accepted")
-
-
 def tradeoff(cfg: Config, impls: Sequence[str] = tuple(BUILTINS), unpadded_guard: bool = True,
-             flows: Sequence[str] = FLOWS) -> list[dict]:
+             flows: Sequence[str] = FLOWS.names()) -> list[dict]:
     """One row per built-in and verify flow (docs/semantics.md §6) on ``cfg``; with
     ``unpadded_guard`` also ``sglang-31659`` on the same batch without padded rows (its guard never
     fires while a padded row carries step -1). Syncs and bytes are the update's own (the same in
@@ -88,7 +86,7 @@ def tradeoff(cfg: Config, impls: Sequence[str] = tuple(BUILTINS), unpadded_guard
             rep = run_checked(c, impl)
             failed, ratio, syncs = _verdicts(rep)
             cost = costs[label]
-            state = next(x for x in rep.checks if x.name == "committed state")
+            state = find_result(rep.checks, "committed_state")
             rows.append({"impl": label, "flow": flow, "syncs_per_step": syncs, "bytes_per_step": cost.bytes_per_step,
                          "worst_bound_ratio": ratio, "worst_state_error": state.worst,
                          "precision_ok": not [f for f in failed if f != SYNC_CHECK],
@@ -109,7 +107,7 @@ def mutants_markdown(rows: Sequence[dict], cfg: Config) -> str:
              f"{mutant_steps('sync', cfg.steps)})", "",
              "| mutant | direction | what it does | modelled on | caught by |", "|---|---|---|---|---|"]
     for r in rows:
-        by = ", ".join(r["caught_by"]) if r["caught"] else "**NOT CAUGHT**"
+        by = ", ".join(CHECKS.title(k) for k in r["caught_by"]) if r["caught"] else "**NOT CAUGHT**"
         lines.append(f"| `{r['mutant']}` | {r['direction']} | {r['description']} | {r['thread'] or '-'} | {by} |")
     return "\n".join(lines)
 

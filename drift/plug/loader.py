@@ -6,11 +6,9 @@ Update specs: a built-in (:data:`drift.plug.updates.BUILTINS`), ``mutant:<name>`
 a class method receives drift's harness as ``self``, and every parameter it declares beyond
 those four (``model``, ``req_pool_indices``, ...) receives ``None``.
 
-Kernel specs (:data:`KERNELS`): ``portable`` (drift's own op, the default), ``npu`` (the op
-sgl-kernel-npu registers, called as SGLang calls it), ``npu-op:<module|file.py>:<qualname>`` (any
-callable with that op's signature, through the same adapter), ``npu-legacy``
-(``torch_npu.npu_recurrent_gated_delta_rule``), ``sglang-triton`` (SGLang's CUDA Triton kernel),
-``mutant:<name>``, or a ``module|file.py:qualname`` that is itself a
+Kernel specs: a built-in of :data:`KERNELS` (``portable``, the default, and the engines' ops
+through their adapters; ``npu-op:<module|file.py>:<qualname>`` takes any callable with the NPU op's
+signature), ``mutant:<name>``, or a ``module|file.py:qualname`` that is itself a
 :data:`drift.sim.kernels.VerifyKernel` (``kernel(args: VerifyArgs) -> bf16 out``).
 """
 
@@ -21,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from ..errors import LoadError
+from ..registry import Registry
 from ..sim import kernels
 from ..sim.kernels import VerifyKernel
 from .mutants import MUTANTS, Mutant
@@ -31,12 +30,66 @@ from .triton_kernel import sglang_triton_function, triton_adapter
 from .updates import BUILTINS, RENAMED
 
 REQUIRED = ("self", "last_correct_step_indices", "mamba_track_indices", "mamba_steps_to_track")
-KERNELS = {  # built-in kernel specs -> what they load
-    "portable": "drift's own op (drift.sim.kernels.recurrent_gated_delta_rule)",
-    "npu": "torch.ops.npu.recurrent_gated_delta_rule from sgl_kernel_npu, called as SGLang 0.5.23 calls it",
-    "npu-legacy": "torch_npu.npu_recurrent_gated_delta_rule (the older public op)",
-    "sglang-triton": "SGLang 0.5.23's Triton fused_recurrent_gated_delta_rule_update (CUDA)",
-}
+
+
+@dataclass(frozen=True)
+class Conformance:
+    """How close a kernel must come to drift's portable op on one verify call of the same inputs
+    (the kernel tests assert it with :func:`torch.testing.assert_close` on the stored scratch
+    states and the outputs): ``rtol``/``atol`` per quantity, and why that much."""
+
+    state_rtol: float
+    state_atol: float
+    output_rtol: float
+    output_atol: float
+    why: str
+
+
+# The same fp32 math summed in another order: a stored state can land on the other side of a
+# bf16 rounding boundary, one bf16 ulp (2^-7 relative at most); outputs likewise.
+REORDERED_FP32 = Conformance(2 ** -7, 1e-3, 2 ** -7, 2e-3, "fp32 math in another summation order: one bf16 "
+                             "rounding boundary (2^-7 relative) at most")
+
+
+@dataclass(frozen=True)
+class KernelEntry:
+    """A built-in verify kernel: ``factory(arg)`` loads it (LoadError saying what is missing when it
+    cannot run here: the availability probe); ``arg`` is the text after ``name:`` for kernels that
+    take one (``npu-op:<spec>``); ``conformance`` is what it must meet against the portable op."""
+
+    name: str
+    description: str
+    factory: Callable[[Optional[str]], VerifyKernel]
+    conformance: Conformance
+    takes_arg: bool = False
+
+
+def _npu_op(arg: Optional[str]) -> VerifyKernel:
+    op = resolve_spec(arg or "", "kernel")
+    if not callable(op):
+        raise LoadError(f"kernel spec 'npu-op:{arg}' resolves to a {type(op).__name__}, not the op")
+    return npu_op_adapter(op)
+
+
+KERNELS: Registry[KernelEntry] = Registry("verify kernel")
+for _k in (
+    KernelEntry("portable", "drift's own op (drift.sim.kernels.recurrent_gated_delta_rule)",
+                lambda arg: kernels.recurrent_gated_delta_rule,
+                Conformance(0.0, 0.0, 0.0, 0.0, "the reference itself")),
+    KernelEntry("npu", "torch.ops.npu.recurrent_gated_delta_rule from sgl_kernel_npu, called as SGLang 0.5.23 "
+                "calls it (srt/hardware_backend/npu/attention/ascend_gdn_backend.py)",
+                lambda arg: npu_op_adapter(sgl_kernel_npu_op()), REORDERED_FP32),
+    KernelEntry("npu-op", "any callable with that op's signature through the same adapter (a stand-in or a new "
+                "build): npu-op:<module|file.py>:<qualname>", _npu_op, REORDERED_FP32, takes_arg=True),
+    KernelEntry("npu-legacy", "torch_npu.npu_recurrent_gated_delta_rule (the older public op)",
+                lambda arg: legacy_adapter(torch_npu_legacy_op()),
+                # its post-sigmoid beta in bf16 moves states by about 2^-9 relative per token (vLLM #53877)
+                Conformance(2 ** -6, 1e-2, 2 ** -6, 1e-2, "beta rounded to bf16 after the sigmoid")),
+    KernelEntry("sglang-triton", "SGLang 0.5.23's Triton fused_recurrent_gated_delta_rule_update (CUDA; "
+                "srt/layers/attention/fla/fused_recurrent.py)",
+                lambda arg: triton_adapter(sglang_triton_function()), REORDERED_FP32),
+):
+    KERNELS.register(_k.name, _k)
 
 
 @dataclass
@@ -114,21 +167,15 @@ def load_update(spec: "str | Callable | Update") -> Update:
 
 def load_kernel(spec: "str | VerifyKernel | None") -> VerifyKernel:
     """A verify kernel from a spec (see the module docstring); LoadError names the spec."""
-    if spec is None or spec == "portable":
+    if spec is None:
         return kernels.recurrent_gated_delta_rule
     if callable(spec):
         return spec
-    if spec == "npu":
-        return npu_op_adapter(sgl_kernel_npu_op())
-    if spec == "npu-legacy":
-        return legacy_adapter(torch_npu_legacy_op())
-    if spec == "sglang-triton":
-        return triton_adapter(sglang_triton_function())
-    if spec.startswith("npu-op:"):
-        op = resolve_spec(spec[len("npu-op:"):], "kernel")
-        if not callable(op):
-            raise LoadError(f"kernel spec {spec!r} resolves to a {type(op).__name__}, not the op")
-        return npu_op_adapter(op)
+    name, _, arg = spec.partition(":")
+    if name in KERNELS and KERNELS[name].takes_arg and not arg:
+        raise LoadError(f"kernel spec {spec!r} needs its argument: {name}:<module|file.py>:<qualname>")
+    if name in KERNELS and KERNELS[name].takes_arg == bool(arg):
+        return KERNELS[name].factory(arg or None)
     if spec.startswith(MUTANT_PREFIX):
         return mutant(spec, "kernel").fn
     if ":" not in spec:

@@ -4,11 +4,8 @@ Pool layout follows SGLang 0.5.23's MambaPool (docs/semantics.md §4):
   temporal          ``[L, slots, HV, V, K]`` committed SSM states
   intermediate_ssm  ``[L, rows + 1, D, HV, V, K]`` verify scratch (row ``rows`` is spare)
   conv[0]           ``[L, slots, W, C]`` conv windows, NPU extended window
-Layouts (``Config.layout``): ``contiguous`` (the deployment: every tensor dense);
-``transposed`` (temporal and intermediate_ssm transposed views of ``[.., K, V]`` storage, conv
-a transposed view of channel-major ``[.., C, W]`` storage: code that silently works on a
-``.contiguous()`` copy or a ``reshape`` loses its writes, sgl-kernel-npu #748); ``mixed``
-(temporal transposed, scratch and conv dense: a logical copy and a raw copy differ).
+The layout (``Config.layout``) is an entry of :data:`drift.layouts.LAYOUTS`, which allocates the
+three tensors (dense, or transposed views that lose the writes of code working on a copy).
 
 A state's meaning is its raw memory in ``[HV, V, K]`` order, the verify op's ABI
 (docs/semantics.md §4-§5): :func:`raw_state` reinterprets a slot's block that way whatever the
@@ -25,6 +22,8 @@ import numpy as np
 import torch
 
 from ..config import Config
+from ..dtypes import store_dtype
+from ..layouts import LAYOUTS
 
 STALE = float("nan")  # fills the dummy slot and never-valid rows: any read of them shows
 
@@ -49,17 +48,10 @@ class StatePool:
         HV, K, V = cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
         sdt, cdt = cfg.torch_ssm_dtype, cfg.torch_conv_dtype
         W, C = cfg.conv_window, cfg.conv_channels
-        kw = dict(device=device)
-        if cfg.layout in ("transposed", "mixed"):
-            self.temporal = torch.zeros(L, S, HV, K, V, dtype=sdt, **kw).transpose(-1, -2)
-        else:
-            self.temporal = torch.zeros(L, S, HV, V, K, dtype=sdt, **kw)
-        if cfg.layout == "transposed":
-            self.intermediate_ssm = torch.zeros(L, N + 1, D, HV, K, V, dtype=sdt, **kw).transpose(-1, -2)
-            self.conv = torch.zeros(L, S, C, W, dtype=cdt, **kw).transpose(-1, -2)
-        else:
-            self.intermediate_ssm = torch.zeros(L, N + 1, D, HV, V, K, dtype=sdt, **kw)
-            self.conv = torch.zeros(L, S, W, C, dtype=cdt, **kw)
+        layout = LAYOUTS[cfg.layout]
+        self.temporal = layout.state((L, S, HV), V, K, sdt, device)
+        self.intermediate_ssm = layout.scratch((L, N + 1, D, HV), V, K, sdt, device)
+        self.conv = layout.conv((L, S), W, C, cdt, device)
         rng = np.random.default_rng([cfg.seed, 0x5107])
         perm = 1 + rng.permutation(S - 1)
         R = cfg.num_requests
@@ -134,7 +126,7 @@ def raw_state(t: torch.Tensor) -> torch.Tensor:
 
 def as_bits(t: torch.Tensor) -> torch.Tensor:
     """Same-width integer view of a 2- or 4-byte float tensor (any strides): NaN-safe bit compares."""
-    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+    return t.view(store_dtype(t.dtype).int_view)
 
 
 class _ForwardMetadata:

@@ -13,6 +13,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from ..check.registry import CHECKS
 from ..check.result import CheckResult
 from ..config import Config
 from ..devices import resolve_device
@@ -174,11 +175,11 @@ def sync_check(cfg: Config, update: str | Update | Callable = DEFAULT_UPDATE, st
              "steps": scan.steps, "detectors": detectors,
              "events": [e.to_dict() for e in events[:10]]}
     if not events:
-        return CheckResult("host syncs", passed=True, worst=0.0, limit=0.0, where="",
-                           detail=f"no host-device sync in {what}", extra=extra)
+        return CheckResult(CHECKS.title("host_syncs"), passed=True, worst=0.0, limit=0.0, where="",
+                           detail=f"no host-device sync in {what}", extra=extra, key="host_syncs")
     sites = list(dict.fromkeys(f"{e.op} at {e.where}" for e in events))
     detail = (f"{len(events)} syncs in {what}: " + "; ".join(sites[:4])
               + (f"; {len(sites) - 4} more sites" if len(sites) > 4 else "")
               + ". Keep the hot path device-side (torch.where, fixed-shape ops).")
-    return CheckResult("host syncs", passed=False, worst=per_step, limit=0.0, where=events[0].describe(),
-                       detail=detail, extra=extra)
+    return CheckResult(CHECKS.title("host_syncs"), passed=False, worst=per_step, limit=0.0, where=events[0].describe(),
+                       detail=detail, extra=extra, key="host_syncs")

@@ -1,0 +1,59 @@
+"""Store dtypes: every fact drift uses about a state's storage dtype, in one table.
+
+An entry gives the torch dtype, its mantissa bits ``p`` (precision, the implicit bit included:
+bf16 8, fp16 11, fp32 24 -- IEEE 754 / the bfloat16 format), the unit roundoff ``u = 2^-p``
+(the largest relative error of one round-to-nearest store, docs/bounds.md §2), the stagnation
+margin (a head whose per-token decay ``a`` has ``1 - a`` below it can have ``fl(a x) == x`` for
+elements near a power of two: half an ulp relative, ``2^-p``, docs/bounds.md §5), the
+same-width integer view used for NaN-safe bit comparisons, and whether drift's native CPU
+kernels handle it (drift/sim/_native/gdn_verify.c: fp32 compute, bf16 or fp32 stores).
+
+Adding a dtype (fp16 or fp8 states, say) is one :func:`register` line here plus calibration data
+for the bound (docs/extending.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .registry import Registry
+
+
+@dataclass(frozen=True)
+class StoreDtype:
+    """One storage dtype of the committed state, the scratch or the conv window."""
+
+    name: str
+    torch_dtype: torch.dtype
+    mantissa_bits: int  # p, implicit bit included
+    int_view: torch.dtype  # same-width integer: bit-exact, NaN-safe comparisons
+    native: bool  # drift's native CPU kernels store into it
+
+    @property
+    def unit_roundoff(self) -> float:
+        """u = 2^-p: the largest relative error of one round-to-nearest store."""
+        return 2.0 ** -self.mantissa_bits
+
+    @property
+    def stagnation_margin(self) -> float:
+        """``1 - a`` below this makes a decay by ``a`` a no-op on some stored elements: 2^-p."""
+        return 2.0 ** -self.mantissa_bits
+
+
+STORE_DTYPES: Registry[StoreDtype] = Registry("store dtype")
+for _entry in (StoreDtype("bfloat16", torch.bfloat16, 8, torch.int16, True),
+               StoreDtype("float16", torch.float16, 11, torch.int16, False),
+               StoreDtype("float32", torch.float32, 24, torch.int32, True)):
+    STORE_DTYPES.register(_entry.name, _entry)
+
+
+def store_dtype(dtype: "str | torch.dtype") -> StoreDtype:
+    """The entry of a dtype given by name or as a torch dtype (ConfigError listing the known ones)."""
+    if isinstance(dtype, torch.dtype):
+        for entry in STORE_DTYPES.values():
+            if entry.torch_dtype == dtype:
+                return entry
+        dtype = str(dtype).replace("torch.", "")
+    return STORE_DTYPES[dtype]
