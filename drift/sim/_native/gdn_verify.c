@@ -1,9 +1,12 @@
 /* drift native CPU kernel: the GDN verify op (SGLang's NPU op semantics, docs/semantics.md
  * §5-§6) for float32 compute and round-to-nearest-even stores. It computes what
- * drift.sim.kernels.recurrent_gated_delta_rule's torch-op path computes: per (layer, row, value
- * head) the state is loaded once into a float32 scratch block and kept there across the row's
- * tokens; per token each of its V rows takes one pass (decay, h.k, the rank-1 update, h.q) and
- * the state after the token is staged in the scratch's dtype and streamed out.
+ * drift.sim.kernels.recurrent_gated_delta_rule's torch-op path computes. The rows of a state
+ * evolve independently (row r needs only v[r] besides the shared q, k, decay and beta), so per
+ * (layer, row, value head) the state is taken GR rows at a time: loaded once into a float32
+ * scratch block that stays in L1 across the row's tokens; per token each row takes two passes
+ * (decay and h.k; the rank-1 update and h.q), the GR rows interleaved so their dot products
+ * overlap, and the rows after the token are rounded to the scratch's dtype and streamed out
+ * (non-temporal stores, a cache line at a time where AVX-512 is there).
  * Built and loaded by drift/sim/native.py; no torch or Python headers.
  *
  * Work items are w = (l * B + b) * HV + hv; drift_rgdr splits [0, L*B*HV) over OpenMP threads.
@@ -15,7 +18,7 @@
  *         scratch index; dst: int64 [B, S], the scratch block receiving the state after token t;
  * q, k  : float32 dense [L, B, S, HV, K]; v, out: float32 dense [L, B, S, HV, V];
  * dec, beta: float32 dense [L, B, S, HV] (dec = exp(g), beta = sigmoid(b): computed by the caller);
- * work  : float32 scratch of 2*K*V floats per thread.
+ * work  : float32 scratch of 2*K*V floats per thread (min(GR, V) rows and their staged copy).
  */
 #include <stdint.h>
 #include <math.h>
