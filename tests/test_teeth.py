@@ -73,11 +73,11 @@ def test_mutant_is_caught_over_a_longer_horizon(name):
     assert r["caught"] and EXPECTED[r["direction"]] & set(r["caught_by"]), (name, r["caught_by"])
 
 
-# Five seeds per implementation under the nightly marker; in the PR suite two each, none of them
-# seed 0: the trade-off runs both implementations on seed 0 over the same horizon, and
+# Five seeds per implementation under the nightly marker; in the PR suite one each, not seed 0:
+# the trade-off runs both implementations on seed 0 over the same horizon, and
 # test_tradeoff_reports_the_seesaw asserts sglang-0.5.23 passes every check there and
 # sglang-32130 every check but the host sync of its tracking path (off here).
-SEEDS, PR_SEEDS = range(5), {"sglang-0.5.23": (1, 3), "sglang-32130": (2, 4)}
+SEEDS, PR_SEEDS = range(5), {"sglang-0.5.23": (1,), "sglang-32130": (2,)}
 NO_ALARM = [pytest.param(impl, tracking, seed, steps, id=f"{impl}-{tracking}-{seed}-{label}",
                          marks=marks)
             for steps, label, marks in ((TEETH_STEPS, f"pr{TEETH_STEPS}", ()),
