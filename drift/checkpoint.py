@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 
 from .errors import DataError
-from .fileio import atomic_write_bytes
+from .fileio import atomic_write_bytes, require_file
 
 _ND = "__ndarray__"
 
@@ -73,11 +74,16 @@ def save(path: str | os.PathLike, payload: dict) -> None:
 
 def load(path: str | os.PathLike) -> dict:
     """Read a checkpoint written by :func:`save` (no pickle: weights_only)."""
-    path = Path(path)
+    path = require_file(Path(path), "checkpoint", "delete it, or run without --resume")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        # torch's own message goes on to advise weights_only=False, which would run the file's code: never.
+        raise DataError(f"checkpoint {path} cannot be read (it holds objects other than tensors, numbers and "
+                        "strings, so it is no drift checkpoint; drift never unpickles code)") from None
     except Exception as exc:
-        raise DataError(f"checkpoint {path} cannot be read ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from exc
+        first = str(exc).splitlines()[0][:300] if str(exc) else ""
+        raise DataError(f"checkpoint {path} cannot be read ({type(exc).__name__}: {first})") from None
     if not isinstance(state, dict):
         raise DataError(f"checkpoint {path} holds a {type(state).__name__}, not a drift checkpoint")
     return state

@@ -19,15 +19,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import signal
 import sys
-import tempfile
+import threading
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from .config import Config, preset
 from .devices import resolve_device
 from .errors import EXIT_FAIL, EXIT_PASS, ConfigError, DriftError, UpdateRaised
+from .fileio import output_file, output_files, writable_dir
 from .options import CONFIG_OPTIONS, RUN_OPTIONS, add_options, dest, positive_int
 from .plug.loader import load_kernel, load_update
 from .plug.mutants import MUTANTS
@@ -35,25 +36,19 @@ from .plug.updates import BUILTINS
 from .runspec import RunSpec
 
 PROG = "drift"
+REPORT_FILES = ("report.json", "report.md", "drift_vs_step.png")  # what --report DIR receives
+NIGHTLY_FILES = REPORT_FILES + ("mtp_vs_sequential.png", "rounding_modes.png")
 
 
 # ------------------------------------------------------------------ helpers
 def config_from_args(args: argparse.Namespace, **fixed) -> Config:
-    """The :class:`RunSpec` of the options this command has (drift/runspec.py), as a validated Config."""
-    return RunSpec.from_options(lambda name: getattr(args, dest("", name), None), **fixed).config()
+    """The :class:`RunSpec` of the options this command has (drift/runspec.py), as a validated Config
+    whose states fit this machine (refused here, not by the allocator)."""
+    from .sim.pool import check_fits
 
-
-def writable_dir(path: Path, option: str) -> Path:
-    """Create ``path`` and prove a file can be written there, before any work starts."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".drift-probe-", dir=path)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        raise ConfigError(f"{option} {path}: cannot write there ({exc.strerror or exc}); pass a writable "
-                          "directory") from None
-    return path
+    cfg = RunSpec.from_options(lambda name: getattr(args, dest("", name), None), **fixed).config()
+    check_fits(cfg)
+    return cfg
 
 
 def _output_format(p: argparse.ArgumentParser) -> None:
@@ -76,7 +71,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .runner import run_checked
 
     cfg = config_from_args(args)
-    report_dir = writable_dir(args.report, "--report") if args.report else None
+    report_dir = output_files(args.report, REPORT_FILES, "--report") if args.report else None
     update = load_update(args.update) if args.mode == "mtp" else None
     kernel = load_kernel(args.kernel)
     golden = None
@@ -171,9 +166,14 @@ def add_nightly(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variant", action="append", default=[], choices=VARIANTS,
                    help=f"store variant (repeatable; default: all of {', '.join(VARIANTS)})")
     p.add_argument("--layers", default="auto", help=f"auto ({CPU_LAYERS} on cpu, all elsewhere), all, or N")
-    p.add_argument("--report", type=Path, default=Path("nightly-report"), metavar="DIR", help="report directory")
+    p.add_argument("--report", type=Path, default=Path("nightly-report"), metavar="DIR",
+                   help="report directory (default: nightly-report; one holding a report is refused without "
+                        "--resume or --force)")
     p.add_argument("--checkpoint-every", type=positive_int, default=DEFAULT_CHECKPOINT_EVERY, metavar="N")
-    p.add_argument("--resume", action="store_true", help="continue from checkpoints and finished entries")
+    p.add_argument("--resume", action="store_true", help="continue from checkpoints and finished entries (those "
+                   "of exactly this configuration; the others are redone, saying why)")
+    p.add_argument("--force", action="store_true", help="overwrite a report already in --report (without --resume "
+                   "or --force a directory that holds one is refused)")
     p.add_argument("--shard", help="run shard K of N (K/N), e.g. 2/4")
     p.add_argument("--baseline", type=Path, help="previous report.json: flag heads whose error grew")
     p.add_argument("--trend-factor", type=float, default=TREND_FACTOR)
@@ -182,8 +182,8 @@ def add_nightly(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_nightly(args: argparse.Namespace) -> int:
-    from .jobs.nightly import (DEFAULT_STEPS, VARIANTS, build_matrix, layers_for, parse_shard, read_report,
-                               run_nightly, shard)
+    from .jobs.nightly import (DEFAULT_STEPS, VARIANTS, build_matrix, layers_for, locked, match_baseline,
+                               parse_shard, read_report, run_nightly, shard)
     from .jobs.report import progress_printer
 
     presets, updates = args.nightly_defaults
@@ -195,20 +195,34 @@ def cmd_nightly(args: argparse.Namespace) -> int:
     steps = args.steps if (args.steps is not None or args.trace) else DEFAULT_STEPS
     entries = build_matrix(args.preset or presets, args.seed or [0], updates, args.variant or VARIANTS,
                            steps, layers, trace=args.trace or "", loop=args.loop, graph=not args.no_graph)
-    for e in entries:
-        e.config(args.device)  # a bad trace, option or steps past a trace's end: an error now, not after hours
+    from .sim.pool import check_fits
+
+    for e in entries:  # a bad trace, option, steps past a trace's end or states too large: an error now
+        check_fits(e.config(args.device))
     k, n = parse_shard(args.shard)
     mine = shard(entries, k, n)
     baseline = read_report(args.baseline) if args.baseline else None
+    if baseline is not None:
+        unmatched = match_baseline(baseline, [e.key for e in mine], args.baseline)
+        if unmatched:
+            print(f"drift nightly: --baseline {args.baseline} has no entry for {len(unmatched)} of this run's "
+                  f"{len(mine)} entries; they get no trend: {', '.join(unmatched)}", file=sys.stderr)
     if not args.trend_factor > 0:
         raise ConfigError(f"--trend-factor {args.trend_factor} is invalid; allowed: a number > 0")
-    out = writable_dir(args.report, "--report")
+    out = output_files(args.report, NIGHTLY_FILES, "--report")
+    for sub in ("entries", "checkpoints"):
+        writable_dir(out / sub, "--report")
+    if (out / "report.json").exists() and not (args.resume or args.force):
+        raise ConfigError(f"--report {out} already holds a report (report.json); pass --resume to continue that "
+                          "run, --force to overwrite it, or another --report directory")
     steps_text = f"{steps} steps" if steps is not None else "the whole trace"
-    print(f"drift nightly: {len(mine)} of {len(entries)} entries (shard {k}/{n}), {steps_text} each, "
-          f"device {args.device}" + (f", at most {layers} layers per preset" if layers else "")
-          + (f", trace {args.trace}" + (" (looped)" if args.loop else "") if args.trace else ""), file=sys.stderr)
-    report, written = run_nightly(entries, mine, f"{k}/{n}", args.device, out, args.checkpoint_every, args.resume,
-                                  baseline, args.trend_factor, None if args.quiet else progress_printer)
+    with locked(out):
+        print(f"drift nightly: {len(mine)} of {len(entries)} entries (shard {k}/{n}), {steps_text} each, "
+              f"device {args.device}" + (f", at most {layers} layers per preset" if layers else "")
+              + (f", trace {args.trace}" + (" (looped)" if args.loop else "") if args.trace else ""), file=sys.stderr)
+        report, written = run_nightly(entries, mine, f"{k}/{n}", args.device, out, args.checkpoint_every,
+                                      args.resume, baseline, args.trend_factor,
+                                      None if args.quiet else progress_printer)
     for path in written:
         print(f"wrote {path}")
     if report["trend"]:
@@ -227,7 +241,7 @@ def add_report(p: argparse.ArgumentParser) -> None:
 def cmd_report(args: argparse.Namespace) -> int:
     from .jobs.nightly import merge
 
-    out = writable_dir(args.out, "--out")
+    out = output_files(args.out, NIGHTLY_FILES, "--out")
     rep = merge(args.dirs, out)
     print(f"merged {len(rep['entries'])} entries into {out}")
     return EXIT_PASS if rep["verdict"] == "pass" else EXIT_FAIL
@@ -303,9 +317,11 @@ def cmd_regen_golden(args: argparse.Namespace) -> int:
         base = preset(args.preset[0] if args.preset else DEFAULT_PRESET)
         base = base.replace(seed=args.seed) if args.seed is not None else base
         cfg = Config.from_trace(load_trace(args.trace), base)
-        writable_dir(trace_golden_dir(args.trace), "--trace (its golden directory)")
+        gdir = trace_golden_dir(args.trace)  # created only once its data is generated: none is left empty
+        writable_dir(gdir if gdir.exists() else gdir.parent, "--trace (its golden directory)")
         return write_trace_golden(cfg, force=args.force, out=sys.stdout)
-    directory = writable_dir(args.golden_dir or golden_dir(), "--golden-dir")
+    where = "--golden-dir" if args.golden_dir else "the golden directory ($DRIFT_GOLDEN_DIR or drift's own)"
+    directory = writable_dir(args.golden_dir or golden_dir(), where)
     return regenerate(args.preset or args.golden_presets, args.seed, args.force, directory)
 
 
@@ -353,7 +369,8 @@ def cmd_capture(args: argparse.Namespace) -> int:
     from .sim.tracefile import read_trace, trace_paths
 
     npz, man = trace_paths(args.out)
-    writable_dir(npz.parent, "--out")
+    output_file(npz, "--out")
+    output_file(man, "--out")
     if args.model != "tiny" and not (Path(args.model) / "config.json").is_file():
         raise ConfigError(f"--model {args.model}: not a checkpoint directory (no config.json); pass tiny or a local "
                           "Hugging Face model directory (drift capture downloads nothing)")
@@ -404,7 +421,7 @@ def cmd_trace_stats(args: argparse.Namespace) -> int:
     from .sim.tracefile import read_trace
 
     if args.plot is not None:
-        writable_dir(args.plot.parent if str(args.plot.parent) else Path("."), "--plot")
+        output_file(args.plot, "--plot")
     tr = read_trace(args.file)
     stats = {"trace": trace_stats(tr), "presets": preset_stats(tokens=args.preset_tokens)}
     if args.plot is not None:
@@ -449,8 +466,27 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread like KeyboardInterrupt is for SIGINT: every atomic write
+    in flight removes its temporary file, nothing half-written is left, and drift exits 143."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from .plug.extensions import load_extensions
+
+    try:
+        load_extensions()  # $DRIFT_EXTENSIONS: entries they register become choices of the options
+    except DriftError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
     args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return args.func(args)
     except UpdateRaised as exc:
@@ -459,6 +495,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except DriftError as exc:
         print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except (KeyboardInterrupt, Terminated) as exc:
+        name, code = ("SIGINT", 130) if isinstance(exc, KeyboardInterrupt) else ("SIGTERM", 143)
+        print(f"{PROG} {args.command}: interrupted ({name}); finished files are intact, nothing half-written "
+              "is left (run it again; a nightly continues with --resume)", file=sys.stderr)
+        return code
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -84,7 +84,7 @@ for _p in (
     PROFILES.register(_p.name, _p)
 
 
-# drift.stream keys its generators with the seed masked to 32 bits: a larger seed would
+# drift.sim.stream keys its generators with the seed masked to 32 bits: a larger seed would
 # silently replay the stream of seed % 2^32 under a different stream_hash.
 SEED_MAX = 2**32 - 1
 # Request r's prompt is prefill_len + PREFILL_STAGGER * r tokens long, so rows cross track
@@ -119,7 +119,7 @@ class Config:
     seed: int = 0
     # Marginal acceptance rate of draft positions 1..D-1 (non-increasing).
     acceptance: tuple[float, ...] = (0.85, 0.46, 0.19)
-    pattern: str = "mixed"  # acceptance pattern, see drift.stream
+    pattern: str = "mixed"  # acceptance pattern, see drift.sim.stream
     # Median per-token decay exp(g) of each value head (same for every layer).
     decays: tuple[float, ...] = (0.5, 0.9, 0.98, 0.995)
     key_rank: int = 0  # 0: keys span all K dims; r > 0: keys in r coordinates

@@ -28,8 +28,12 @@ class StoreDtype:
     name: str
     torch_dtype: torch.dtype
     mantissa_bits: int  # p, implicit bit included
-    int_view: torch.dtype  # same-width integer: bit-exact, NaN-safe comparisons
     native: bool  # drift's native CPU kernels store into it
+
+    @property
+    def int_view(self) -> torch.dtype:
+        """The same-width integer dtype: bit-exact, NaN-safe comparisons (:func:`as_bits`)."""
+        return INT_OF_WIDTH[self.torch_dtype.itemsize]
 
     @property
     def unit_roundoff(self) -> float:
@@ -42,10 +46,18 @@ class StoreDtype:
         return 2.0 ** -self.mantissa_bits
 
 
+INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # bytes -> integer dtype
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """Same-width integer view of a float tensor (any strides, any width): bit-exact, NaN-safe compares."""
+    return t.view(INT_OF_WIDTH[t.element_size()])
+
+
 STORE_DTYPES: Registry[StoreDtype] = Registry("store dtype")
-for _entry in (StoreDtype("bfloat16", torch.bfloat16, 8, torch.int16, True),
-               StoreDtype("float16", torch.float16, 11, torch.int16, False),
-               StoreDtype("float32", torch.float32, 24, torch.int32, True)):
+for _entry in (StoreDtype("bfloat16", torch.bfloat16, 8, True),
+               StoreDtype("float16", torch.float16, 11, False),
+               StoreDtype("float32", torch.float32, 24, True)):
     STORE_DTYPES.register(_entry.name, _entry)
 
 

@@ -33,12 +33,17 @@ class DataError(DriftError, RuntimeError):
     """A file drift reads (checkpoint, report, trace) is damaged or of the wrong kind."""
 
 
+class WriteError(DriftError, OSError):
+    """An output could not be written (a full disk, no permission); nothing partial is left."""
+
+
 class DeviceUnavailable(DriftError, RuntimeError):
     """The requested accelerator is not present on this machine."""
 
 
 class UpdateRaised(DriftError, RuntimeError):
-    """The code under test raised: reported as a failed run, not a crash."""
+    """The code under test (an update, or a plugged verify kernel) raised or returned what it must
+    not: reported as a failed run naming the code, the step and what was wrong, not a crash."""
 
     exit_code = EXIT_FAIL
 

@@ -26,8 +26,8 @@ from typing import Callable, Iterable, Optional
 from .config import DEFAULT_PRESET, FLOWS, PATTERNS, PRESETS, PROFILES, ROUNDINGS, SEED_MAX
 from .plug.loader import KERNELS
 from .plug.updates import BUILTINS, DEFAULT_UPDATE
+from .simulate import MODES
 
-MODES = ("mtp", "sequential")
 
 
 def positive_int(text: str) -> int:
@@ -60,11 +60,13 @@ def device_name(text: str) -> str:
 
 
 def _choice(allowed: Iterable[str], what: str) -> Callable[[str], str]:
-    allowed = tuple(allowed)
+    """A type function accepting the names of ``allowed`` (a registry is read when the option is
+    parsed, so entries an extension registered count)."""
 
     def check(text: str) -> str:
-        if text not in allowed:
-            raise argparse.ArgumentTypeError(f"{what} {text!r} is not known; allowed: {', '.join(allowed)}")
+        names = tuple(allowed)
+        if text not in names:
+            raise argparse.ArgumentTypeError(f"{what} {text!r} is not known; allowed: {', '.join(names)}")
         return text
     check.__name__ = what
     return check
@@ -76,8 +78,8 @@ SPECS: dict[str, dict] = {
     "steps": dict(type=positive_int, metavar="N", help="decode steps"),
     "seed": dict(type=seed_int, metavar="S", help="seed of the input stream"),
     "device": dict(type=device_name, metavar="D", help="cpu, cuda or npu"),
-    "profile": dict(type=_choice(sorted(PROFILES), "profile"), metavar="P",
-                    help=f"state-store profile: {', '.join(sorted(PROFILES))}"),
+    "profile": dict(type=_choice(PROFILES, "profile"), metavar="P",
+                    help=lambda: f"state-store profile: {', '.join(PROFILES)}"),
     "rounding": dict(type=_choice(ROUNDINGS, "rounding"), metavar="R",
                      help=f"store rounding of the state: {', '.join(ROUNDINGS)}"),
     "pattern": dict(type=_choice(PATTERNS, "pattern"), metavar="P",
@@ -85,12 +87,12 @@ SPECS: dict[str, dict] = {
     "mode": dict(type=_choice(MODES, "mode"), metavar="M", help="mtp or sequential (non-MTP) decode"),
     "update": dict(metavar="SPEC", help=f"update under test: a built-in ({', '.join(BUILTINS)}), "
                    "mutant:<name>, package.module:qualname or path/to/file.py:qualname"),
-    "kernel": dict(metavar="SPEC", help=f"verify kernel under test: "
+    "kernel": dict(metavar="SPEC", help=lambda: "verify kernel under test: "
                    f"{', '.join(n + (':<spec>' if KERNELS[n].takes_arg else '') for n in KERNELS)}, "
                    "mutant:<name>, package.module:qualname or path/to/file.py:qualname"),
     "flow": dict(type=_choice(FLOWS, "flow"), metavar="F",
-                 help="where each verify starts (docs/semantics.md §6): sglang (SGLang 0.5.23's arguments: "
-                      "the committed state) or accepted (real accepted counts: the previous step's scratch)"),
+                 help=lambda: f"where each verify starts, and what that models (docs/semantics.md §6): "
+                              f"{', '.join(FLOWS)}"),
     "trace": dict(metavar="FILE", help="replay a captured trace (NAME.npz + NAME.json, from drift capture) "
                   "instead of the synthetic stream: its model shapes, tokens and constants; golden data "
                   "beside it (NAME.golden/, generated on first use); without --steps the whole trace"),
@@ -120,6 +122,8 @@ def add_options(addoption: Callable, names: Iterable[str], prefix: str = "", rep
     repeat = set(repeat)
     for name in names:
         kw = dict(SPECS[name])
+        if callable(kw.get("help")):  # read from a registry now (an extension may have added entries)
+            kw["help"] = kw["help"]()
         if name in repeat:
             kw.update(action="append", default=[])
             kw["help"] += " (repeatable)"

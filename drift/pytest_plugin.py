@@ -27,6 +27,7 @@ from drift.runspec import RunSpec
 from drift.devices import resolve_device
 from drift.errors import DeviceUnavailable, DriftError
 from drift.options import DEFAULTS, RUN_OPTIONS, add_options, dest
+from drift.plug.extensions import load_extensions
 from drift.plug.loader import load_kernel
 from drift.sim import native
 
@@ -40,6 +41,10 @@ PREFIX = "drift-"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
+    try:
+        load_extensions()  # $DRIFT_EXTENSIONS, before any option is read (as the drift command)
+    except DriftError as exc:
+        raise pytest.UsageError(f"drift: {exc}") from None
     group = parser.getgroup("drift", "drift precision-drift suite")
     add_options(group.addoption, RUN_OPTIONS, prefix=PREFIX, repeat=("update",))
     group.addoption("--drift-force-regen", action="store_true", default=False,

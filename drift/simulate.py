@@ -31,6 +31,7 @@ from .config import Config
 from .devices import resolve_device
 from .errors import UpdateRaised
 from .plug.loader import Update, load_update
+from .plug.adapter import output_problem
 from .plug.shim import kernels_in_use
 from .plug.updates import DEFAULT_UPDATE
 from .sim import kernels
@@ -454,6 +455,27 @@ class Simulation:
         st["out"].copy_(out)
         i.add_(1)
 
+    def _verify(self, args) -> torch.Tensor:
+        """The verify kernel's call. A plugged kernel is code under test: one that raises, or
+        returns anything but a bf16 ``[L, B, S, HV, V]`` tensor, fails the run (UpdateRaised, exit
+        1) naming the kernel, the step and (through the NPU op adapter) the layer."""
+        fn = self.verify_kernel
+        if fn is kernels.recurrent_gated_delta_rule:
+            return fn(args)
+        name = f"the verify kernel under test ({getattr(fn, '__qualname__', fn)})"
+        try:
+            out = fn(args)
+        except UpdateRaised as exc:
+            raise UpdateRaised(f"{name} failed at decode step {self.step}, {exc}") from exc
+        except Exception as exc:
+            raise UpdateRaised(f"{name} raised {exc!r} at decode step {self.step} (one call for all "
+                               f"{self.cfg.num_layers} layers)") from exc
+        L, B, S, HV, V, _ = args.dims
+        problem = output_problem(out, (L, B, S, HV, V), exact=True)
+        if problem:
+            raise UpdateRaised(f"{name} {problem} at decode step {self.step} (one call for all {L} layers)")
+        return out
+
     def _compute(self, x, a, b, last, trk, s, touched) -> torch.Tensor:
         """The step proper: conv verify, gating, verify op, the update (or sequential decode), the
         slot guard. s: the step's index in the chunk (host int, or device tensor when captured)."""
@@ -463,7 +485,7 @@ class Simulation:
         beta = b.to(torch.bfloat16)  # the beta logit, on the bf16 grid already
         self._lap("conv verify, gating")
         if self.mode == "mtp":
-            out = self.verify_kernel(self.verify_args.build(mix, beta, g, cfg.store_rounding, self.step))
+            out = self._verify(self.verify_args.build(mix, beta, g, cfg.store_rounding, self.step))
             self.verify_args.accepted(last)
             self._lap("verify op")
             if self.guard is not None:

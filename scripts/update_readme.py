@@ -4,7 +4,7 @@ mutation score and the trade-off (from measurements).
 
     python scripts/update_readme.py
 
-Runs ``drift mutants`` and ``drift tradeoff`` (ci-small, drift.teeth.TEETH_STEPS steps) and
+Runs ``drift mutants`` and ``drift tradeoff`` (ci-small, drift.jobs.teeth.TEETH_STEPS steps) and
 replaces the text between ``<!-- drift:checks -->`` / ``<!-- drift:mutants -->`` /
 ``<!-- drift:tradeoff -->`` and their closing markers. tests/test_teeth.py fails when the README and the measurements disagree.
 """

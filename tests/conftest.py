@@ -1,4 +1,4 @@
-"""Shared helpers of the drift test suite (issue 2, CPU).
+"""Shared helpers of the drift test suite (CPU).
 
 Everything here is deterministic: fixed seeds, explicit dtypes, small shapes so the
 whole suite stays fast on two cores. Test modules import the plain helpers with
@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from drift import preset
+from drift.dtypes import as_bits
 from drift.check.checks import core_checks
 from drift.check.result import CheckResult
 from drift.plug.shim import sgl_kernels
@@ -54,11 +55,6 @@ def small_cfg(steps: int = 200, profile: Optional[str] = None, **overrides):
     """``ci-small`` shrunk to :data:`SMALL`, with ``steps`` and any field overrides."""
     cfg = preset("ci-small", steps=steps, **{**SMALL, **overrides})
     return cfg.with_profile(profile) if profile else cfg
-
-
-def as_bits(t: torch.Tensor) -> torch.Tensor:
-    """Integer view of a float tensor: bit-exact, NaN-safe comparisons."""
-    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -159,7 +155,7 @@ def committed_by_position(cfg, **kwargs) -> dict:
 
 
 def checks_of(cfg, update=DEFAULT_UPDATE, **kwargs) -> dict[str, CheckResult]:
-    """``run_checked`` with the semantic core checks (issue 2; not the drift bound, which is
+    """``run_checked`` with the semantic core checks (not the drift bound, which is
     calibrated on the presets' shapes, not on these small configs; nor the host-sync scan,
     which tests/test_syncs.py covers) as a dict check key -> result, plus the report under
     'report'."""

@@ -148,6 +148,7 @@ class _Comparison:  # what Check.start reads: comparison.sim.cfg / .mode
         class cfg:
             head_v_dim = 16
             track_interval = 16
+            trace, trace_loop = "", False
         mode = "mtp"
 
 
@@ -173,6 +174,25 @@ def test_track_check_with_tracking_on_but_no_boundary_fails():
     c.start(_Comparison)
     c.consume(_chunk())
     assert not c.result().passed
+
+
+@pytest.mark.parametrize("loop", [False, True])
+def test_track_check_on_a_trace_that_cannot_reach_a_boundary_is_not_exercised(loop):
+    """A trace replayed to its end cannot be lengthened: no boundary there is n/a, not a FAIL; a looped
+    trace can run longer, so there it still fails (lengthen the run)."""
+    class comparison:
+        class sim:
+            class cfg(_Comparison.sim.cfg):
+                trace, trace_loop = "t.npz", loop
+            mode = "mtp"
+
+    c = TrackCheck()
+    c.start(comparison)
+    c.consume(_chunk())
+    r = c.result()
+    assert r.failed == loop and r.applicable == loop
+    if not loop:
+        assert "not exercised" in r.detail and "--loop" in r.detail
 
 
 def test_untouched_result_verdicts():

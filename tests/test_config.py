@@ -1,5 +1,5 @@
 """drift.config: every invalid field raises ConfigError naming the field and what is
-allowed; the presets have the shapes issue 2 asks for."""
+allowed; the presets have their documented shapes."""
 
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from drift.config import preset
+from drift.dtypes import as_bits
 from drift.layouts import LAYOUTS
 from drift.sim import kernels, naive
 from drift.sim.kernels import VerifyArgs
@@ -36,17 +37,15 @@ STEPS = {  # last_steps of the 5 batch rows (D = 4): -1 skips; a step >= D is NO
 POOLS = [(name, "bfloat16") for name in LAYOUTS] + [("contiguous", "float32")]
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(as_bits(a), as_bits(b))
 
 
 def random_bits_(t: torch.Tensor, gen: torch.Generator) -> None:
     """Fill t with random bit patterns (NaNs and infs included)."""
-    b = bits(t)
+    b = as_bits(t)
     info = torch.iinfo(b.dtype)
     b.copy_(torch.randint(info.min, info.max, t.shape, generator=gen, dtype=torch.int64).to(b.dtype))
 

@@ -1,4 +1,4 @@
-"""drift.metrics and the numeric facts drift.bounds is built on (each checked, not assumed)."""
+"""drift.check.metrics and the numeric facts drift.check.bounds is built on (each checked, not assumed)."""
 
 from __future__ import annotations
 

@@ -295,4 +295,19 @@ def test_the_build_is_cached_by_content(tmp_path):
     libs = sorted(p.name for p in tmp_path.glob("gdn_verify-*.so"))
     assert len(libs) == 1 and libs[0] in first
     assert _fresh_status(tmp_path) == first  # the second process loads the same file
-    assert sorted(p.name for p in tmp_path.iterdir()) == libs  # no temporary files left behind
+    # no temporary files left behind: the library and the sha256 record of its bytes
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(libs + [libs[0] + ".sha256"])
+
+
+def test_a_damaged_cached_library_is_rebuilt_never_loaded(tmp_path):
+    """A cached file cut to its first 4 KiB (or any bytes that do not hash to the build record)
+    would kill the process inside ctypes (SIGBUS); it is rebuilt instead."""
+    first = _fresh_status(tmp_path)
+    (lib,) = tmp_path.glob("gdn_verify-*.so")
+    whole = lib.read_bytes()
+    lib.write_bytes(whole[:4096])
+    assert _fresh_status(tmp_path) == first  # exit 0 (checked by _fresh_status), the kernel loaded
+    assert lib.read_bytes() == whole or native._verified(lib)  # rebuilt: its bytes match the record again
+    lib.write_bytes(whole)
+    (tmp_path / (lib.name + ".sha256")).unlink()  # a library with no record is not trusted either
+    assert _fresh_status(tmp_path) == first and native._verified(lib)

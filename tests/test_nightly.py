@@ -1,4 +1,4 @@
-"""Nightly machinery on short runs (issue 5): report files, resume after a kill, baseline
+"""Nightly machinery on short runs: report files, resume after a kill, baseline
 trend, shards and merge. The long-horizon matrix itself is tests/test_nightly_long.py."""
 
 from __future__ import annotations

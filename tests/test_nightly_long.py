@@ -1,4 +1,4 @@
-"""The nightly long-horizon matrix (issue 5): ``pytest -m nightly -n auto``.
+"""The nightly long-horizon matrix: ``pytest -m nightly -n auto``.
 
 Excluded from the default PR run (pyproject addopts). Each entry runs the default nightly
 horizon (100,000 decode steps of qwen3.5-397b-tp16; on a CPU cut to a few layers, as the

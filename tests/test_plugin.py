@@ -1,4 +1,4 @@
-"""Issue 6: drift against the code that ships -- the SGLang-style method from a file spec, the
+"""drift against the code that ships -- the SGLang-style method from a file spec, the
 pytest plugin run from another directory, device markers, and the NPU verify-op adapter."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""drift.pool: SGLang MambaPool layout, slot bookkeeping, sentinels and the harness the
+"""drift.sim.pool: SGLang MambaPool layout, slot bookkeeping, sentinels and the harness the
 update under test receives as ``self``. K = 16 != V = 8 so a K/V swap shows."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Precision direction (issue 3): bf16 drift over thousands of decode steps stays within the
+"""Precision direction: bf16 drift over thousands of decode steps stays within the
 bound derived in docs/bounds.md; known precision failures leave it.
 
 Every run here is checked against the golden trajectory (through the validated float64
@@ -15,14 +15,14 @@ from drift.config import preset
 from drift.runner import capture_snapshots, run_checked
 
 # Every long-horizon test runs twice: a short twin in the PR suite (its 3-minute budget) and the
-# 4,096 steps issue 3 asked for under the nightly marker (pytest -m nightly), same assertions. The
+# 4,096 steps of the precision gate under the nightly marker (pytest -m nightly), same assertions. The
 # stagnation twin needs 1,024 steps to leave the bound (measured below); the others 512.
 PR_STEPS, STAGNATION_PR_STEPS, LONG_STEPS = 512, 1024, 4096
 HORIZONS = [pytest.param(PR_STEPS, id=f"pr{PR_STEPS}"),
             pytest.param(LONG_STEPS, id=f"long{LONG_STEPS}", marks=pytest.mark.nightly)]
 STAGNATION_HORIZONS = [pytest.param(STAGNATION_PR_STEPS, id=f"pr{STAGNATION_PR_STEPS}"),
                        pytest.param(LONG_STEPS, id=f"long{LONG_STEPS}", marks=pytest.mark.nightly)]
-FP32_TOL = 1e-5  # issue 3 test 1: fp32 state vs golden (fp32 arithmetic gives ~1e-7 to 1e-6)
+FP32_TOL = 1e-5  # fp32 state vs golden (fp32 arithmetic gives ~1e-7 to 1e-6)
 
 
 def row(rep, name):

@@ -1,4 +1,4 @@
-"""drift.stream: determinism and random access of the teacher-forced stream, the acceptance
+"""drift.sim.stream: determinism and random access of the teacher-forced stream, the acceptance
 schedule, SGLang's track index math, and the verify windows built from them."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 7: every known regression is caught, correct implementations raise no alarm, and the
+"""Every known regression is caught, correct implementations raise no alarm, and the
 README's mutation score and trade-off table are what the code measures."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 15: replaying a captured model's GDN inputs through every check.
+"""Replaying a captured model's GDN inputs through every check.
 
 ``drift capture --model tiny`` records a tiny randomly initialised Qwen3-Next (no download) once
 per module; ``drift run --trace`` / ``drift nightly --trace`` / ``pytest --drift-trace`` then run

@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
+from ..fileio import read_json
 from ..sim.tracefile import bytes_per_token_per_layer, write_trace
 
 GDN_SUFFIX = "GatedDeltaNet"
@@ -235,14 +236,29 @@ def build_tiny_model(arch: str = "qwen3_next", seed: int = 0, dtype: torch.dtype
     return model.to(dtype).eval()
 
 
+# The files from_pretrained reads weights from (transformers 5.24.0, transformers.utils: SAFE_WEIGHTS_NAME,
+# SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME).
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
 def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> torch.nn.Module:
     """A local checkpoint directory via ``AutoModelForCausalLM.from_pretrained`` (no network)."""
     import transformers
 
     p = Path(path)
+    fix = "pass a complete local Hugging Face model directory (config.json and its weights)"
     if not (p / "config.json").is_file():
         raise ConfigError(f"{p} is not a checkpoint directory (no config.json); pass a local Hugging Face model dir")
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype, local_files_only=True)
+    if not isinstance(read_json(p / "config.json", "--model config", fix, ConfigError), dict):
+        raise ConfigError(f"--model config {p / 'config.json'} is not a JSON object; {fix}")
+    if not any((p / name).is_file() for name in WEIGHT_FILES):
+        raise ConfigError(f"--model {p} holds no weights (none of {', '.join(WEIGHT_FILES)}); {fix}")
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+        raise ConfigError(f"--model {p} cannot be loaded by transformers ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0][:300] if str(exc) else ''}); {fix}") from None
     return model.to(device).eval()
 
 

@@ -1,4 +1,4 @@
-"""Checks of a run: each consumes :class:`~drift.compare.MetricsChunk` s and ends in a
+"""Checks of a run: each consumes :class:`~drift.check.compare.MetricsChunk` s and ends in a
 :class:`CheckResult` (verdict, worst value, its limit, and where it happened).
 
 The semantic threshold ``SEMANTIC_TOL`` separates a wrong state from a rounded one:
@@ -13,7 +13,7 @@ The semantic threshold ``SEMANTIC_TOL`` separates a wrong state from a rounded o
 
 ``SEMANTIC_TOL = 0.25`` sits between the two: above everything rounding produces on the
 PR-gating presets (truncation included), below every semantic error measured. The
-fine-grained precision verdict is the bound check's (:mod:`drift.bounds`).
+fine-grained precision verdict is the bound check's (:mod:`drift.check.bounds`).
 """
 
 from __future__ import annotations
@@ -160,6 +160,9 @@ class TrackCheck(Check):
         super().start(comparison)
         sim = comparison.sim
         self.enabled = sim.cfg.track_interval > 0 and sim.mode == "mtp"
+        # A trace replayed without --loop ends where the trace ends: a longer run is not possible.
+        self.fixed_horizon = bool(sim.cfg.trace) and not sim.cfg.trace_loop
+        self.interval = sim.cfg.track_interval
 
     def consume(self, chunk: MetricsChunk) -> None:
         if not self.enabled:
@@ -179,6 +182,11 @@ class TrackCheck(Check):
         if not self.enabled:
             return CheckResult(self.name, True, None, None, "", "not applicable: tracking off "
                                "(track_interval = 0) or sequential decode", extra={"applicable": False})
+        if self.tracked == 0 and self.fixed_horizon:  # the run cannot be lengthened: not exercised, not gated
+            return CheckResult(self.name, True, None, self.limit, "",
+                               f"not exercised: no tracking boundary (track interval {self.interval}) within the "
+                               "positions of this trace; pass --loop with more --steps to run past its end, or a "
+                               "preset with a shorter track interval", extra={"applicable": False})
         if self.tracked == 0:
             return CheckResult(self.name, False, None, self.limit, "",
                                "tracking is on but no boundary was crossed: lengthen the run")

@@ -18,7 +18,7 @@ from ..checkpoint import saveable
 from ..devices import supports_float64
 from ..dtypes import store_dtype
 from ..sim import native
-from ..sim.pool import as_bits
+from ..dtypes import as_bits
 from ..sim.twin import F64, Float64Twin
 from ..simulate import StopRun
 from .golden import Golden, load_golden
@@ -90,9 +90,9 @@ class Consumer(Protocol):
 
 class Comparison:
     """Observer comparing committed states, tracked snapshots, conv windows and outputs of the
-    active rows with a :class:`~drift.reference.Float64Twin` at every step.
+    active rows with a :class:`~drift.sim.twin.Float64Twin` at every step.
 
-    golden: a :class:`~drift.golden.Golden`, ``None`` to look one up for the config, or
+    golden: a :class:`~drift.check.golden.Golden`, ``None`` to look one up for the config, or
     ``False`` for none. The twin runs on the run's device, or on the CPU when that device
     lacks float64 (NPU).
     """

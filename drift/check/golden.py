@@ -35,7 +35,6 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import importlib.resources
-import json
 import math
 import os
 import sys
@@ -47,8 +46,8 @@ import numpy as np
 import torch
 
 from ..config import PRESETS, Config, preset
-from ..errors import GoldenError
-from ..fileio import atomic_write_bytes, atomic_write_json, load_npz, npz_bytes
+from ..errors import DriftError, GoldenError, WriteError
+from ..fileio import atomic_write_bytes, atomic_write_json, load_npz, npz_bytes, read_bytes, read_json
 from ..sim.stream import StreamParams, TrueTokens, max_position
 from ..sim.tracefile import trace_paths
 
@@ -59,7 +58,6 @@ GOLDEN_PRESETS = ("ci-small", "stagnation")  # the PR-gating presets
 REGEN_HINT = "drift regen-golden --preset {name} --force"
 F64 = torch.float64
 
-ARRAYS_PER_POSITION = ("proj_state", "state_norm", "proj_out")
 
 
 def golden_dir() -> Path:
@@ -195,20 +193,46 @@ class Golden:
                 f"{len(self.arrays['ckpt_pos'])} full checkpoints)")
 
 
-def _read_manifest(directory: Path, hint: str = "drift regen-golden --force") -> dict:
+def _check_directory(directory: Path) -> None:
+    """A golden directory that exists must be a directory (``$DRIFT_GOLDEN_DIR`` or ``--golden-dir``
+    set to a file is named as such, not reported as missing golden data)."""
+    if directory.exists() and not directory.is_dir():
+        source = "$DRIFT_GOLDEN_DIR" if os.environ.get("DRIFT_GOLDEN_DIR") == str(directory) else "the golden directory"
+        raise GoldenError(f"{source} {directory} is a file, not a directory; point it at a golden directory "
+                          "(one holding manifest.json), or unset DRIFT_GOLDEN_DIR to use the golden data drift ships")
+
+
+def plain_name(name: object) -> bool:
+    """A manifest's file name: one plain name inside its directory (no separator, no ``..``, not absolute)."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            and "\0" not in name and Path(name).name == name and not os.path.isabs(name))
+
+
+def _read_manifest(directory: Path, regen: Optional[str] = None) -> dict:
+    """``directory/manifest.json`` checked (an empty one when there is none): strict JSON, the
+    schema, every entry an object whose files are plain names inside ``directory``. ``regen``: the
+    command that regenerates the data once the broken manifest is out of the way."""
+    _check_directory(directory)
     path = directory / "manifest.json"
-    if not path.exists():
+    regen = regen or f"drift regen-golden --force --golden-dir {directory}"
+    fix = f"restore it from git, or move it aside and regenerate every entry: {regen}"
+    if not os.path.lexists(path):
         return {"schema": SCHEMA, "generator_version": GENERATOR_VERSION, "entries": {}}
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise GoldenError(f"{path} is not valid JSON ({exc}); restore it from git or regenerate all "
-                          f"golden data: {hint}") from exc
+    manifest = read_json(path, "golden manifest", fix, GoldenError)
     if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA:
         raise GoldenError(f"{path} has schema {manifest.get('schema') if isinstance(manifest, dict) else None!r}, "
-                          f"this drift reads schema {SCHEMA}; regenerate: {hint}")
+                          f"this drift reads schema {SCHEMA}; {fix}")
     if not isinstance(manifest.get("entries"), dict):
-        raise GoldenError(f"{path} has no 'entries' object; regenerate: {hint}")
+        raise GoldenError(f"{path} has no 'entries' object; {fix}")
+    for key, entry in manifest["entries"].items():
+        files = entry.get("files") if isinstance(entry, dict) else None
+        if not isinstance(files, dict):
+            raise GoldenError(f"{path}: entry {key!r} has no 'files' object; {fix}")
+        for name in files:
+            if not plain_name(name):
+                raise GoldenError(f"{path}: entry {key!r} names the file {name!r}, which is not a plain file name "
+                                  f"inside {directory} (golden files live in the golden directory itself; drift "
+                                  f"touches nothing outside it); {fix}")
     return manifest
 
 
@@ -268,9 +292,9 @@ def _load_entry(cfg: Config, directory: Path, entry: dict, hint: str) -> Golden:
         raise GoldenError(f"golden entry for {cfg.name} in {directory / 'manifest.json'} is malformed ({exc!r}); "
                           f"regenerate: {hint}") from exc
     path = directory / fname
-    if not path.exists():
+    if not os.path.lexists(path):
         raise GoldenError(f"golden file {path} listed in manifest.json is missing; regenerate: {hint}")
-    data = path.read_bytes()
+    data = read_bytes(path, "golden file", f"restore it from git or regenerate: {hint}", GoldenError)
     if len(data) != size or _sha256(data) != digest:
         raise GoldenError(f"golden file {path} is truncated or corrupted (size {len(data)} vs "
                           f"{size}, sha256 mismatch={_sha256(data) != digest}); "
@@ -327,6 +351,8 @@ def _load_trace_golden(cfg: Config, directory: Optional[Path]) -> tuple[Golden, 
               file=sys.stderr, flush=True)
         try:
             write_trace_golden(cfg, directory, force=False, out=sys.stderr)
+        except WriteError:  # names the file and the cause (a full disk) itself
+            raise
         except OSError as exc:
             raise GoldenError(f"cannot write the golden data of trace {cfg.trace} into {directory} "
                               f"({exc.strerror or exc}); copy the trace (NAME.npz and NAME.json) into a writable "
@@ -355,31 +381,19 @@ def write_trace_golden(cfg: Config, directory: Optional[Path] = None, force: boo
         raise ValueError("write_trace_golden needs a trace config (Config.from_trace)")
     out = out or sys.stdout
     directory = trace_golden_dir(cfg.trace) if directory is None else Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     manifest = _read_manifest(directory, trace_regen_hint(cfg))
     key = _trace_key(cfg)
     every = trace_checkpoint_every(cfg)
-    arrays = generate(cfg, positions=cfg.trace_tokens, checkpoint_every=every)
+    arrays = generate(cfg, positions=cfg.trace_tokens, checkpoint_every=every)  # before the directory exists
     data = npz_bytes(arrays)
     digest = _sha256(data)
+    directory.mkdir(parents=True, exist_ok=True)
     old_entry = manifest["entries"].get(key)
     old_file = None
     if old_entry:
-        try:
-            (old_name, old_meta), = old_entry["files"].items()
-        except (KeyError, TypeError, ValueError, AttributeError):
-            old_name, old_meta = None, {}
-        old_file = directory / old_name if old_name else None
-        if old_file is not None and old_meta.get("sha256") == digest and old_file.exists():
-            print(f"{key}: unchanged ({old_file})", file=out)
+        verdict, old_file = _against_stored(directory, old_entry, key, data, arrays, out)
+        if verdict != "differs":
             return 0
-        try:
-            old_arrays = load_npz(old_file) if old_file is not None and old_file.exists() else {}
-        except Exception:
-            old_arrays = {}
-        print(f"{key}: differs from {old_file}:", file=out)
-        for line in diff_summary(old_arrays, arrays):
-            print(line, file=out)
         if not force:
             print(f"{key}: refusing to overwrite without --force", file=out)
             return 1
@@ -445,6 +459,50 @@ def diff_summary(old: dict, new: dict) -> list[str]:
     return lines
 
 
+def _file_sha256(path: Optional[Path]) -> Optional[str]:
+    """sha256 of the regular file at ``path`` as it is on disk; None when there is none."""
+    if path is None or not path.is_file():
+        return None
+    try:
+        return _sha256(path.read_bytes())
+    except OSError:
+        return None
+
+
+def _against_stored(directory: Path, entry: dict, key: str, data: bytes, arrays: dict,
+                    out) -> tuple[str, Optional[Path]]:
+    """Freshly generated ``data`` against a manifest entry and its file ON DISK: ``"unchanged"``
+    (both hold this data), ``"repaired"`` (the manifest records exactly this data but the file on
+    disk was missing or damaged: rewritten now, as the manifest vouches for it) or ``"differs"``
+    (the diff printed). Returns (verdict, the entry's file)."""
+    digest = _sha256(data)
+    try:
+        (name, meta), = entry["files"].items()
+        recorded = str(meta["sha256"])
+    except (KeyError, TypeError, ValueError, AttributeError):
+        name, recorded = None, None
+    old_file = directory / name if name else None
+    on_disk = _file_sha256(old_file)
+    if recorded == digest:
+        if on_disk == digest:
+            print(f"{key}: unchanged ({old_file.name})", file=out)
+            return "unchanged", old_file
+        state = "missing" if on_disk is None else "damaged (its sha256 differs from the manifest's)"
+        atomic_write_bytes(old_file, data)
+        print(f"{key}: {old_file.name} was {state}; the manifest records exactly the data generated now: "
+              f"repaired {old_file}", file=out)
+        return "repaired", old_file
+    try:
+        old_arrays = load_npz(old_file) if old_file is not None and on_disk == recorded else {}
+    except DriftError:
+        old_arrays = {}
+    intact = "" if on_disk == recorded else " (missing or damaged on disk: compared with nothing)"
+    print(f"{key}: differs from {old_file.name if old_file else '(no file)'}{intact}:", file=out)
+    for line in diff_summary(old_arrays, arrays):
+        print(line, file=out)
+    return "differs", old_file
+
+
 def regenerate(names: Sequence[str], seed: Optional[int] = None, force: bool = False,
                directory: Optional[Path] = None, steps: Optional[int] = None,
                out=None) -> int:
@@ -473,15 +531,9 @@ def regenerate(names: Sequence[str], seed: Optional[int] = None, force: bool = F
         old_entry = manifest["entries"].get(key)
         old_file = None
         if old_entry:
-            (old_name, old_meta), = old_entry["files"].items()
-            old_file = directory / old_name
-            if old_meta["sha256"] == digest and old_file.exists():
-                print(f"{key}: unchanged ({old_file.name})", file=out)
+            verdict, old_file = _against_stored(directory, old_entry, key, data, arrays, out)
+            if verdict != "differs":
                 continue
-            old_arrays = load_npz(old_file) if old_file.exists() else {}
-            print(f"{key}: differs from {old_file.name}:", file=out)
-            for line in diff_summary(old_arrays, arrays):
-                print(line, file=out)
             if not force:
                 print(f"{key}: refusing to overwrite without --force", file=out)
                 refused = 1
@@ -492,7 +544,8 @@ def regenerate(names: Sequence[str], seed: Optional[int] = None, force: bool = F
                 print(f"{key}: identical to the golden data drift ships ({shipped / ref_name})", file=out)
             else:
                 print(f"{key}: differs from the golden data drift ships ({shipped / ref_name}):", file=out)
-                for line in diff_summary(load_npz(shipped / ref_name) if (shipped / ref_name).exists() else {}, arrays):
+                ref_ok = _file_sha256(shipped / ref_name) == ref_meta.get("sha256")
+                for line in diff_summary(load_npz(shipped / ref_name) if ref_ok else {}, arrays):
                     print(line, file=out)
         fname = f"{name}-seed{cfg.seed}-{digest[:12]}.npz"
         atomic_write_bytes(directory / fname, data)

@@ -1,6 +1,6 @@
 """Drift metrics: relative and ULP errors, log-binned drift curves, growth exponents.
 
-All host-side numpy on :class:`~drift.compare.MetricsChunk` arrays ``[S, L, R, HV]``.
+All host-side numpy on :class:`~drift.check.compare.MetricsChunk` arrays ``[S, L, R, HV]``.
 """
 
 from __future__ import annotations

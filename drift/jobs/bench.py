@@ -42,7 +42,7 @@ PROFILE_STEPS = 4  # steps per stage profile (the eager step, and drift run's ch
 TARGETS = {"bandwidth_ratio": 0.15, "speedup": 10.0}
 
 VECTORISED = ("drift.simulate.Simulation, no observers, check_untouched=False, update "
-              f"{UPDATE!r} through drift's portable kernels (on the CPU: GDN verify by drift.native's "
+              f"{UPDATE!r} through drift's portable kernels (on the CPU: GDN verify by drift.sim.native's "
               "C kernel when it builds, row copies with host-read indices in the update kernels); "
               "one timed block = Simulation.run(steps), input-stream generation included")
 NAIVE = ("drift.jobs.bench.naive_step: per layer, batch row (padded rows included, as in the "
@@ -71,7 +71,7 @@ def min_bytes_per_step(cfg: Config) -> dict[str, int]:
         "state_read": R * L * state,
         "intermediates_write": R * L * D * state,
         "commit_copy": R * L * 2 * state,
-        # The stream hands x over in bfloat16 (drift.stream.StepChunk).
+        # The stream hands x over in bfloat16 (drift.sim.stream.StepChunk).
         "conv_inputs": R * L * (D * C * torch.bfloat16.itemsize + 2 * (Kc - 1) * C * conv_b),
         "gating_inputs": R * L * 2 * D * HV * f32,
         "outputs": R * L * D * HV * V * f32,

@@ -14,26 +14,38 @@ and reproduces the uninterrupted report byte for byte (timings aside, which live
 report's ``timings`` entry only). The two newest checkpoints of an entry are kept: a damaged
 newest one is set aside and the run resumes from the one before (or starts the entry over),
 saying so.
+
+A run's identity (:func:`identity`) is everything its result depends on: the entry (preset, seed,
+update, variant, steps, layers, trace, loop, graph), the full config it ran (profile, flow, device,
+horizon, ...), drift's version and the update's source file. Every finished entry and every
+checkpoint records it; ``--resume`` reuses only exact matches and says which entries it redid and
+why. A report directory is locked (an advisory ``flock`` on ``DIR/.lock``) while a nightly writes it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import json
+import os
 import re
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence, TextIO
+from typing import Callable, Iterator, Optional, Sequence, TextIO
 
 from .. import checkpoint
 from ..config import PRESETS, Config
-from ..errors import ConfigError, DataError
-from ..fileio import atomic_write_json, atomic_write_text
+from ..errors import ConfigError, DataError, DriftError
+from ..fileio import atomic_write_json, atomic_write_text, read_json
+from ..plug.loader import load_update
 from ..plug.updates import DEFAULT_UPDATE
 from ..runner import CheckedRun, versions
 from ..check.registry import find_result, result_key
 from ..runspec import RunSpec
+from ..version import __version__
 from .plots import nightly_plots
 from .report import nightly_markdown
 
@@ -132,28 +144,76 @@ def layers_for(device: str, requested: Optional[str]) -> Optional[int]:
     return n
 
 
+# -------------------------------------------------------------------- identity
+def _source_hash(spec: str) -> Optional[str]:
+    """sha256 (16 hex) of the file an update spec's code lives in; None for sequential decode."""
+    if spec == "-":
+        return None
+    source = load_update(spec).source.rsplit(":", 1)[0]
+    try:
+        return hashlib.sha256(Path(source).read_bytes()).hexdigest()[:16] if source else None
+    except OSError:
+        return None
+
+
+def identity(entry: Entry, device: str) -> dict:
+    """Everything an entry's result depends on (see the module docstring), JSON-comparable."""
+    cfg = entry.config(device)
+    ident = {"entry": asdict(entry), "config": {**cfg.to_dict(), "profile": cfg.profile}, "drift": __version__,
+             "update_source_sha256": _source_hash(entry.update)}
+    return json.loads(json.dumps(ident, sort_keys=True))  # as a file holds it: tuples are lists
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def identity_diff(saved: object, wanted: dict) -> str:
+    """Why ``saved`` (an identity read back, or None) is not ``wanted``: the differing fields."""
+    if not isinstance(saved, dict):
+        return "it records no configuration (written by an older drift)"
+    a, b = _flatten(saved), _flatten(wanted)
+    diff = [f"{k} {a.get(k, '(none)')!r} -> {b.get(k, '(none)')!r}" for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k) and not k.startswith("entry.")]
+    diff = diff or [f"{k} {a.get(k, '(none)')!r} -> {b.get(k, '(none)')!r}" for k in sorted(set(a) | set(b))
+                    if a.get(k) != b.get(k)]
+    return "it was made with " + ", ".join(diff[:6]) + (f" and {len(diff) - 6} more" if len(diff) > 6 else "")
+
+
 # ----------------------------------------------------------------------- entry
 def checkpoint_paths(ckpt_dir: Path, entry: Entry) -> tuple[Path, Path]:
     """(newest, previous) checkpoint files of an entry."""
     return ckpt_dir / f"{entry.key}.pt", ckpt_dir / f"{entry.key}.prev.pt"
 
 
-def load_resume_state(ckpt_dir: Path, entry: Entry, log: Optional[TextIO] = None) -> Optional[dict]:
-    """The newest readable checkpoint of ``entry`` (None: start over). A damaged or foreign file is
-    renamed ``*.damaged`` (kept for inspection) and the one before it is tried, with a line on ``log``."""
+def load_resume_state(ckpt_dir: Path, entry: Entry, log: Optional[TextIO] = None,
+                      wanted: Optional[dict] = None) -> Optional[dict]:
+    """The newest readable checkpoint of ``entry`` made with identity ``wanted`` (None: start
+    over). A damaged or foreign file is renamed ``*.damaged``, one of another configuration
+    ``*.stale`` (both kept for inspection), and the one before it is tried, with a line on ``log``."""
     for path in checkpoint_paths(ckpt_dir, entry):
-        if not path.exists():
+        if not os.path.lexists(path):
             continue
+        suffix, why = ".damaged", "resume from the checkpoint before it (or the entry's start)"
         try:
             state = checkpoint.load(path)
             if state.get("entry") != entry.key:
                 raise DataError(f"checkpoint {path} belongs to {state.get('entry')!r}, not {entry.key!r}")
+            if wanted is not None and state.get("identity") != wanted:
+                suffix = ".stale"
+                raise DataError(f"checkpoint {path} is of another configuration: "
+                                f"{identity_diff(state.get('identity'), wanted)}")
             return state
         except DataError as exc:
-            aside = path.with_name(path.name + ".damaged")
+            aside = path.with_name(path.name + suffix)
             path.replace(aside)
-            print(f"drift nightly: {exc}; set it aside as {aside.name} and resume from the checkpoint "
-                  "before it (or the entry's start)", file=log or sys.stderr)
+            print(f"drift nightly: {exc}; set it aside as {aside.name} and {why}", file=log or sys.stderr)
     return None
 
 
@@ -165,7 +225,8 @@ def run_entry(entry: Entry, device: str, ckpt_dir: Optional[Path] = None,
     cfg = entry.config(device)
     mode = "sequential" if entry.variant == "sequential" else "mtp"
     run = CheckedRun(cfg, None if mode == "sequential" else entry.update, mode)
-    state = load_resume_state(ckpt_dir, entry, log) if (resume and ckpt_dir is not None) else None
+    ident = identity(entry, device)
+    state = load_resume_state(ckpt_dir, entry, log, ident) if (resume and ckpt_dir is not None) else None
     prior = float(state.get("elapsed", 0.0)) if state else 0.0
     t0 = time.perf_counter()
 
@@ -173,7 +234,8 @@ def run_entry(entry: Entry, device: str, ckpt_dir: Optional[Path] = None,
         newest, previous = checkpoint_paths(ckpt_dir, entry)
         if newest.exists():
             newest.replace(previous)
-        checkpoint.save(newest, {"entry": entry.key, "elapsed": prior + time.perf_counter() - t0, **snapshot})
+        checkpoint.save(newest, {"entry": entry.key, "identity": ident, "elapsed": prior + time.perf_counter() - t0,
+                                 **snapshot})
 
     info = run.run(progress=progress, resume_state=state, checkpoint=save if ckpt_dir is not None else None,
                    checkpoint_every=every)
@@ -211,7 +273,7 @@ def trend(current: dict, baseline: dict, factor: float = TREND_FACTOR) -> list[d
         va, vb = a[1][a[0].index(step)], b[1][b[0].index(step)]
         for l, (ra, rb) in enumerate(zip(va, vb)):
             for h, (x, y) in enumerate(zip(ra, rb)):
-                if x > 0 and y > factor * x:
+                if x is not None and y is not None and x > 0 and y > factor * x:
                     flags.append({"key": key, "layer": l, "head": h, "step": step, "baseline": x,
                                   "current": y, "ratio": y / x})
     return flags
@@ -232,6 +294,8 @@ def assemble(results: dict[str, dict], meta: dict, timings: dict[str, float],
               "entries": {k: results[k] for k in sorted(results)},
               "timings": {k: round(v, 3) for k, v in sorted(timings.items())}}
     report["trend"] = trend(report, baseline, factor) if baseline is not None else None
+    if baseline is not None:  # entries the trend could not compare: the baseline has no entry of their key
+        report["trend_unmatched"] = sorted(k for k in report["entries"] if k not in baseline.get("entries", {}))
     report["trend_factor"] = factor if baseline is not None else None
     report["verdict"] = "pass" if all(e["verdict"] == "pass" for e in report["entries"].values()) \
         and not report["trend"] else "fail"
@@ -262,16 +326,70 @@ def merge(dirs: Sequence[Path], out: Path) -> dict:
 
 # ------------------------------------------------------------------------ run
 def read_report(path: Path) -> dict:
-    """A nightly report.json (a baseline or a shard), or DataError naming the file."""
-    try:
-        rep = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DataError(f"{path} not found; pass the report.json of an earlier nightly run") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise DataError(f"{path} cannot be read as JSON ({exc}); pass an intact report.json") from exc
+    """A nightly report.json (a baseline or a shard), its structure checked (every field the
+    trend and a merge read), or DataError naming the file and the field."""
+    fix = "pass the report.json an earlier drift nightly wrote, intact"
+    rep = read_json(path, "nightly report", fix)
     if not isinstance(rep, dict) or rep.get("kind") != "drift-nightly":
-        raise DataError(f"{path} is not a drift nightly report (kind {rep.get('kind') if isinstance(rep, dict) else None!r})")
+        kind = rep.get("kind") if isinstance(rep, dict) else None
+        raise DataError(f"{path} is not a drift nightly report (kind {kind!r}); {fix}")
+
+    def bad(field: str, problem: str) -> DataError:
+        return DataError(f"nightly report {path}: {field} {problem}; {fix}")
+
+    if not isinstance(rep.get("entries"), dict):
+        raise bad("'entries'", f"is a {type(rep.get('entries')).__name__}, not an object of entries by key")
+    if not isinstance(rep.get("timings", {}), dict):
+        raise bad("'timings'", "is not an object")
+    for key, entry in rep["entries"].items():
+        if not isinstance(entry, dict) or entry.get("verdict") not in ("pass", "fail") \
+                or not isinstance(entry.get("checks"), list) or not all(isinstance(c, dict) for c in entry["checks"]):
+            raise bad(f"entry {key!r}", "is not a result object (verdict pass/fail, checks a list of objects)")
+        try:
+            curve = _curve(entry)
+            if curve is not None:
+                steps, mean = curve
+                if not (isinstance(steps, list) and isinstance(mean, list) and len(steps) == len(mean)):
+                    raise TypeError("steps and mean are not two lists of one length")
+                for row in mean:  # [layers][heads] per step; null where a run went non-finite
+                    for x in (x for layer in row for x in layer):
+                        if x is not None:
+                            float(x)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise bad(f"entry {key!r}", f"has a malformed drift-bound curve ({exc!r})") from None
     return rep
+
+
+def match_baseline(baseline: dict, keys: Sequence[str], path: Path) -> list[str]:
+    """The keys of this run that ``baseline`` has no entry for (a trend compares entries by key);
+    ConfigError naming both key sets when it matches none."""
+    theirs = set(baseline["entries"])
+    unmatched = [k for k in keys if k not in theirs]
+    if keys and len(unmatched) == len(keys):
+        raise ConfigError(f"--baseline {path} matches no entry of this run, so no trend could be computed: "
+                          f"this run's keys are {', '.join(sorted(keys))}; the baseline's are "
+                          f"{', '.join(sorted(theirs)) or '(none)'}; pass the report of a run of the same matrix")
+    return unmatched
+
+
+@contextlib.contextmanager
+def locked(out: Path) -> Iterator[None]:
+    """Hold an advisory lock on report directory ``out`` (``out/.lock``, holding the pid); a second
+    nightly on the same directory gets ConfigError naming the holder."""
+    path = out / ".lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            raise ConfigError(f"--report {out} is in use by another drift nightly (pid {holder}); wait for it to "
+                              "finish, or pass another --report directory") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 def run_nightly(entries: Sequence[Entry], mine: Sequence[Entry], shard_text: str, device: str, out: Path,
@@ -286,18 +404,22 @@ def run_nightly(entries: Sequence[Entry], mine: Sequence[Entry], shard_text: str
     results, timings = {}, {}
     for e in mine:
         done_file = out / "entries" / f"{e.key}.json"
-        if resume and done_file.exists():
+        ident = identity(e, device)
+        if resume and os.path.lexists(done_file):
             try:
-                saved = json.loads(done_file.read_text())
-                results[e.key], timings[e.key] = saved["result"], saved["seconds"]
-                continue
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                print(f"drift nightly: finished-entry file {done_file} is damaged ({exc!r}); running "
-                      f"{e.key} again", file=log)
+                saved = read_json(done_file, "finished-entry file", "it is run again")
+                if saved.get("identity") != ident:
+                    print(f"drift nightly: redoing {e.key}: its finished result {done_file} is of another "
+                          f"configuration ({identity_diff(saved.get('identity'), ident)})", file=log)
+                else:
+                    results[e.key], timings[e.key] = saved["result"], float(saved["seconds"])
+                    continue
+            except (DriftError, AttributeError, KeyError, TypeError, ValueError) as exc:
+                print(f"drift nightly: redoing {e.key}: finished-entry file {done_file} is damaged ({exc})", file=log)
         res, secs = run_entry(e, device, out / "checkpoints", checkpoint_every, resume,
                               progress(e.key) if progress else None, log)
         results[e.key], timings[e.key] = res, secs
-        atomic_write_json(done_file, {"result": res, "seconds": secs})
+        atomic_write_json(done_file, {"result": res, "seconds": secs, "identity": ident})
         print(f"{e.key}: {res['verdict'].upper()}", file=log)
     meta = {"versions": versions(), "device": device, "matrix": [asdict(e) for e in entries], "shard": shard_text}
     report = assemble(results, meta, timings, baseline, trend_factor)

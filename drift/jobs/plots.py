@@ -9,6 +9,7 @@ from typing import Optional
 import numpy as np
 
 from ..check.registry import result_key
+from ..fileio import save_figure
 
 METADATA = {"Software": None}  # no version stamp: identical reports give identical files
 
@@ -91,7 +92,7 @@ def nightly_plots(report: dict, out: Path) -> list[Path]:
 
     def save(fig, name):
         path = out / name
-        fig.savefig(path, dpi=110, metadata=METADATA)
+        save_figure(fig, path, dpi=110, metadata=METADATA)
         plt.close(fig)
         written.append(path)
 
@@ -125,6 +126,6 @@ def run_plot(report: dict, out: Path) -> Optional[Path]:
                         f"drift vs step with the bound envelope ({report['run']['update']}, "
                         f"{cfg['ssm_dtype']} state, {cfg['store_rounding']} store)", True)
     path = out / "drift_vs_step.png"
-    fig.savefig(path, dpi=110, metadata=METADATA)
+    save_figure(fig, path, dpi=110, metadata=METADATA)
     plt.close(fig)
     return path

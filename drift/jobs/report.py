@@ -218,6 +218,9 @@ def nightly_markdown(rep: dict) -> str:
                                          for t in rep["trend"]]))
         else:
             lines.append("No head regressed.")
+        if rep.get("trend_unmatched"):
+            lines += ["", "Not compared (the baseline has no entry of their key): "
+                      + ", ".join(f"`{k}`" for k in rep["trend_unmatched"])]
     fails = [(k, c) for k, e in entries.items() for c in e["checks"] if c["failed"]]
     if fails:
         lines += ["", "## Failures", ""]

@@ -38,6 +38,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..config import PRESETS, Config, preset
+from ..fileio import check_memory, save_figure
 from ..sim.stream import StreamParams, TrueTokens
 from ..sim.tracefile import Trace
 
@@ -134,6 +135,10 @@ def trace_stats(trace: Trace, max_tokens: Optional[int] = None) -> dict:
     m = trace.manifest
     HK, K, HV, V = m["num_k_heads"], m["head_k_dim"], m["num_v_heads"], m["head_v_dim"]
     T = m["tokens"] if max_tokens is None else min(int(max_tokens), m["tokens"])
+    # Per layer, float64: the conv's padded input, accumulator and output [R, T, C], and the K x K
+    # Gram matrix of each key head (with eigvalsh's copy): refused before anything is allocated.
+    check_memory(8 * (3 * m["sequences"] * (T + m["conv_kernel"]) * m["conv_channels"] + 2 * K * K),
+                 f"drift trace-stats of {trace.path} (K = {K}, C = {m['conv_channels']}, {T} tokens)")
     heads = []
     for li in range(m["num_layers"]):
         for h in head_stats(trace.x[:, :T, li], trace.a[:, :T, li], trace.b[:, :T, li], trace.A_log[li],
@@ -249,6 +254,6 @@ def plot_stats(stats: dict, path: Path) -> Path:
     fig.suptitle(f"{Path(stats['trace']['file']).name} vs the synthetic presets (per value head)", fontsize=10)
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=100, metadata=METADATA)
+    save_figure(fig, path, dpi=100, metadata=METADATA)
     plt.close(fig)
     return path

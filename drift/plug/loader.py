@@ -23,7 +23,7 @@ from ..registry import Registry
 from ..sim import kernels
 from ..sim.kernels import VerifyKernel
 from .mutants import MUTANTS, Mutant
-from .npu_op import legacy_adapter, npu_op_adapter, sgl_kernel_npu_op, torch_npu_legacy_op
+from .npu_op import check_op_signature, legacy_adapter, npu_op_adapter, sgl_kernel_npu_op, torch_npu_legacy_op
 from .shim import sgl_kernels
 from .specs import MUTANT_PREFIX, resolve_spec
 from .triton_kernel import sglang_triton_function, triton_adapter
@@ -68,6 +68,7 @@ def _npu_op(arg: Optional[str]) -> VerifyKernel:
     op = resolve_spec(arg or "", "kernel")
     if not callable(op):
         raise LoadError(f"kernel spec 'npu-op:{arg}' resolves to a {type(op).__name__}, not the op")
+    check_op_signature(op, f"npu-op:{arg}")
     return npu_op_adapter(op)
 
 
@@ -184,6 +185,15 @@ def load_kernel(spec: "str | VerifyKernel | None") -> VerifyKernel:
     fn = resolve_spec(spec, "kernel")
     if not callable(fn):
         raise LoadError(f"kernel spec {spec!r} resolves to a {type(fn).__name__}, not a function")
+    try:
+        inspect.signature(fn).bind(None)
+    except TypeError as exc:
+        raise LoadError(f"kernel spec {spec!r} has signature {getattr(fn, '__name__', fn)}"
+                        f"{inspect.signature(fn)}, which cannot take one VerifyArgs ({exc}); expected "
+                        "kernel(args: VerifyArgs) -> bfloat16 out, or npu-op:<spec> for a callable with the NPU "
+                        "op's signature") from None
+    except ValueError:  # a signature that cannot be read (a builtin): taken on trust
+        pass
     return fn
 
 

@@ -31,40 +31,62 @@ call it.
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Callable
 
 import torch
 
 from ..devices import npu_available
 from ..errors import LoadError
-from ..sim import kernels
 from ..sim.kernels import VerifyArgs, VerifyKernel
 from ..sim.pool import raw_state
+from .adapter import LayerOpAdapter
 
 BF16, F32, I32 = torch.bfloat16, torch.float32, torch.int32
 
 
+class NpuOpAdapter(LayerOpAdapter):
+    """Calls ``op`` (the signature above) once per layer exactly as SGLang does: the layer's
+    committed states and scratch passed whole (the op gathers its start states itself)."""
+
+    def prepare(self, args: VerifyArgs):
+        L, B, S, HV, V, K = args.dims
+        return (raw_state(args.recurrent_state), raw_state(args.intermediate_state),
+                args.ssm_state_indices.to(I32).view(B, S))
+
+    def call_layer(self, args: VerifyArgs, layer: int, ctx) -> torch.Tensor:
+        rec, inter, idx = ctx
+        L, B, S, HV, V, K = args.dims
+        return self.op(args.mix_qkv[layer].to(BF16).contiguous(), rec[layer],
+                       beta=args.beta[layer].to(BF16).contiguous(), scale=args.scale,
+                       actual_seq_lengths=args.actual_seq_lengths.to(I32), ssm_state_indices=idx,
+                       nk=args.nk, nv=args.nv, intermediate_state=inter[layer].view(-1, HV, K, V),
+                       cache_indices=args.cache_indices.to(I32), num_accepted_tokens=args.num_accepted_tokens.to(I32),
+                       g=args.g[layer].to(F32).contiguous())
+
+
+OP_KEYWORDS = ("beta", "scale", "actual_seq_lengths", "ssm_state_indices", "nk", "nv", "intermediate_state",
+               "cache_indices", "num_accepted_tokens", "g")
+
+
+def check_op_signature(op: Callable, spec: str) -> None:
+    """LoadError (at load, exit 2) when ``op`` cannot take the call SGLang makes (above); an op
+    whose signature cannot be read (a torch op, a builtin) is taken on trust."""
+    try:
+        sig = inspect.signature(op)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(None, None, **{k: None for k in OP_KEYWORDS})
+    except TypeError as exc:
+        raise LoadError(f"kernel spec {spec!r} has signature {getattr(op, '__name__', op)}{sig}, which cannot take "
+                        f"SGLang's call ({exc}); expected op(mix_qkv, recurrent_state, *, {', '.join(OP_KEYWORDS)})"
+                        ) from None
+
+
 def npu_op_adapter(op: Callable) -> VerifyKernel:
     """A verify kernel calling ``op`` (the signature above) once per layer as SGLang does."""
-
-    def verify(args: VerifyArgs) -> torch.Tensor:
-        L, B, S, HV, V, K = args.dims
-        out = torch.empty(L, B, S, HV, V, dtype=BF16, device=args.mix_qkv.device)
-        rec = raw_state(args.recurrent_state)
-        inter = raw_state(args.intermediate_state)
-        idx = args.ssm_state_indices.to(I32).view(B, S)
-        for layer in range(L):
-            o = op(args.mix_qkv[layer].to(BF16).contiguous(), rec[layer],
-                   beta=args.beta[layer].to(BF16).contiguous(), scale=args.scale,
-                   actual_seq_lengths=args.actual_seq_lengths.to(I32), ssm_state_indices=idx,
-                   nk=args.nk, nv=args.nv, intermediate_state=inter[layer].view(-1, HV, K, V),
-                   cache_indices=args.cache_indices.to(I32), num_accepted_tokens=args.num_accepted_tokens.to(I32),
-                   g=args.g[layer].to(F32).contiguous())
-            out[layer] = o.reshape(B, S, HV, V)
-        return out
-
-    verify.__name__ = verify.__qualname__ = f"npu_op_adapter({getattr(op, '__qualname__', op)!s})"
-    return verify
+    return NpuOpAdapter(op, f"npu_op_adapter({getattr(op, '__qualname__', op)!s})")
 
 
 def sgl_kernel_npu_op() -> Callable:
@@ -83,40 +105,39 @@ def sgl_kernel_npu_op() -> Callable:
         raise LoadError("this sgl_kernel_npu registers no torch.ops.npu.recurrent_gated_delta_rule; upgrade it") from exc
 
 
-def legacy_adapter(op: Callable) -> VerifyKernel:
+class LegacyAdapter(LayerOpAdapter):
     """``torch_npu.npu_recurrent_gated_delta_rule(query, key, value, state, *, beta, scale,
     actual_seq_lengths, ssm_state_indices, num_accepted_tokens, g, gk)``: q/k normalised by the
     caller, beta post-sigmoid in bf16 (the rounding vLLM #53877 describes), one state block per
-    token with the start state in each row's first block. Only the SGLang flow (every row from
-    its committed state)."""
+    token with the start state in each row's first block, written back into drift's scratch."""
 
-    def verify(args: VerifyArgs) -> torch.Tensor:
+    def prepare(self, args: VerifyArgs):
         L, B, S, HV, V, K = args.dims
         q, k, v, _, beta = args.inputs(F32)  # q normalised and scaled; beta = sigmoid(b)
-        start, from_rec = kernels.start_blocks(args)
-        rec, inter = raw_state(args.recurrent_state), kernels.scratch_blocks(args.intermediate_state)
-        slots = args.cache_indices.to(torch.int64)
-        dst = args.ssm_state_indices.to(torch.int64)
         T = B * S
         lengths = torch.full((B,), S, dtype=I32, device=q.device)
         indices = torch.arange(T, dtype=I32, device=q.device)
-        out = torch.empty(L, B, S, HV, V, dtype=BF16, device=q.device)
-        for layer in range(L):
-            blocks = torch.empty(B, S, HV, V, K, dtype=BF16, device=q.device)
-            start_state = torch.where(from_rec[:, None, None, None], rec[layer].index_select(0, slots),
-                                      inter[layer].index_select(0, start))
-            blocks[:, 0] = start_state.to(BF16)
-            o = op(q[layer].reshape(T, HV, K).to(BF16), k[layer].reshape(T, HV, K).to(BF16),
-                   v[layer].reshape(T, HV, V).to(BF16), blocks.view(T, HV, V, K),
-                   beta=beta[layer].reshape(T, HV).to(BF16), scale=1.0, actual_seq_lengths=lengths,
-                   ssm_state_indices=indices, num_accepted_tokens=None, g=args.g[layer].reshape(T, HV).to(F32),
-                   gk=None)
-            inter[layer].index_copy_(0, dst.reshape(-1), blocks.view(T, HV, V, K).to(inter.dtype))
-            out[layer] = o.reshape(B, S, HV, V).to(BF16)
-        return out
+        return q, k, v, beta, lengths, indices
 
-    verify.__name__ = verify.__qualname__ = f"legacy_adapter({getattr(op, '__qualname__', op)!s})"
-    return verify
+    def call_layer(self, args: VerifyArgs, layer: int, ctx) -> torch.Tensor:
+        q, k, v, beta, lengths, indices = ctx
+        L, B, S, HV, V, K = args.dims
+        T = B * S
+        blocks = torch.empty(B, S, HV, V, K, dtype=BF16, device=q.device)
+        blocks[:, 0] = self.start_states(args, layer).to(BF16)
+        o = self.op(q[layer].reshape(T, HV, K).to(BF16), k[layer].reshape(T, HV, K).to(BF16),
+                    v[layer].reshape(T, HV, V).to(BF16), blocks.view(T, HV, V, K),
+                    beta=beta[layer].reshape(T, HV).to(BF16), scale=1.0, actual_seq_lengths=lengths,
+                    ssm_state_indices=indices, num_accepted_tokens=None, g=args.g[layer].reshape(T, HV).to(F32),
+                    gk=None)
+        self.write_back(args, layer, blocks.view(T, HV, V, K))
+        return o.to(BF16) if isinstance(o, torch.Tensor) else o
+
+
+def legacy_adapter(op: Callable) -> VerifyKernel:
+    """The older public op through :class:`LegacyAdapter`. Only the SGLang flow's semantics are
+    the op's own (every row from its committed state)."""
+    return LegacyAdapter(op, f"legacy_adapter({getattr(op, '__qualname__', op)!s})")
 
 
 def torch_npu_legacy_op() -> Callable:

@@ -26,7 +26,7 @@ from .shim import sgl_kernels
 MUTANT_PREFIX = "mutant:"
 
 
-def _module_from_file(path: str, spec: str, what: str) -> types.ModuleType:
+def module_from_file(path: str, spec: str, what: str) -> types.ModuleType:
     full = os.path.abspath(path)
     if not os.path.isfile(full):
         raise LoadError(f"{what} spec {spec!r}: file {path!r} not found (looked at {full}); "
@@ -61,7 +61,7 @@ def resolve_spec(spec: str, what: str = "update") -> Any:
     if not target or not qualname:
         raise LoadError(f"{what} spec {spec!r}: expected module:qualname or file.py:qualname")
     if target.endswith(".py") or os.sep in target or "/" in target:
-        module = _module_from_file(target, spec, what)
+        module = module_from_file(target, spec, what)
     else:
         try:
             module = importlib.import_module(target)

@@ -31,9 +31,8 @@ from typing import Callable
 import torch
 
 from ..errors import LoadError
-from ..sim import kernels
 from ..sim.kernels import VerifyArgs, VerifyKernel
-from ..sim.pool import raw_state
+from .adapter import LayerOpAdapter
 
 MODULE = "sglang.kernels.ops.attention.fla.fused_recurrent"
 FUNCTION = "fused_recurrent_gated_delta_rule_update"
@@ -53,35 +52,28 @@ def sglang_triton_function() -> Callable:
     return fn
 
 
+class TritonAdapter(LayerOpAdapter):
+    """Calls SGLang's Triton kernel per layer (the mapping above)."""
+
+    def prepare(self, args: VerifyArgs):
+        L, B, S, HV, V, K = args.dims
+        q, k, v, _, beta = args.inputs(F32)
+        group = HV // args.nk  # op_inputs repeats key heads over their value-head group; the kernel groups them
+        rows = torch.arange(B, dtype=I32, device=q.device)
+        return (q[..., ::group, :].contiguous(), k[..., ::group, :].contiguous(), v, args.g.to(F32), beta, rows)
+
+    def call_layer(self, args: VerifyArgs, layer: int, ctx) -> torch.Tensor:
+        q, k, v, g, beta, rows = ctx
+        L, B, S, HV, V, K = args.dims
+        buf = torch.empty(B, S, HV, V, K, dtype=args.intermediate_state.dtype, device=q.device)
+        o = self.op(q[layer], k[layer], v[layer].contiguous(), g[layer].contiguous(), beta=beta[layer].contiguous(),
+                    scale=1.0, initial_state_source=self.start_states(args, layer), initial_state_indices=rows,
+                    use_qk_l2norm_in_kernel=False, disable_state_update=True, intermediate_states_buffer=buf,
+                    intermediate_state_indices=rows, cache_steps=S)
+        self.write_back(args, layer, buf.view(B * S, HV, V, K))
+        return o.reshape(B, S, HV, V).to(torch.bfloat16)
+
+
 def triton_adapter(fn: Callable) -> VerifyKernel:
     """A verify kernel calling SGLang's Triton kernel ``fn`` per layer (the mapping above)."""
-
-    def verify(args: VerifyArgs) -> torch.Tensor:
-        L, B, S, HV, V, K = args.dims
-        HK = args.nk
-        q, k, v, _, beta = args.inputs(F32)
-        # op_inputs repeats key heads over their value-head group; the kernel groups them itself.
-        group = HV // HK
-        q = q[..., ::group, :].contiguous()
-        k = k[..., ::group, :].contiguous()
-        g = args.g.to(F32)
-        rec, blocks = raw_state(args.recurrent_state), kernels.scratch_blocks(args.intermediate_state)
-        start, from_rec = kernels.start_blocks(args)
-        slots = args.cache_indices.to(torch.int64)
-        rows = torch.arange(B, dtype=I32, device=q.device)
-        dst = args.ssm_state_indices.to(torch.int64)
-        out = torch.empty(L, B, S, HV, V, dtype=torch.bfloat16, device=q.device)
-        for layer in range(L):
-            source = torch.where(from_rec[:, None, None, None], rec[layer].index_select(0, slots),
-                                 blocks[layer].index_select(0, start)).contiguous()
-            buf = torch.empty(B, S, HV, V, K, dtype=blocks.dtype, device=q.device)
-            o = fn(q[layer], k[layer], v[layer].contiguous(), g[layer].contiguous(), beta=beta[layer].contiguous(),
-                   scale=1.0, initial_state_source=source, initial_state_indices=rows,
-                   use_qk_l2norm_in_kernel=False, disable_state_update=True, intermediate_states_buffer=buf,
-                   intermediate_state_indices=rows, cache_steps=S)
-            blocks[layer].index_copy_(0, dst.reshape(-1), buf.view(B * S, HV, V, K))
-            out[layer] = o.reshape(B, S, HV, V).to(torch.bfloat16)
-        return out
-
-    verify.__name__ = verify.__qualname__ = f"sglang-triton ({MODULE}.{FUNCTION})"
-    return verify
+    return TritonAdapter(fn, f"sglang-triton ({MODULE}.{FUNCTION})")

@@ -38,7 +38,7 @@ STATE_CHUNK_BYTES = 4 << 20  # fp32 working set per kernel chunk (fits L2/L3 wit
 # drift's virtual sync-detection device) the device path runs. Tests switch this off to
 # check the device path on the CPU too.
 HOST_INDEX_PATHS = True
-# The verify op on the CPU runs drift.native's C kernel when it can be built (same arithmetic,
+# The verify op on the CPU runs drift.sim.native's C kernel when it can be built (same arithmetic,
 # one pass over each state row per token instead of five tensor ops). Tests switch it off to
 # compare it with the torch-op path.
 USE_NATIVE = True

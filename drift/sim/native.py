@@ -11,7 +11,9 @@ as a torch cast of the same float32 value.
 
 It is compiled with the system C compiler (``$CC``, else ``cc``/``gcc``/``clang``) the first
 time it is needed, into ``$DRIFT_CACHE_DIR`` (default ``~/.cache/drift``), keyed by a hash of
-source, compiler and CPU, written atomically, and loaded with :mod:`ctypes` (no torch or
+source, compiler and CPU, written atomically with the sha256 of its bytes beside it
+(``NAME.so.sha256``); a cached library whose bytes do not hash to that record (truncated,
+damaged, or put there by hand) is rebuilt, never loaded. It is loaded with :mod:`ctypes` (no torch or
 Python headers, no pybind); an unwritable cache directory falls back to one under the
 system temporary directory. Heads are split over ``torch.get_num_threads()`` OpenMP
 threads, torch's own where the runtime is shared (see :func:`_load`). When no compiler is
@@ -72,13 +74,28 @@ def _cpu_id() -> str:
     return ident
 
 
+def _record(lib: Path) -> Path:
+    return lib.with_name(lib.name + ".sha256")
+
+
+def _verified(lib: Path) -> bool:
+    """Whether ``lib`` is a regular file whose bytes hash to the sha256 recorded beside it at build."""
+    try:
+        if not lib.is_file():
+            return False
+        want = _record(lib).read_text().strip()
+        return hashlib.sha256(lib.read_bytes()).hexdigest() == want
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 def _build(cc: str, flags: list[str]) -> Path:
     """Compile :data:`SOURCE` (cached by content, compiler, flags and CPU); returns the library path."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256(SOURCE.read_bytes() + "\0".join([version, _cpu_id(), *flags]).encode()).hexdigest()[:16]
     for folder in (cache_dir(), Path(tempfile.gettempdir()) / f"drift-cache-{os.getuid() if hasattr(os, 'getuid') else 0}"):
         lib = folder / f"gdn_verify-{key}.so"
-        if lib.exists():
+        if _verified(lib):
             return lib
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -93,7 +110,12 @@ def _build(cc: str, flags: list[str]) -> Path:
         res = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
         if res.returncode != 0:
             raise RuntimeError(f"{cc} {' '.join(flags)} failed ({res.returncode}): {res.stderr.strip()[:2000]}")
+        digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
         os.replace(tmp, lib)  # atomic: a concurrent builder sees no file or the whole file
+        fd, tmp = tempfile.mkstemp(prefix=".gdn_verify-", suffix=".sha256", dir=folder)
+        with os.fdopen(fd, "w") as f:
+            f.write(digest + "\n")
+        os.replace(tmp, _record(lib))  # the record last: until it is there the library is not trusted
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from ..config import Config
-from ..dtypes import store_dtype
+from ..dtypes import as_bits
+from ..fileio import check_memory
 from ..layouts import LAYOUTS
 
 STALE = float("nan")  # fills the dummy slot and never-valid rows: any read of them shows
@@ -38,10 +39,27 @@ class SpeculativeParams:
     intermediate_conv_window: list = field(default_factory=list)  # CUDA only; empty here
 
 
+def planned_bytes(cfg: Config) -> int:
+    """A lower bound on what one checked run of ``cfg`` allocates: the pool's committed states,
+    verify scratch and conv windows, plus the float64 truth's state of every request (the twin, the
+    golden generator)."""
+    L, S, N, D = cfg.num_layers, cfg.num_slots, cfg.num_rows, cfg.num_draft_tokens
+    state = cfg.num_v_heads * cfg.head_v_dim * cfg.head_k_dim
+    item = torch.empty(0, dtype=cfg.torch_ssm_dtype).element_size()
+    return L * (state * ((S + (N + 1) * D) * item + cfg.num_requests * 8) + S * cfg.conv_window * cfg.conv_channels * 4)
+
+
+def check_fits(cfg: Config) -> None:
+    """Refuse (DataError, exit 2), before any allocation, a config whose states exceed the memory limit."""
+    check_memory(planned_bytes(cfg), f"the states of {cfg.name} ({cfg.num_layers} layers, {cfg.num_slots} slots, "
+                 f"{cfg.num_v_heads} heads of {cfg.head_v_dim} x {cfg.head_k_dim})")
+
+
 class StatePool:
     """Committed states, conv windows and verify scratch of one rank, with slot bookkeeping."""
 
     def __init__(self, cfg: Config, device: torch.device):
+        check_fits(cfg)
         self.cfg = cfg
         self.device = device
         L, S, N, D = cfg.num_layers, cfg.num_slots, cfg.num_rows, cfg.num_draft_tokens
@@ -122,11 +140,6 @@ def raw_state(t: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"a state block of shape [{V}, {K}] with strides ({sv}, {sk}) is not dense; "
                          "drift's pool layouts keep every [V, K] block dense")
     return torch.as_strided(t, t.shape, (*t.stride()[:-2], K, 1), t.storage_offset())
-
-
-def as_bits(t: torch.Tensor) -> torch.Tensor:
-    """Same-width integer view of a 2- or 4-byte float tensor (any strides): NaN-safe bit compares."""
-    return t.view(store_dtype(t.dtype).int_view)
 
 
 class _ForwardMetadata:

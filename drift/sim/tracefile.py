@@ -59,7 +59,7 @@ import numpy as np
 import torch
 
 from ..errors import DataError
-from ..fileio import atomic_write_bytes, atomic_write_json, load_npz, npz_bytes
+from ..fileio import atomic_write_bytes, atomic_write_json, load_npz, npz_bytes, read_bytes, read_json
 from ..version import __version__
 
 SCHEMA = 1
@@ -353,20 +353,13 @@ def write_trace(path: str | os.PathLike, *, x, a, b, A_log, dt_bias, conv_weight
 
 
 # --------------------------------------------------------------------------- read
-def _reject_constant(name: str):
-    raise ValueError(f"non-finite number {name} (strict JSON has no NaN/Infinity)")
-
-
 def read_manifest(path: str | os.PathLike) -> tuple[Path, Path, dict]:
     """``(npz, manifest_path, manifest)`` with the manifest's own fields checked (not the npz)."""
     npz, man = trace_paths(path)
-    if not man.is_file():
+    if not os.path.lexists(man):
         raise _err(man, "manifest", "not found",
                    f"a trace is NAME.npz plus NAME.json; copy {man.name} next to {npz.name} or re-capture")
-    try:
-        m = json.loads(man.read_text(encoding="utf-8"), parse_constant=_reject_constant)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise _err(man, "manifest", f"is not JSON ({exc})") from exc
+    m = read_json(man, "trace manifest", _FIX)
     if not isinstance(m, dict):
         raise _err(man, "manifest", f"holds a JSON {type(m).__name__}, not an object")
     if m.get("kind") != KIND:
@@ -407,10 +400,10 @@ def read_manifest(path: str | os.PathLike) -> tuple[Path, Path, dict]:
 def read_trace(path: str | os.PathLike) -> Trace:
     """Read and validate a trace given as ``NAME.npz`` (or ``NAME.json`` / ``NAME``)."""
     npz, man, m = read_manifest(path)
-    if not npz.is_file():
+    if not os.path.lexists(npz):
         raise _err(npz, "npz", f"not found (the manifest {man.name} names it)",
                    f"copy {npz.name} next to {man.name} or re-capture")
-    blob = npz.read_bytes()
+    blob = read_bytes(npz, "trace npz", _FIX)
     if len(blob) != m["bytes"]:
         raise _err(npz, "field 'bytes'", f"the npz has {len(blob)} bytes, the manifest says {m['bytes']} "
                    f"({'truncated' if len(blob) < m['bytes'] else 'grown'})")
@@ -419,9 +412,9 @@ def read_trace(path: str | os.PathLike) -> Trace:
         raise _err(npz, "field 'sha256'", f"the npz hashes to {digest[:16]}..., the manifest says "
                    f"{m['sha256'][:16]}... (corrupted or replaced)")
     try:
-        stored = load_npz(npz)
-    except Exception as exc:  # a zip/npy the hash vouches for but numpy refuses (e.g. an object array)
-        raise _err(npz, "npz", f"cannot be loaded without pickle ({type(exc).__name__}: {exc})") from exc
+        stored = load_npz(npz)  # headers checked first: object arrays, oversized shapes and headers refused
+    except DataError as exc:
+        raise _err(npz, "npz", f"cannot be loaded: {str(exc).removeprefix(f'{npz}: ')}") from None
     _check_arrays(npz, stored, m, m["dtype"])
     arrays = _decode(stored, m["dtype"])
     for name in ARRAYS:

@@ -1,0 +1,91 @@
+"""One base for the adapters that run an engine's per-layer verify op as a drift verify kernel.
+
+An engine calls its GDN verify op once per layer; drift's kernels take every layer at once
+(:class:`drift.sim.kernels.VerifyArgs`). :class:`LayerOpAdapter` owns what every such adapter
+needs and nothing engine-specific: the layer loop, each row's start state gathered where the
+op takes it gathered (the committed state or the previous scratch block, docs/semantics.md §6),
+the write-back of per-token states the op returns in its own buffer into drift's scratch blocks,
+the bf16 output assembly, the kernel's name, and a failure named by layer. A subclass says how
+one layer is called (:meth:`LayerOpAdapter.call_layer`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+
+from ..errors import UpdateRaised
+from ..sim import kernels
+from ..sim.kernels import VerifyArgs
+from ..sim.pool import raw_state
+
+BF16 = torch.bfloat16
+
+
+def output_problem(out: object, shape: tuple[int, ...], exact: bool = False) -> str:
+    """What is wrong with a verify output that should be a bf16 tensor of ``shape`` ('' when nothing);
+    ``exact`` False accepts any shape of as many elements (the op's ``[B, S, HV, V]`` or a flat view)."""
+    if not isinstance(out, torch.Tensor):
+        return f"returned {type(out).__name__}, not a bfloat16 tensor of shape {shape}"
+    if out.dtype != BF16:
+        return f"returned a {out.dtype} tensor, expected bfloat16 of shape {shape}"
+    if (tuple(out.shape) != shape) if exact else (out.numel() != math.prod(shape)):
+        return f"returned shape {tuple(out.shape)}, expected {shape}"
+    return ""
+
+
+class LayerOpAdapter:
+    """A verify kernel (``adapter(args) -> bf16 [L, B, S, HV, V]``) calling ``op`` once per layer."""
+
+    def __init__(self, op: Callable, name: str):
+        self.op = op
+        self.__name__ = self.__qualname__ = name
+
+    # ------------------------------------------------------------------ hooks
+    def prepare(self, args: VerifyArgs) -> Any:
+        """Per-call work shared by the layers (inputs in the op's dtypes); passed to call_layer."""
+        return None
+
+    def call_layer(self, args: VerifyArgs, layer: int, ctx: Any) -> torch.Tensor:  # pragma: no cover
+        """Call the op for ``layer``; return its output (``B * S * HV * V`` bf16 elements)."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- helpers
+    @staticmethod
+    def start_states(args: VerifyArgs, layer: int) -> torch.Tensor:
+        """Each row's start state of ``layer`` gathered into a new dense ``[B, HV, V, K]`` tensor: the
+        committed state ``recurrent_state[cache_indices[b]]`` or the scratch block the accept count
+        names (:func:`drift.sim.kernels.start_blocks`), read without a host sync."""
+        start, from_rec = kernels.start_blocks(args)
+        rec = raw_state(args.recurrent_state)[layer]
+        blocks = kernels.scratch_blocks(args.intermediate_state)[layer]
+        slots = args.cache_indices.to(torch.int64)
+        return torch.where(from_rec[:, None, None, None], rec.index_select(0, slots),
+                           blocks.index_select(0, start)).contiguous()
+
+    @staticmethod
+    def write_back(args: VerifyArgs, layer: int, states: torch.Tensor) -> None:
+        """Per-token states ``[B * S, HV, V, K]`` (row-major over rows and tokens) into drift's scratch
+        blocks at ``ssm_state_indices``, in the scratch's dtype."""
+        blocks = kernels.scratch_blocks(args.intermediate_state)[layer]
+        blocks.index_copy_(0, args.ssm_state_indices.to(torch.int64).reshape(-1), states.to(blocks.dtype))
+
+    # ------------------------------------------------------------------ call
+    def __call__(self, args: VerifyArgs) -> torch.Tensor:
+        L, B, S, HV, V, K = args.dims
+        out = torch.empty(L, B, S, HV, V, dtype=BF16, device=args.mix_qkv.device)
+        ctx = self.prepare(args)
+        for layer in range(L):
+            try:
+                o = self.call_layer(args, layer, ctx)
+            except UpdateRaised:
+                raise
+            except Exception as exc:
+                raise UpdateRaised(f"layer {layer}: the op raised {exc!r}") from exc
+            problem = output_problem(o, (B, S, HV, V))
+            if problem:
+                raise UpdateRaised(f"layer {layer}: the op {problem}")
+            out[layer] = o.reshape(B, S, HV, V)
+        return out

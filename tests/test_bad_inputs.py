@@ -1,0 +1,347 @@
+"""The bad-input battery: hostile and damaged inputs, failing outputs, misbehaving code under test
+and interrupts, each handled by drift's contract -- exit 2 for input rejected before any work (one
+line naming the cause and a fix that works), 1 for code under test that fails, 130/143 for SIGINT /
+SIGTERM, no traceback, nothing outside a golden directory touched, nothing half-written left.
+
+Runs ``drift.cli.main`` in-process with tiny shapes and a few steps; subprocesses only for signals.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from drift import checkpoint, fileio
+from drift.check import golden
+from drift.cli import main
+from drift.errors import EXIT_FAIL, EXIT_PASS, EXIT_USAGE, DataError
+from drift.jobs import nightly
+from drift.sim.tracefile import write_trace
+
+RUN = ["run", "--preset", "ci-small", "--steps", "8", "--quiet"]
+DEEP = "[" * 100_000 + "]" * 100_000  # nested past what Python's JSON parser follows (RecursionError)
+
+
+def err_of(capsys) -> str:
+    """stderr of the last command, checked to be one line without a traceback."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+# ------------------------------------------------------------------- golden store
+def _golden_copy(tmp_path: Path) -> Path:
+    """A copy of the golden manifest drift ships, with one small data file (8 steps of ci-small)."""
+    d = tmp_path / "golden"
+    assert golden.regenerate(["ci-small"], directory=d, steps=8, out=io.StringIO()) == 0
+    return d
+
+
+def test_a_manifest_name_outside_its_directory_is_refused_and_nothing_is_deleted(tmp_path, capsys, monkeypatch):
+    d = _golden_copy(tmp_path)
+    victim = tmp_path / "victim.npz"
+    victim.write_bytes(b"precious")
+    m = json.loads((d / "manifest.json").read_text())
+    (entry,) = m["entries"].values()
+    (meta,) = entry["files"].values()
+    entry["files"] = {"../victim.npz": {**meta, "sha256": "0" * 64}}  # out of date: regen would replace it
+    (d / "manifest.json").write_text(json.dumps(m))
+    monkeypatch.setenv("DRIFT_GOLDEN_DIR", str(d))
+    assert main(["regen-golden", "--force", "--golden-dir", str(d), "--preset", "ci-small"]) == EXIT_USAGE
+    err = err_of(capsys)
+    assert "'../victim.npz'" in err and "not a plain file name" in err and "move it aside" in err
+    assert victim.read_bytes() == b"precious"
+    for bad in ("/etc/passwd", "sub/x.npz", "..", "", "a\\b.npz"):
+        assert not golden.plain_name(bad), bad
+    assert golden.plain_name("ci-small-seed0-0123456789ab.npz")
+
+
+def test_regeneration_repairs_a_file_damaged_on_disk(tmp_path):
+    d = _golden_copy(tmp_path)
+    (f,) = d.glob("*.npz")
+    whole = f.read_bytes()
+    f.write_bytes(whole[:1000])  # truncated: the manifest's sha256 still names the true data
+    out = io.StringIO()
+    assert golden.regenerate(["ci-small"], directory=d, steps=8, out=out) == 0  # no --force needed
+    assert "repaired" in out.getvalue() and f.read_bytes() == whole
+    out = io.StringIO()
+    assert golden.regenerate(["ci-small"], directory=d, steps=8, out=out) == 0
+    assert "unchanged" in out.getvalue()  # negative control: an intact file is left alone
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda d: d.write_text("a file"), "is a file, not a directory"),
+    (lambda d: (d.mkdir(), (d / "manifest.json").symlink_to("manifest.json")), "Too many levels of symbolic links"),
+    (lambda d: (d / "manifest.json").mkdir(parents=True), "manifest.json is a directory"),
+    (lambda d: (d.mkdir(), (d / "manifest.json").write_text(DEEP)), "nested deeper"),
+])
+def test_a_broken_golden_directory_is_named_as_such(tmp_path, capsys, monkeypatch, make, words):
+    d = tmp_path / "g"
+    make(d)
+    monkeypatch.setenv("DRIFT_GOLDEN_DIR", str(d))
+    assert main(RUN) == EXIT_USAGE
+    err = err_of(capsys)
+    assert words in err and "no golden data" not in err
+
+
+# ------------------------------------------------------------------ bounded reads
+def _npz_with_header(tmp_path: Path, header: bytes) -> Path:
+    """An .npz whose one member is an .npy with this header dict (v1.0) and 16 bytes of data."""
+    pad = 64 - (10 + len(header) + 1) % 64
+    body = header + b" " * pad + b"\n"
+    npy = b"\x93NUMPY\x01\x00" + len(body).to_bytes(2, "little") + body + bytes(16)
+    path = tmp_path / "h.npz"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("x.npy", npy)
+    return path
+
+
+def test_npz_headers_are_checked_before_anything_is_allocated(tmp_path, monkeypatch):
+    huge = _npz_with_header(tmp_path, b"{'descr': '<f4', 'fortran_order': False, 'shape': (549755813888,), }")
+    with pytest.raises(DataError, match=r"declares shape \(549755813888,\).*2.0 TiB.*holds \d+ B") as ei:
+        fileio.load_npz(huge)  # a 2 TiB array in a 144-byte member: damaged, not "needs pickle"
+    assert "pickle" not in str(ei.value)
+    long = _npz_with_header(tmp_path, b"{'descr': '<f4', 'fortran_order': False, 'shape': (4,), " + b" " * 20_000 + b"}")
+    with pytest.raises(DataError, match="oversized .npy header"):
+        fileio.load_npz(long)
+    fine = _npz_with_header(tmp_path, b"{'descr': '<f4', 'fortran_order': False, 'shape': (4,), }")
+    assert fileio.load_npz(fine)["x"].shape == (4,)  # positive control: the same file, sane
+    monkeypatch.setenv("DRIFT_MAX_BYTES", "8")
+    with pytest.raises(DataError, match="memory limit of 8 B.*DRIFT_MAX_BYTES"):
+        fileio.load_npz(fine)
+    with pytest.raises(DataError, match="is a directory"):
+        fileio.load_npz(tmp_path)
+
+
+def test_a_run_too_large_for_the_memory_limit_is_refused_before_allocating(capsys, monkeypatch):
+    monkeypatch.setenv("DRIFT_MAX_BYTES", "1M")  # ci-small's states need a few MiB
+    assert main(RUN) == EXIT_USAGE
+    err = err_of(capsys)
+    assert "memory limit of 1.0 MiB" in err and "DRIFT_MAX_BYTES" in err
+
+
+# Trace shapes: 4 sequences, 20 tokens, 1 layer, HK=1, HV=2, K=V=8 (C = 32), conv kernel 4.
+R, T, HV, K, KC = 4, 20, 2, 8, 4
+C = 2 * K + HV * K
+
+
+def _trace(tmp_path: Path, name: str = "t") -> Path:
+    g = torch.Generator().manual_seed(0)
+    return write_trace(tmp_path / name, x=(0.5 * torch.randn(R, T, 1, C, generator=g)).bfloat16(),
+                       a=torch.randn(R, T, 1, HV, generator=g).bfloat16(), b=torch.randn(R, T, 1, HV, generator=g).bfloat16(),
+                       A_log=torch.zeros(1, HV), dt_bias=torch.zeros(1, HV), conv_weight=0.3 * torch.randn(1, C, KC, generator=g),
+                       conv_bias=torch.zeros(1, C), dtype="bfloat16", layers=[0],
+                       model={"name": "unit", "source": "tiny", "config": {"num_k_heads": 1, "head_k_dim": K, "head_v_dim": K}})
+
+
+def test_a_trace_too_large_for_the_memory_limit_leaves_no_golden_directory(tmp_path, capsys, monkeypatch):
+    npz = _trace(tmp_path)
+    monkeypatch.setenv("DRIFT_MAX_BYTES", "16K")  # the trace's arrays fit (5 KiB of x); its run's states do not
+    assert main(["run", "--trace", str(npz), "--quiet"]) == EXIT_USAGE
+    assert "the states of ci-small+trace:t" in err_of(capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json", "t.npz"]  # no empty t.golden/
+
+
+def test_damaged_json_and_non_files_exit_2(tmp_path, capsys):
+    npz = _trace(tmp_path)
+    npz.with_suffix(".json").write_text(DEEP)
+    assert main(["trace-stats", str(npz)]) == EXIT_USAGE
+    assert "nested deeper" in err_of(capsys)
+    npz.with_suffix(".json").unlink()
+    npz.with_suffix(".json").mkdir()
+    assert main(["trace-stats", str(npz)]) == EXIT_USAGE
+    assert "is a directory" in err_of(capsys)
+    with pytest.raises(DataError, match="is a directory"):
+        checkpoint.load(tmp_path)
+
+
+def test_a_checkpoint_with_code_in_it_never_advises_unpickling(tmp_path):
+    path = tmp_path / "evil.pt"
+    torch.save({"x": io.StringIO()}, path)  # any object beyond tensors and numbers
+    with pytest.raises(DataError, match="drift never unpickles code") as ei:
+        checkpoint.load(path)
+    assert "weights_only=False" not in str(ei.value)
+
+
+# ------------------------------------------------------------- a short trace
+def test_a_trace_shorter_than_the_track_interval_is_not_a_false_fail(tmp_path, capsys):
+    npz = _trace(tmp_path)
+    # qwen3.5-397b-tp16 tracks every 256 tokens; the trace has 20: tracking cannot be exercised.
+    assert main(["run", "--trace", str(npz), "--preset", "qwen3.5-397b-tp16", "--quiet"]) == EXIT_PASS
+    out = capsys.readouterr().out
+    row = next(ln for ln in out.splitlines() if ln.startswith("tracked snapshots"))
+    assert "n/a" in row and "not exercised" in row and "--loop" in row
+    # negative control: with a track interval the trace reaches, the check is exercised and gates.
+    assert main(["run", "--trace", str(npz), "--preset", "ci-small", "--quiet"]) == EXIT_PASS
+    row = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("tracked snapshots"))
+    assert "PASS" in row and "snapshots compared" in row
+
+
+# ----------------------------------------------------------------------- outputs
+def test_outputs_of_the_wrong_kind_are_refused_before_work(tmp_path, capsys):
+    (tmp_path / "rep" / "report.json").mkdir(parents=True)
+    assert main(RUN + ["--report", str(tmp_path / "rep")]) == EXIT_USAGE
+    assert "report.json: is a directory" in err_of(capsys)
+    npz = _trace(tmp_path)
+    (tmp_path / "plot.png").mkdir()
+    assert main(["trace-stats", str(npz), "--plot", str(tmp_path / "plot.png")]) == EXIT_USAGE
+    assert "plot.png: is a directory" in err_of(capsys)
+    (tmp_path / "cap.npz").mkdir()
+    assert main(["capture", "--out", str(tmp_path / "cap")]) == EXIT_USAGE
+    assert "cap.npz: is a directory" in err_of(capsys)
+
+
+def test_a_full_disk_exits_2_naming_the_path_and_leaves_no_partial_file(tmp_path, capsys, monkeypatch):
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(fileio.os, "fsync", full)
+    out = tmp_path / "rep"
+    assert main(RUN + ["--report", str(out)]) == EXIT_USAGE
+    err = err_of(capsys)
+    assert f"cannot write {out / 'report.json'} (No space left on device)" in err
+    assert list(out.iterdir()) == []  # no report, no temporary file
+
+
+# ----------------------------------------------------------- code under test
+KERNELS = '''
+from drift.sim import kernels
+
+def raises(args):
+    raise RuntimeError("kernel bug")
+
+def returns_none(args):
+    return None
+
+def short(args):
+    return kernels.recurrent_gated_delta_rule(args)[:, :1]
+
+def fp32(args):
+    return kernels.recurrent_gated_delta_rule(args).float()
+
+def two_args(args, other):
+    return None
+
+def op_raises(mix_qkv, recurrent_state, *, beta, scale, actual_seq_lengths, ssm_state_indices, nk, nv,
+              intermediate_state=None, cache_indices=None, num_accepted_tokens=None, g=None):
+    raise ValueError("op bug")
+
+def op_positional(mix_qkv, recurrent_state, beta):
+    return None
+'''
+
+
+@pytest.mark.parametrize("kernel, code, words", [
+    ("raises", EXIT_FAIL, "(raises) raised RuntimeError('kernel bug') at decode step 0"),
+    ("returns_none", EXIT_FAIL, "returned NoneType, not a bfloat16 tensor"),
+    ("short", EXIT_FAIL, "returned shape (2, 1, 4, 4, 64), expected (2, 5, 4, 4, 64) at decode step 0"),
+    ("fp32", EXIT_FAIL, "returned a torch.float32 tensor, expected bfloat16"),
+    ("two_args", EXIT_USAGE, "cannot take one VerifyArgs"),
+    ("npu-op:op_raises", EXIT_FAIL, "failed at decode step 0, layer 0: the op raised ValueError('op bug')"),
+    ("npu-op:op_positional", EXIT_USAGE, "cannot take SGLang's call"),
+])
+def test_a_misbehaving_verify_kernel_fails_as_code_under_test(tmp_path, capsys, kernel, code, words):
+    f = tmp_path / "kern.py"
+    f.write_text(KERNELS)
+    prefix, _, name = kernel.rpartition(":")
+    spec = f"{prefix + ':' if prefix else ''}{f}:{name}"
+    assert main(RUN + ["--kernel", spec]) == code
+    err = err_of(capsys)
+    assert words in err, err
+    assert err.startswith("drift run: FAIL: the verify kernel under test" if code == EXIT_FAIL else "drift run: error:")
+
+
+# ----------------------------------------------------------------------- nightly
+NIGHTLY = ["nightly", "--preset", "ci-small", "--variant", "rne", "--layers", "1", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def nightly_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("nightly")
+    assert main(NIGHTLY + ["--steps", "16", "--report", str(out)]) == EXIT_PASS
+    return out
+
+
+def test_resume_reuses_only_results_of_the_same_configuration(nightly_dir, tmp_path, capsys):
+    import shutil
+
+    d = tmp_path / "n"
+    shutil.copytree(nightly_dir, d)
+    capsys.readouterr()
+    assert main(NIGHTLY + ["--steps", "8", "--report", str(d), "--resume"]) == EXIT_PASS
+    err = capsys.readouterr().err
+    assert "redoing ci-small.seed0.sglang-0.5.23.rne" in err and "config.steps 16 -> 8" in err
+    (entry,) = json.loads((d / "report.json").read_text())["entries"].values()
+    assert entry["steps"] == 8  # not the 16-step result
+    assert main(NIGHTLY + ["--steps", "8", "--report", str(d), "--resume"]) == EXIT_PASS
+    assert "redoing" not in capsys.readouterr().err  # the same configuration is reused
+
+
+def test_a_checkpoint_of_another_configuration_is_set_aside(tmp_path):
+    entry = nightly.Entry("ci-small", 0, "sglang-0.5.23", "rne", 8, 1)
+    want = nightly.identity(entry, "cpu")
+    other = nightly.identity(nightly.Entry("ci-small", 0, "sglang-0.5.23", "rne", 8, 2), "cpu")
+    newest, _ = nightly.checkpoint_paths(tmp_path, entry)
+    checkpoint.save(newest, {"entry": entry.key, "identity": other})
+    log = io.StringIO()
+    assert nightly.load_resume_state(tmp_path, entry, log, want) is None
+    assert "config.num_layers 2 -> 1" in log.getvalue() and (tmp_path / (newest.name + ".stale")).exists()
+    checkpoint.save(newest, {"entry": entry.key, "identity": want})  # positive control: the same one resumes
+    assert nightly.load_resume_state(tmp_path, entry, io.StringIO(), want)["identity"] == want
+
+
+def test_a_report_directory_is_never_silently_overwritten_or_shared(nightly_dir, capsys):
+    before = (nightly_dir / "report.json").read_bytes()
+    assert main(NIGHTLY + ["--steps", "8", "--report", str(nightly_dir)]) == EXIT_USAGE
+    assert "already holds a report" in err_of(capsys)
+    with nightly.locked(nightly_dir):  # another nightly writing there
+        assert main(NIGHTLY + ["--steps", "8", "--report", str(nightly_dir), "--resume"]) == EXIT_USAGE
+        assert f"in use by another drift nightly (pid {os.getpid()})" in err_of(capsys)
+    assert (nightly_dir / "report.json").read_bytes() == before
+
+
+def test_a_bad_baseline_is_refused_before_the_nightly_runs(nightly_dir, tmp_path, capsys):
+    rep = json.loads((nightly_dir / "report.json").read_text())
+    cases = {"list": ({**rep, "entries": list(rep["entries"].values())}, "'entries' is a list"),
+             "deep": (None, "nested deeper"),
+             "none": ({**rep, "entries": {"other.seed0.x.rne": next(iter(rep["entries"].values()))}},
+                      "matches no entry of this run")}
+    for name, (obj, words) in cases.items():
+        base = tmp_path / f"{name}.json"
+        base.write_text(DEEP if obj is None else json.dumps(obj))
+        out = tmp_path / f"out-{name}"
+        assert main(NIGHTLY + ["--steps", "8", "--report", str(out), "--baseline", str(base)]) == EXIT_USAGE, name
+        err = err_of(capsys)
+        assert words in err, err
+        assert not (out / "report.json").exists()
+    shard = tmp_path / "shard"
+    shard.mkdir()
+    (shard / "report.json").write_text(json.dumps(cases["list"][0]))
+    assert main(["report", "merge", str(shard), "-o", str(tmp_path / "merged")]) == EXIT_USAGE
+    assert "'entries' is a list" in err_of(capsys)
+
+
+# ------------------------------------------------------------------- interrupts
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_an_interrupt_exits_with_one_line_and_leaves_nothing_half_written(tmp_path, sig, code):
+    gdir = tmp_path / "g"
+    proc = subprocess.Popen([sys.executable, "-m", "drift", "regen-golden", "--golden-dir", str(gdir),
+                             "--preset", "stagnation"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # SIGINT as a terminal delivers it, even where the test runner's worker ignores it
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert "generating" in proc.stdout.readline()  # it is working now
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and "interrupted" in err
+    assert not list(gdir.glob("*.tmp")) and not (gdir / "manifest.json").exists()
