@@ -192,10 +192,32 @@ def bad_spec(name: str) -> str:
 FIRST_GROUPS = ("teeth", "compat", "nightly", "precision-bf16-runs")
 
 
-def pytest_collection_modifyitems(items: list) -> None:
+def pytest_collection_modifyitems(config, items: list) -> None:
     def rank(item) -> int:
         mark = item.get_closest_marker("xdist_group")
         name = (mark.args[0] if mark.args else mark.kwargs.get("name")) if mark else None
         return FIRST_GROUPS.index(name) if name in FIRST_GROUPS else len(FIRST_GROUPS)
 
     items.sort(key=rank)
+    _xdist_group_ids(config, items)
+
+
+def _xdist_group_ids(config, items: list) -> None:
+    """--dist loadgroup on pytest 9: pytest-xdist (3.8) keys a work unit by the ``@group`` suffix it
+    appends to each grouped test's node id by setting ``item._nodeid``, which pytest 9 no longer
+    reads (it keeps the id as ``item._id``). Without the suffix every grouped test is a unit of its
+    own, spread over all workers, and each worker recomputes the group's module fixtures (measured:
+    the mutant catalogue and the trade-off runs twice). Set the suffix where pytest 9 reads it;
+    a pytest that still honours xdist's own (the id already ends in it) is left alone."""
+    if not getattr(config.option, "loadgroup", False):  # set in xdist workers under --dist loadgroup
+        return
+    try:
+        from _pytest.nodeid import NodeId  # pytest >= 9
+    except ImportError:
+        return
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        suffix = "@" + "_".join(names)
+        if names and not item.nodeid.endswith(suffix) and isinstance(getattr(item, "_id", None), NodeId):
+            item._id = NodeId.parse(item.nodeid + suffix)
