@@ -106,11 +106,25 @@ def add_bench(p: argparse.ArgumentParser) -> None:
     add_options(p.add_argument, CONFIG_OPTIONS, defaults={"preset": "qwen3.5-397b-tp16"})
     p.add_argument("--layers", type=positive_int, help="simulate only this many layers (default: all)")
     p.add_argument("--bench-steps", type=positive_int, default=20, help="timed steps per block of the vectorised simulator")
-    p.add_argument("--naive-steps", type=positive_int, default=2, help="timed steps of the naive loop")
-    p.add_argument("--repeats", type=positive_int, default=3, help="timed blocks of --bench-steps steps (best kept)")
+    p.add_argument("--naive-steps", type=positive_int, default=3, help="timed steps of the naive loop (median kept)")
+    p.add_argument("--repeats", type=positive_int, default=5, help="timed blocks of --bench-steps steps (median kept)")
+    p.add_argument("--profile-steps", type=_non_negative_int,
+                   help="steps per stage profile of the eager and the checked step (0: none; default 4)")
+    p.add_argument("--gate", action="store_true",
+                   help="exit 1 when a median misses its target (bandwidth ratio 0.15, speedup 10x)")
     p.add_argument("--threads", type=positive_int, help="CPU threads (default: the faster of 1 and torch's default, probed)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0")
+    return value
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -118,11 +132,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .jobs.report import progress_printer
 
     cfg = config_from_args(args)
+    extra = {} if args.profile_steps is None else {"profile_steps": args.profile_steps}
     res = bench(cfg, layers=args.layers, steps=args.bench_steps, naive_steps=args.naive_steps,
                 repeats=args.repeats, threads=args.threads,
-                progress=None if args.quiet else progress_printer(f"drift bench {cfg.name}", unit="part"))
+                progress=None if args.quiet else progress_printer(f"drift bench {cfg.name}", unit="part"), **extra)
     print(json.dumps(res, indent=2) if args.json else format_bench(res))
-    return EXIT_PASS
+    return EXIT_FAIL if args.gate and not res["verdict"]["met"] else EXIT_PASS
 
 
 def _batch_list(text: str) -> list[int]:

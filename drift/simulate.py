@@ -131,6 +131,32 @@ class SlotGuard:
         self.violations[offset:offset + count] = False
 
 
+class StageClock:
+    """Wall seconds spent in each stage of eager decode steps (``drift bench``'s profile).
+
+    ``lap(stage)`` adds the time since the previous lap (or :meth:`start`) to ``seconds[stage]``,
+    after waiting for the device's queued work, so each stage is charged its own device time.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def _now(self) -> float:
+        if self.device.type != "cpu":
+            getattr(torch, self.device.type).synchronize()
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self._t = self._now()
+
+    def lap(self, stage: str) -> None:
+        t = self._now()
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + t - self._t
+        self._t = t
+
+
 @dataclass
 class ResumePoint:
     """Where each active row starts instead of its prompt (a prefix-cache hit, a checkpoint).
@@ -210,6 +236,12 @@ class Simulation:
         self._guard_read = 0
         self._static = None  # the captured step's persistent inputs (see _graph_step)
         self._graph = self._make_graph(cfg.graph_mode if graph is None else graph)
+        # Set to a StageClock to time the stages of eager steps (a captured step is not split).
+        self.clock: Optional[StageClock] = None
+
+    def _lap(self, stage: str) -> None:
+        if self.clock is not None and self._graph.api is None:
+            self.clock.lap(stage)
 
     def _make_graph(self, requested: bool) -> StepGraph:
         """The step's device graph (docs/semantics.md §11): SGLang's graph mode captures the
@@ -267,6 +299,8 @@ class Simulation:
                     obs.load_state_dict(st)
             done = int(resume_state["done"])
         t0 = time.perf_counter()
+        if self.clock is not None:
+            self.clock.start()
         stopped = None
         next_ckpt = (done // checkpoint_every + 1) * checkpoint_every if checkpoint_every else None
         try:
@@ -274,6 +308,7 @@ class Simulation:
                 done += self.advance(min(self.stream.chunk_steps, total - done))
                 for obs in self.observers:
                     obs.flush()
+                self._lap("observers: flush")
                 if progress is not None:
                     progress(done, total)
                 if checkpoint is not None and next_ckpt is not None and done >= next_ckpt and done < total:
@@ -347,6 +382,7 @@ class Simulation:
                 self._chunk = self.stream.chunk(min(self.stream.chunk_steps, count - done))
                 self._touched_chunk = self._touched(self._chunk) if self.guard is not None else None
                 self._in_chunk = 0
+                self._lap("input stream")
             self._step(self._chunk, self._in_chunk, self._touched_chunk)
             self._in_chunk += 1
             done += 1
@@ -379,6 +415,7 @@ class Simulation:
                         pre=chunk.pre[s], accept=chunk.accept[s], track=chunk.track_host[s])
         for obs in self.observers:
             obs.on_step(view)
+        self._lap("observers: per step")
         self.step += 1
 
     def _graph_step(self, chunk, s: int, touched: Optional[torch.Tensor]) -> torch.Tensor:
@@ -446,11 +483,14 @@ class Simulation:
         mix = kernels.conv_verify(pool.conv, pool.row_slots, x, prm.conv_weight)  # bf16 [L, N, D, C]
         g = kernels.gdn_gating(a, prm.A_log, prm.dt_bias)  # fp32 [L, N, D, HV]
         beta = b.to(torch.bfloat16)  # the beta logit, on the bf16 grid already
+        self._lap("conv verify, gating")
         if self.mode == "mtp":
             out = self._verify(self.verify_args.build(mix, beta, g, cfg.store_rounding, self.step))
             self.verify_args.accepted(last)
+            self._lap("verify op")
             if self.guard is not None:
                 self.guard.before()
+                self._lap("slot guard")
             track_idx = pool.row_track_slots if cfg.track_interval > 0 else None
             track_steps = trk if cfg.track_interval > 0 else None
             try:
@@ -460,8 +500,10 @@ class Simulation:
             except Exception as exc:
                 raise UpdateRaised(f"the update under test ({self.update.spec}) raised {exc!r} at decode "
                                    f"step {self.step}") from exc
+            self._lap("update")
             if self.guard is not None:
                 self.guard.after(s, touched)
+                self._lap("slot guard")
             return out
         q, k, v, decay, bt = kernels.op_inputs(mix, beta, g, cfg.num_k_heads, cfg.head_k_dim, cfg.num_v_heads,
                                                cfg.head_v_dim, cfg.head_k_dim ** -0.5)

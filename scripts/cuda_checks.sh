@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CUDA checks docs/speed.md ("Graph capture": the GPU numbers) asks for, as one run on a GPU machine.
+# The CUDA checks docs/speed.md ("Device graphs and GPU numbers") asks for, as one run on a GPU machine.
 #
 #   bash scripts/cuda_checks.sh WHEEL OUTDIR [SGLANG_FLA_DIR]
 #

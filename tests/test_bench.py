@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 
 import pytest
 import torch
@@ -29,6 +30,15 @@ FIELDS = ("preset", "layers", "preset_layers", "device", "verify_kernel", "nativ
 REL = 1e-12
 
 
+@pytest.fixture
+def small_copies(monkeypatch):
+    """The CLI's copy-bandwidth buffer shrunk to SMALL_COPY (the CLI has no option for it)."""
+    from drift.jobs import bench as bench_mod
+
+    copies = bench_mod.copy_bandwidths
+    monkeypatch.setattr(bench_mod, "copy_bandwidths", lambda dev, nbytes, repeats=2: copies(dev, SMALL_COPY, repeats))
+
+
 def check_report(res: dict) -> None:
     for name in FIELDS:
         assert name in res, f"report lacks {name!r}"
@@ -46,17 +56,55 @@ def check_report(res: dict) -> None:
     assert math.isclose(res["speedup"], res["steps_per_s"] / res["naive_steps_per_s"], rel_tol=REL)
     assert res["min_bytes_per_step"] == sum(res["min_bytes_breakdown"].values())
     assert len(res["steps_per_s_blocks"]) == res["repeats"]
-    assert res["steps_per_s"] == max(res["steps_per_s_blocks"])
+    # Medians over the repeats, with their ranges (the CPU has no captured step).
+    blocks = res["steps_per_s_blocks"]
+    assert res["steps_per_s"] == statistics.median(blocks)
+    assert res["steps_per_s_range"] == [min(blocks), max(blocks)]
+    lo, hi = res["copy_bandwidth_GBps_range"]
+    assert lo <= res["copy_bandwidth_GBps"] <= hi
+    assert lo <= res["copy_bandwidth_GBps_by_threads"][str(res["torch_threads"])] <= hi
+    ratio = res["bandwidth_ratio_range"]
+    assert math.isclose(ratio[0] / ratio[1], min(blocks) / max(blocks), rel_tol=REL)
+    assert ratio[0] <= res["bandwidth_ratio"] <= ratio[1]
+    n_lo, n_hi = res["naive_steps_per_s_range"]
+    assert n_lo <= res["naive_steps_per_s"] <= n_hi
+    v = res["verdict"]
+    for name in ("bandwidth_ratio", "speedup"):
+        assert math.isclose(v[name]["median"], res[name], rel_tol=REL)
+        assert v[name]["range"][0] <= v[name]["median"] <= v[name]["range"][1]
+        assert v[name]["target"] == res["targets"][name]
+        assert v[name]["met"] == (v[name]["median"] >= v[name]["target"])
+    assert v["met"] == (v["bandwidth_ratio"]["met"] and v["speedup"]["met"])
     assert str(res["torch_threads"]) in res["probe_steps_per_s_by_threads"]
-    assert res["copy_bandwidth_GBps"] >= res["copy_bandwidth_GBps_by_threads"][str(res["torch_threads"])]
     assert json.loads(json.dumps(res)) == res  # JSON-ready as returned
+
+
+EAGER_STAGES = {"input stream", "conv verify, gating", "verify op", "update", "other"}
+CHECKED_STAGES = {"input stream", "conv verify, gating", "verify op", "update", "slot guard", "float64 twin",
+                  "metrics and checks"}
+
+
+def check_profile(prof: dict, stages: set, steps: int) -> None:
+    """Every stage of the step, each share its part of the step's time (shares of the same floats:
+    REL), the twin's recurrence no more than the observers' time it was taken from."""
+    assert set(prof["stages"]) == stages and prof["steps"] == steps
+    ms = [s["ms_per_step"] for s in prof["stages"].values()]
+    assert all(m >= 0 for m in ms)
+    assert math.isclose(sum(ms), prof["ms_per_step"], rel_tol=REL)
+    assert math.isclose(sum(s["share"] for s in prof["stages"].values()), 1.0, rel_tol=REL)
+    assert ms == sorted(ms, reverse=True)  # largest first: the bottleneck leads
+    if "metrics and checks" in prof["stages"]:
+        assert prof["stages"]["float64 twin"]["ms_per_step"] > 0
+        assert prof["stages"]["metrics and checks"]["ms_per_step"] > 0
 
 
 def test_report_on_ci_small_is_consistent():
     cfg = preset("ci-small")
     threads = torch.get_num_threads()
-    res = bench(cfg, steps=2, naive_steps=1, repeats=2, copy_bytes=SMALL_COPY)
+    res = bench(cfg, steps=2, naive_steps=1, repeats=2, copy_bytes=SMALL_COPY, profile_steps=2)
     check_report(res)
+    check_profile(res["stage_profile"]["eager_step"], EAGER_STAGES, 2)
+    check_profile(res["stage_profile"]["checked_step"], CHECKED_STAGES, 2)
     assert torch.get_num_threads() == threads  # restored after probing
     assert res["preset"] == "ci-small" and res["layers"] == res["preset_layers"] == cfg.num_layers
     assert res["min_bytes_per_step"] == min_bytes_per_step(cfg)["total"]
@@ -68,13 +116,15 @@ def test_report_on_ci_small_is_consistent():
     want = "portable, native C kernel (CPU)" if native.available() else "portable, torch ops"
     assert res["verify_kernel"] == want and res["native_kernel"] == native.status()
     assert f"GDN verify: {want}; native kernel status: {native.status()}" in text
-    sr = bench(cfg.replace(store_rounding="stochastic"), steps=1, naive_steps=1, repeats=1, copy_bytes=SMALL_COPY)
-    assert sr["verify_kernel"] == "portable, torch ops"
+    assert "checked step (" in text and "float64 twin" in text
+    sr = bench(cfg.replace(store_rounding="stochastic"), steps=1, naive_steps=1, repeats=1, copy_bytes=SMALL_COPY,
+               profile_steps=0)
+    assert sr["verify_kernel"] == "portable, torch ops" and sr["stage_profile"] == {}
 
 
 def test_fewer_layers_of_the_deployment_preset():
     res = bench(preset("qwen3.5-397b-tp16"), layers=1, steps=1, naive_steps=1, repeats=1,
-                copy_bytes=SMALL_COPY, threads=1)
+                copy_bytes=SMALL_COPY, threads=1, profile_steps=0)
     check_report(res)
     assert (res["layers"], res["preset_layers"], res["torch_threads"]) == (1, 45, 1)
     assert list(res["probe_steps_per_s_by_threads"]) == ["1"]
@@ -98,20 +148,38 @@ def test_min_bytes_counts_each_part_once():
 
 
 @pytest.mark.parametrize("field,kwargs", [("steps", {"steps": 0}), ("naive_steps", {"naive_steps": -1}),
-                                          ("layers", {"layers": 0}), ("threads", {"threads": 0})])
+                                          ("layers", {"layers": 0}), ("threads", {"threads": 0}),
+                                          ("profile_steps", {"profile_steps": -1})])
 def test_bad_arguments_name_the_field(field, kwargs):
     with pytest.raises(ConfigError, match=f"bench {field}="):
         bench(preset("ci-small"), **kwargs)
 
 
-def test_cli_json_and_usage_error(capsys):
+def test_cli_json_and_usage_error(capsys, small_copies):
     rc = main(["bench", "--preset", "ci-small", "--bench-steps", "1", "--naive-steps", "1",
-               "--repeats", "1", "--threads", "1", "--json"])
+               "--repeats", "1", "--threads", "1", "--profile-steps", "0", "--json"])
     assert rc == 0
     check_report(json.loads(capsys.readouterr().out))
     with pytest.raises(SystemExit) as exc:  # rejected by the parser: exit 2 before any work
         main(["bench", "--preset", "ci-small", "--bench-steps", "0"])
     assert exc.value.code == 2
+
+
+@pytest.mark.parametrize("scale,verdict", [(1e-12, "targets met"), (1e12, "below target")])
+def test_gate_exits_on_the_median_verdict(monkeypatch, capsys, small_copies, scale, verdict):
+    """--gate: exit 1 exactly when a median misses its target. Targets scaled out of reach of any
+    machine (x 1e12) and into reach of every one (x 1e-12): the exit code and the verdict line
+    follow, whatever this machine's speed (a negative and a positive control)."""
+    from drift.jobs import bench as bench_mod
+
+    for name, value in dict(bench_mod.TARGETS).items():
+        monkeypatch.setitem(bench_mod.TARGETS, name, value * scale)
+    args = ["bench", "--preset", "ci-small", "--bench-steps", "1", "--naive-steps", "1", "--repeats", "3",
+            "--threads", "1", "--profile-steps", "0"]
+    assert main([*args, "--gate"]) == (0 if verdict == "targets met" else 1)
+    assert f"verdict     {verdict}" in capsys.readouterr().out
+    if verdict != "targets met":
+        assert main(args) == 0  # reported, not gated
 
 
 class _Outputs:

@@ -142,15 +142,26 @@ def test_capture_is_a_greedy_decode_of_prompt_plus_new_tokens(captured):
     """token_ids = prompt + NEW + 1 generated; a no-cache forward over the first T tokens
     predicts every generated one (greedy, EOS suppressed so all NEW tokens come), so the
     trace's T = PROMPT + NEW are the tokens fed."""
-    _, _, model, c, _ = captured
+    _, dtype, model, c, _ = captured
     ids = c["token_ids"]
     assert ids.shape == (SEQ, PROMPT + NEW + 1)
     with torch.no_grad():
         logits = model(ids[:, :-1]).logits.float()
     logits[..., model.config.eos_token_id] = -torch.inf
-    pred = logits[:, PROMPT - 1:].argmax(-1)
-    assert torch.equal(pred, ids[:, PROMPT:])
-    assert not torch.equal(pred[:, :-1], ids[:, PROMPT + 1:])  # negative control: off by one token
+    L = logits[:, PROMPT - 1:]  # [SEQ, NEW + 1, vocab]
+    top = L.max(-1).values
+
+    def gap(tokens):  # how far below the no-cache forward's best logit each token's logit is
+        n = tokens.shape[1]
+        return top[:, :n] - L[:, :n].gather(-1, tokens[..., None]).squeeze(-1)
+
+    # In bf16 the cached decode and this no-cache forward round the same logits separately: a
+    # generated token whose logit is within one bf16 ulp of the maximum is a tie, not another
+    # decode (transformers 5.24 breaks one exact tie the other way here). fp32: exact argmax.
+    tie = 2.0 ** (torch.floor(torch.log2(top.abs())) - 7) if dtype == "bfloat16" else torch.zeros_like(top)
+    assert (gap(ids[:, PROMPT:]) <= tie).all(), (gap(ids[:, PROMPT:]), tie)
+    assert (L.argmax(-1) == ids[:, PROMPT:]).float().mean() >= 0.9  # ties are rare: most positions agree exactly
+    assert not (gap(ids[:, PROMPT + 1:]) <= tie[:, :-1]).all()  # negative control: off by one token
 
 
 @needs_transformers

@@ -73,7 +73,9 @@ def written(args: VerifyArgs, rows: int) -> torch.Tensor:
     return kernels.scratch_blocks(args.intermediate_state)[:, args.ssm_state_indices[:rows].long()]
 
 
-@pytest.mark.parametrize("K,V", [(32, 32), (16, 80), (128, 128)])  # V = 80: not a multiple of 16 lanes
+# V = 80: not a multiple of 16 lanes; K = 24: not a whole number of 16-lane vectors (the kernel's
+# row-at-a-time path); V = 40: a last group of 8 rows after 2 of the kernel's 16-row groups.
+@pytest.mark.parametrize("K,V", [(32, 32), (16, 80), (128, 128), (24, 40)])
 @pytest.mark.parametrize("rec_dtype", [BF16, F32], ids=["rec-bf16", "rec-fp32"])
 def test_native_matches_float64_and_the_torch_path(monkeypatch, K, V, rec_dtype):
     L = 1 if K == 128 else 2

@@ -55,8 +55,13 @@ def test_sglang_style_method_passes_every_check(steps):
     assert by_name(rep)["host_syncs"].passed and by_name(rep)["golden"].verdict == "PASS"
 
 
+# The plug-in machinery, not the horizon: the broken copy shows at the first tracking event (step
+# 1); 64 steps are four track intervals of ci-small at the least acceptance (drift/jobs/teeth.py).
+WIRING_STEPS = 64
+
+
 def test_broken_copy_of_it_fails_tracked_snapshots(broken):
-    rep = run_checked(preset("ci-small"), broken, steps=256)
+    rep = run_checked(preset("ci-small"), broken, steps=WIRING_STEPS)
     checks = by_name(rep)
     assert not checks["tracked_snapshots"].passed
     assert "conv window" in checks["tracked_snapshots"].detail
@@ -73,8 +78,8 @@ def test_engine_ci_runs_the_gate_with_its_own_update(tmp_path, broken):
     """What an engine's CI does: pytest --pyargs drift from its own repository, here with two
     updates in one run (--drift-update repeats): SGLang's method passes all three gate tests, the
     broken copy of it fails precision only (its syncs are the same)."""
-    run = _pytest("--pyargs", "drift", "--drift-update", GOOD, "--drift-update", broken, "--drift-steps", "256",
-                  "-rfs", cwd=tmp_path)
+    run = _pytest("--pyargs", "drift", "--drift-update", GOOD, "--drift-update", broken, "--drift-steps",
+                  str(WIRING_STEPS), "-rfs", cwd=tmp_path)
     assert run.returncode == 1, run.stdout[-3000:]
     assert "1 failed, 5 passed" in run.stdout and "skipped" in run.stdout, run.stdout[-3000:]  # cuda/npu skip
     [failed] = [line for line in run.stdout.splitlines() if line.startswith("FAILED")]
@@ -184,9 +189,10 @@ def test_the_stand_in_loses_writes_to_a_non_contiguous_intermediate():
 
 @pytest.mark.parametrize("flow", ["sglang", "accepted"])
 def test_simulation_through_the_npu_adapter(flow):
-    """Every check passes through the adapter with the stand-in op, in both flows."""
-    rep = run_checked(preset("ci-small", flow=flow), "sglang-0.5.23", steps=256, verify_kernel=load_kernel(FAKE_OP),
-                      sync_scan=False)
+    """Every check passes through the adapter with the stand-in op, in both flows (a wrong argument
+    shows within the first track intervals: WIRING_STEPS)."""
+    rep = run_checked(preset("ci-small", flow=flow), "sglang-0.5.23", steps=WIRING_STEPS,
+                      verify_kernel=load_kernel(FAKE_OP), sync_scan=False)
     assert rep.passed, [c.to_dict() for c in rep.checks if c.failed]
     assert by_name(rep)["golden"].verdict == "PASS"
 

@@ -34,9 +34,10 @@ def test_tradeoff_reports_every_run():
 
 def test_bench_reports_each_timed_part():
     calls, record = _recorder()
-    bench(preset("ci-small").replace(num_layers=1), steps=1, naive_steps=1, repeats=1, threads=1, progress=record)
+    bench(preset("ci-small").replace(num_layers=1), steps=1, naive_steps=1, repeats=1, threads=1, profile_steps=0,
+          progress=record)
     total = calls[0][1]
-    # warm-up, one probe, one block, one naive step (no device graph on a CPU)
+    # warm-up, one probe, one block, one naive step (no device graph on a CPU, no stage profile)
     assert [c[0] for c in calls] == list(range(1, total + 1)) and total == 4
     assert calls[-1][2] == "naive step 1/1"
 

@@ -54,11 +54,16 @@ def test_mutant_is_caught_by_its_direction(results, name):
     assert EXPECTED[r["direction"]] & set(r["caught_by"]), (name, r["caught_by"])
 
 
+@SHARED_RUNS
+def test_skipping_step0_is_caught_by_the_state_check_and_the_bound(results):
+    """The PR twin of tests/test_precision.py's nightly test_skipping_step0_commits_fails: the lost
+    update of a step-0 row is an order-one state error and past the bound."""
+    assert {"committed_state", "drift_bound"} <= set(results["skip_step0"]["caught_by"]), results["skip_step0"]
+
+
 # The PR suite runs the catalogue's horizon; the nightly twins run the same assertions twice
 # (the catalogue) and eight times (the correct updates) as long: a slow precision loss and a false
 # alarm both grow with the horizon.
-LONG = [pytest.param(TEETH_STEPS, id=f"pr{TEETH_STEPS}"),
-        pytest.param(8 * TEETH_STEPS, id=f"long{8 * TEETH_STEPS}", marks=pytest.mark.nightly)]
 
 
 @pytest.mark.nightly
@@ -68,9 +73,20 @@ def test_mutant_is_caught_over_a_longer_horizon(name):
     assert r["caught"] and EXPECTED[r["direction"]] & set(r["caught_by"]), (name, r["caught_by"])
 
 
-@pytest.mark.parametrize("steps", LONG)
-@pytest.mark.parametrize("seed", range(5))
-@pytest.mark.parametrize("impl,tracking", [("sglang-0.5.23", True), ("sglang-32130", False)])
+# Five seeds per implementation under the nightly marker; in the PR suite one each, not seed 0:
+# the trade-off runs both implementations on seed 0 over the same horizon, and
+# test_tradeoff_reports_the_seesaw asserts sglang-0.5.23 passes every check there and
+# sglang-32130 every check but the host sync of its tracking path (off here).
+SEEDS, PR_SEEDS = range(5), {"sglang-0.5.23": (1,), "sglang-32130": (2,)}
+NO_ALARM = [pytest.param(impl, tracking, seed, steps, id=f"{impl}-{tracking}-{seed}-{label}",
+                         marks=marks)
+            for steps, label, marks in ((TEETH_STEPS, f"pr{TEETH_STEPS}", ()),
+                                        (8 * TEETH_STEPS, f"long{8 * TEETH_STEPS}", pytest.mark.nightly))
+            for impl, tracking in (("sglang-0.5.23", True), ("sglang-32130", False))
+            for seed in SEEDS if marks or seed in PR_SEEDS[impl]]
+
+
+@pytest.mark.parametrize("impl,tracking,seed,steps", NO_ALARM)
 def test_correct_implementations_raise_no_alarm(impl, tracking, seed, steps):
     cfg = CFG.replace(seed=seed, steps=steps)
     cfg = cfg if tracking else cfg.replace(track_interval=0)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import time
 from typing import Callable, Optional
 
@@ -28,13 +29,17 @@ from ..errors import ConfigError
 from ..plug.updates import DEFAULT_UPDATE
 from ..sim import kernels, naive, native
 from ..sim.stream import StepChunk
-from ..simulate import Simulation
+from ..simulate import Simulation, StageClock
 
 UPDATE = DEFAULT_UPDATE  # the update the vectorised simulator runs (and the naive loop mirrors)
 COPY_BYTES = 256 << 20  # copy-bandwidth buffer: 8x the 32 MiB L3 of the reference machine
 COPY_REPEATS = 5
 WARMUP_STEPS = 2
 PROBE_STEPS = 3  # single steps timed per candidate thread count, to pick the count
+PROFILE_STEPS = 4  # steps per stage profile (the eager step, and drift run's checked step)
+# The simulator's speed targets on the 2-core CPU CI box (docs/speed.md): the verdict compares
+# the medians over the repeats with them.
+TARGETS = {"bandwidth_ratio": 0.15, "speedup": 10.0}
 
 VECTORISED = ("drift.simulate.Simulation, no observers, check_untouched=False, update "
               f"{UPDATE!r} through drift's portable kernels (on the CPU: GDN verify by drift.sim.native's "
@@ -82,14 +87,18 @@ def _sync(device: torch.device) -> None:
         getattr(torch, device.type).synchronize()
 
 
-def copy_bandwidth(device: torch.device, nbytes: int = COPY_BYTES, repeats: int = COPY_REPEATS) -> float:
-    """Best-of-``repeats`` bandwidth of ``dst.copy_(src)`` on uint8 ``[nbytes]`` tensors, in bytes/s,
+def copy_bandwidths(device: torch.device, nbytes: int = COPY_BYTES, repeats: int = COPY_REPEATS) -> list[float]:
+    """Bandwidth of each of ``repeats`` ``dst.copy_(src)`` on uint8 ``[nbytes]`` tensors, in bytes/s,
     counting ``2 * nbytes`` (read + write) per copy. Both buffers are written first, so no
     timed copy pays for first-touch page faults."""
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    best = min(_timed(device, lambda: dst.copy_(src)) for _ in range(repeats))
-    return 2 * nbytes / best
+    return [2 * nbytes / _timed(device, lambda: dst.copy_(src)) for _ in range(repeats)]
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = COPY_BYTES, repeats: int = COPY_REPEATS) -> float:
+    """The best of :func:`copy_bandwidths`."""
+    return max(copy_bandwidths(device, nbytes, repeats))
 
 
 def naive_step(sim: Simulation, chunk: StepChunk, s: int) -> torch.Tensor:
@@ -142,26 +151,30 @@ def _positive(name: str, value: int) -> None:
         raise ConfigError(f"bench {name}={value!r} is invalid; allowed: an integer >= 1")
 
 
-def bench(cfg: Config, layers: Optional[int] = None, steps: int = 20, naive_steps: int = 2,
-          repeats: int = 3, copy_bytes: int = COPY_BYTES, threads: Optional[int] = None,
-          progress: Optional[Callable[..., None]] = None) -> dict:
+def bench(cfg: Config, layers: Optional[int] = None, steps: int = 20, naive_steps: int = 3,
+          repeats: int = 5, copy_bytes: int = COPY_BYTES, threads: Optional[int] = None,
+          profile_steps: int = PROFILE_STEPS, progress: Optional[Callable[..., None]] = None) -> dict:
     """Time the vectorised and the naive step on ``cfg`` (first ``layers`` GDN layers).
 
     After a warm-up, per candidate CPU thread count (``threads``, or both 1 and torch's
     current count: on a shared machine intra-op threads can stall each other by whole
     scheduler slices): the copy bandwidth and a short probe of single steps. With the
     faster count: ``repeats`` blocks of ``steps`` vectorised steps, then ``naive_steps``
-    naive blocks of one step each. Rates are the best block (least disturbed by other load);
-    the copy bandwidth is the best copy with the same thread count (the same CPU resources),
-    measured before and after the steps. Returns a JSON-ready dict with
-    ``bandwidth_ratio = steps_per_s * min_bytes_per_step / (copy_bandwidth_GBps * 1e9)``.
-    ``progress(done, total, what)`` after each timed part (probe, block, naive step).
+    naive blocks of one step each, the copies again, and (``profile_steps`` > 0) the stage
+    profiles (:func:`stage_profile`). Every rate is the median over its blocks (one disturbed
+    block does not move it), reported with its range; the copy bandwidth is the median of the
+    copies with the same thread count (the same CPU resources), before and after the steps.
+    Returns a JSON-ready dict with ``bandwidth_ratio = steps_per_s * min_bytes_per_step /
+    (copy_bandwidth_GBps * 1e9)`` and the ``verdict`` on :data:`TARGETS`.
+    ``progress(done, total, what)`` after each timed part (probe, block, naive step, profile).
     """
     for name, value in (("steps", steps), ("naive_steps", naive_steps), ("repeats", repeats),
                         ("copy_bytes", copy_bytes)):
         _positive(name, value)
     if threads is not None:
         _positive("threads", threads)
+    if not isinstance(profile_steps, int) or isinstance(profile_steps, bool) or profile_steps < 0:
+        raise ConfigError(f"bench profile_steps={profile_steps!r} is invalid; allowed: an integer >= 0 (0: no profile)")
     preset_layers = cfg.num_layers
     if layers is not None:
         _positive("layers", layers)
@@ -175,7 +188,9 @@ def bench(cfg: Config, layers: Optional[int] = None, steps: int = 20, naive_step
     start_threads = torch.get_num_threads()
     candidates = [threads] if threads is not None else sorted({1, start_threads})
     copies, probes = {}, {}
-    parts = [0, 1 + len(candidates) + repeats * (2 if captured is not None else 1) + naive_steps]
+    profiles = {}
+    parts = [0, 1 + len(candidates) + repeats * (2 if captured is not None else 1) + naive_steps
+             + (1 if profile_steps else 0)]
 
     def tick(what: str, value):
         parts[0] += 1
@@ -186,7 +201,7 @@ def bench(cfg: Config, layers: Optional[int] = None, steps: int = 20, naive_step
         tick("warm-up", sim.run(steps=WARMUP_STEPS))
         for c in candidates:
             torch.set_num_threads(c)
-            copies[c] = copy_bandwidth(dev, copy_bytes)
+            copies[c] = copy_bandwidths(dev, copy_bytes)
             # A stalling thread count is given up once it has taken a few times the best probe.
             budget = 3 * PROBE_STEPS * min(probes.values()) if probes else math.inf
             probes[c] = tick(f"probe, {c} thread(s)", _probe(sim, budget))
@@ -202,13 +217,25 @@ def bench(cfg: Config, layers: Optional[int] = None, steps: int = 20, naive_step
         naive_blocks = [tick(f"naive step {i + 1}/{naive_steps}",
                              _timed(dev, lambda: naive_step(sim, sim.stream.chunk(1), 0)))
                         for i in range(naive_steps)]
-        copy_bps = max(copies[chosen], copy_bandwidth(dev, copy_bytes))
+        copy_all = copies[chosen] + copy_bandwidths(dev, copy_bytes)
+        if profile_steps:
+            profiles = tick("stage profile", stage_profile(cfg, profile_steps))
     finally:
         torch.set_num_threads(start_threads)
     nbytes = min_bytes_per_step(cfg)
-    eager_sps, naive_sps = 1.0 / min(blocks), 1.0 / min(naive_blocks)
-    graph_sps = 1.0 / min(graph_blocks) if graph_blocks else None
-    sps = max(eager_sps, graph_sps or 0.0)
+    copy_bps = statistics.median(copy_all)
+    eager = _rates(blocks)
+    naive_r = _rates(naive_blocks)
+    graph_r = _rates(graph_blocks) if graph_blocks else None
+    best = graph_r if graph_r is not None and graph_r["median"] > eager["median"] else eager
+    sps, naive_sps = best["median"], naive_r["median"]
+    ratio_range = [r * nbytes["total"] / copy_bps for r in best["range"]]
+    verdict = {
+        "bandwidth_ratio": _target(sps * nbytes["total"] / copy_bps, ratio_range, TARGETS["bandwidth_ratio"]),
+        "speedup": _target(sps / naive_sps, [best["range"][0] / naive_r["range"][1], best["range"][1] / naive_r["range"][0]],
+                           TARGETS["speedup"]),
+    }
+    verdict["met"] = all(v["met"] for v in verdict.values())
     graph_note = captured.graph_status.note if captured is not None else sim.graph_status.note.replace(
         "eager: graph mode off (--no-graph)", f"{dev.type} has no device graph")
     return {
@@ -220,34 +247,126 @@ def bench(cfg: Config, layers: Optional[int] = None, steps: int = 20, naive_step
         "native_kernel": native.status() if dev.type == "cpu" else "not used off the CPU",
         "torch_threads": chosen,
         "probe_steps_per_s_by_threads": {str(c): 1.0 / t for c, t in probes.items()},
-        "copy_bandwidth_GBps_by_threads": {str(c): b / 1e9 for c, b in copies.items()},
+        "copy_bandwidth_GBps_by_threads": {str(c): statistics.median(b) / 1e9 for c, b in copies.items()},
         "load_avg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "ssm_dtype": cfg.ssm_dtype,
         "steps": steps,
         "repeats": repeats,
         "naive_steps": naive_steps,
+        "statistic": "median over the repeats (range: slowest and fastest)",
         "steps_per_s": sps,
-        "eager_steps_per_s": eager_sps,
-        "captured_steps_per_s": graph_sps,
+        "steps_per_s_range": best["range"],
+        "eager_steps_per_s": eager["median"],
+        "captured_steps_per_s": graph_r["median"] if graph_r else None,
         "graph": captured.graph_status.state if captured is not None else "unavailable",
         "graph_note": graph_note,
-        "eager_bandwidth_ratio": eager_sps * nbytes["total"] / copy_bps,
-        "captured_bandwidth_ratio": graph_sps * nbytes["total"] / copy_bps if graph_sps else None,
+        "eager_bandwidth_ratio": eager["median"] * nbytes["total"] / copy_bps,
+        "captured_bandwidth_ratio": graph_r["median"] * nbytes["total"] / copy_bps if graph_r else None,
         "steps_per_s_blocks": [1.0 / b for b in blocks],
         "captured_steps_per_s_blocks": [1.0 / b for b in graph_blocks],
         "naive_steps_per_s": naive_sps,
+        "naive_steps_per_s_range": naive_r["range"],
         "speedup": sps / naive_sps,
         "min_bytes_per_step": nbytes["total"],
         "min_bytes_breakdown": {k: v for k, v in nbytes.items() if k != "total"},
         "copy_bandwidth_GBps": copy_bps / 1e9,
+        "copy_bandwidth_GBps_range": [min(copy_all) / 1e9, max(copy_all) / 1e9],
         "copy_bytes": copy_bytes,
         "effective_bandwidth_GBps": sps * nbytes["total"] / 1e9,
         "bandwidth_ratio": sps * nbytes["total"] / copy_bps,
+        "bandwidth_ratio_range": ratio_range,
         "naive_bandwidth_ratio": naive_sps * nbytes["total"] / copy_bps,
+        "targets": dict(TARGETS),
+        "verdict": verdict,
+        "stage_profile": profiles,
         "vectorised": VECTORISED,
         "naive": NAIVE,
         "bytes_model": BYTES_MODEL,
     }
+
+
+def _rates(seconds_per_step: list[float]) -> dict:
+    """Steps/s of timed blocks: the median and the range [slowest, fastest]."""
+    rates = [1.0 / s for s in seconds_per_step]
+    return {"median": statistics.median(rates), "range": [min(rates), max(rates)]}
+
+
+def _target(median: float, spread: list[float], target: float) -> dict:
+    return {"median": median, "range": spread, "target": target, "met": median >= target}
+
+
+def stage_profile(cfg: Config, steps: int = PROFILE_STEPS) -> dict:
+    """Where a decode step's wall time goes, on ``cfg`` with the current thread count: per stage,
+    milliseconds per step and the share of the step (:class:`drift.simulate.StageClock`), for
+
+    * ``eager_step``: the step :func:`bench` times (no observers, no slot guard);
+    * ``checked_step``: the step ``drift run`` pays (:class:`drift.runner.CheckedRun`: slot guard,
+      the float64 twin, the state metrics and the checks), with ``observers`` split into the
+      twin's recurrence (``float64 twin``) and the rest (``metrics and checks``).
+
+    Each after a warm-up step (a checked run: the twin's prefill and the golden load happen
+    before the profile). Where the checked step is captured in a device graph it is not split."""
+    from ..runner import CheckedRun  # the checked step's assembly (drift run's)
+
+    out = {}
+    sim = Simulation(cfg, update=UPDATE, observers=(), check_untouched=False, graph=False)
+    sim.run(steps=1)
+    out["eager_step"] = _clocked(sim, steps, None)
+    checked = CheckedRun(cfg, UPDATE)
+    if checked.sim.graph_status.state != "eager":  # a replayed graph is one unit: nothing to split
+        out["checked_step"] = {"note": f"not split: {checked.sim.graph_status.note}"}
+        return out
+    checked.run(1)
+    out["checked_step"] = _clocked(checked.sim, steps, checked.comparison)
+    return out
+
+
+def _clocked(sim: Simulation, steps: int, comparison) -> dict:
+    """Run ``steps`` more steps of ``sim`` (observers flushed once at the end) under a StageClock."""
+    clock = StageClock(sim.device)
+    twin_s = [0.0]
+    if comparison is not None:
+        twin = comparison.twin
+        advance = twin.advance_batch
+
+        def timed_advance(*args):
+            *head, on_step = args
+            inner = [0.0]
+
+            def timed_on_step(j):  # the comparisons after each twin step: metrics, not twin
+                t0 = clock._now()
+                on_step(j)
+                inner[0] += clock._now() - t0
+
+            t0 = clock._now()
+            advance(*head, timed_on_step)
+            twin_s[0] += clock._now() - t0 - inner[0]
+
+        twin.advance_batch = timed_advance
+    sim.clock = clock
+    try:
+        clock.start()
+        done = 0
+        while done < steps:
+            done += sim.advance(min(steps - done, sim.stream.chunk_steps))
+            for obs in sim.observers:
+                obs.flush()
+            clock.lap("observers: flush")
+    finally:
+        sim.clock = None
+        if comparison is not None:
+            del twin.advance_batch  # the class's method again
+    secs = dict(clock.seconds)
+    if comparison is not None:
+        obs = secs.pop("observers: per step", 0.0) + secs.pop("observers: flush", 0.0)
+        secs["float64 twin"] = twin_s[0]
+        secs["metrics and checks"] = obs - twin_s[0]
+    else:  # no observers: what is left is the step's bookkeeping (its view, counters)
+        secs["other"] = secs.pop("observers: per step", 0.0) + secs.pop("observers: flush", 0.0)
+    total = sum(secs.values())
+    return {"steps": steps, "ms_per_step": 1e3 * total / steps,
+            "stages": {k: {"ms_per_step": 1e3 * v / steps, "share": v / total if total > 0 else 0.0}
+                       for k, v in sorted(secs.items(), key=lambda kv: -kv[1])}}
 
 
 def _probe(sim: Simulation, budget: float) -> float:
@@ -271,27 +390,42 @@ def _timed(device: torch.device, fn) -> float:
 def format_bench(res: dict) -> str:
     """The :func:`bench` result as a short human-readable report."""
     mib = res["min_bytes_per_step"] / 2**20
+    rng = lambda pair, f="{:.2f}": f"{f.format(pair[0])} .. {f.format(pair[1])}"  # noqa: E731
+    v = res["verdict"]
     lines = [
         f"drift bench: {res['preset']}, {res['layers']} of {res['preset_layers']} GDN layers, "
         f"{res['ssm_dtype']} states, {res['device']}, {res['torch_threads']} threads (probe steps/s "
         f"by threads: {_by_threads(res, 'probe_steps_per_s_by_threads')}), "
         f"load avg {res['load_avg_1min']:.2f}",
         f"  GDN verify: {res['verify_kernel']}; native kernel status: {res['native_kernel']}",
-        f"  vectorised  {res['eager_steps_per_s']:9.2f} steps/s   (eager; best of {res['repeats']} blocks of "
+        f"  medians over the repeats, range slowest .. fastest in brackets",
+        f"  vectorised  {res['eager_steps_per_s']:9.2f} steps/s   (eager; {res['repeats']} blocks of "
         f"{res['steps']} steps) = {res['eager_bandwidth_ratio']:.3f} of copy bandwidth",
         (f"  captured    {res['captured_steps_per_s']:9.2f} steps/s   (device graph replays; "
          f"{res['captured_steps_per_s'] / res['eager_steps_per_s']:.1f}x eager) = "
          f"{res['captured_bandwidth_ratio']:.3f} of copy bandwidth" if res.get("captured_steps_per_s")
          else f"  captured          n/a   ({res.get('graph_note', 'no device graph')})"),
-        f"  naive       {res['naive_steps_per_s']:9.2f} steps/s   (best of {res['naive_steps']} "
-        f"single steps)",
-        f"  speedup     {res['speedup']:9.1f} x (the faster of eager and captured over naive)",
+        f"  naive       {res['naive_steps_per_s']:9.2f} steps/s   ({res['naive_steps']} single steps; "
+        f"[{rng(res['naive_steps_per_s_range'])}])",
+        f"  speedup     {res['speedup']:9.1f} x [{rng(v['speedup']['range'], '{:.1f}')}] (the faster of eager "
+        f"and captured over naive; target {v['speedup']['target']:g})",
         f"  min bytes   {mib:9.1f} MiB/step",
-        f"  effective   {res['effective_bandwidth_GBps']:9.2f} GB/s = {res['bandwidth_ratio']:.3f} of "
-        f"copy bandwidth {res['copy_bandwidth_GBps']:.1f} GB/s (read + write, "
-        f"{res['copy_bytes'] >> 20} MiB tensor copy, {res['torch_threads']} threads; by threads: "
-        f"{_by_threads(res, 'copy_bandwidth_GBps_by_threads')} GB/s)",
+        f"  effective   {res['effective_bandwidth_GBps']:9.2f} GB/s = {res['bandwidth_ratio']:.3f} "
+        f"[{rng(res['bandwidth_ratio_range'], '{:.3f}')}] of copy bandwidth {res['copy_bandwidth_GBps']:.1f} GB/s "
+        f"[{rng(res['copy_bandwidth_GBps_range'], '{:.1f}')}] (read + write, {res['copy_bytes'] >> 20} MiB tensor "
+        f"copy, {res['torch_threads']} threads; by threads: {_by_threads(res, 'copy_bandwidth_GBps_by_threads')} "
+        f"GB/s; target {v['bandwidth_ratio']['target']:g})",
         f"  naive       {res['naive_bandwidth_ratio']:.5f} of copy bandwidth",
+        f"  verdict     {'targets met' if v['met'] else 'below target: ' + ', '.join(k for k in TARGETS if not v[k]['met'])}"
+        " (medians)",
+    ]
+    for name, prof in res.get("stage_profile", {}).items():
+        if "stages" not in prof:
+            lines.append(f"  {name}: {prof.get('note', '')}")
+            continue
+        parts = ", ".join(f"{k} {s['share']:.0%}" for k, s in prof["stages"].items())
+        lines.append(f"  {name.replace('_', ' ')} ({prof['ms_per_step']:.1f} ms over {prof['steps']} steps): {parts}")
+    lines += [
         "",
         f"vectorised: {res['vectorised']}",
         f"naive: {res['naive']}",

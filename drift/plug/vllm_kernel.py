@@ -47,6 +47,11 @@ def vllm_triton_function() -> Callable:
     fn = getattr(module, FUNCTION, None)
     if fn is None:
         raise LoadError(f"{MODULE} has no {FUNCTION}; this vllm is not the one drift models (0.33.0)")
+    if not hasattr(getattr(module, "triton", None), "next_power_of_2"):
+        # vllm.triton_utils hands out a placeholder when it finds no usable triton (HAS_TRITON false):
+        # the module imports, and every call would fail.
+        raise LoadError(f"--kernel vllm-triton: {MODULE} imported without a usable triton (vllm.triton_utils "
+                        "gave its placeholder); install triton where vllm can import it")
     return fn
 
 

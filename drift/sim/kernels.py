@@ -45,6 +45,7 @@ USE_NATIVE = True
 L2NORM_EPS = 1e-6  # the op's EPSILON_FOR_STABILITY (docs/semantics.md §5)
 SOFTPLUS_THRESHOLD = 20.0  # fused_gdn_gating's threshold (docs/semantics.md §5)
 F64, F32, BF16 = torch.float64, torch.float32, torch.bfloat16
+_NARROW = (torch.float32, torch.bfloat16, torch.float16)  # at most 24 significant bits
 _MASK_HI16 = -65536  # int32 0xFFFF0000: keeps sign, exponent and the 7 bf16 mantissa bits
 
 
@@ -66,12 +67,21 @@ def conv_mix(window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> tor
     ``t - (Kc-1) + m``). SiLU(depthwise causal conv) in float64, taps summed in order m = 0 .. Kc-1,
     SiLU as ``z / (1 + exp(-z))``, then :func:`quantize_mix`."""
     D, Kc = x.shape[2], weight.shape[-1]
-    seq = torch.cat([window.to(F64), x.to(F64)], dim=2)  # [L, N, Kc-1+D, C]
-    taps = weight.to(F64).permute(2, 0, 1)[:, :, None, None, :]  # [Kc, L, 1, 1, C]
+    seq = torch.empty((*x.shape[:2], Kc - 1 + D, x.shape[3]), dtype=F64, device=x.device)  # [L, N, Kc-1+D, C]
+    seq[:, :, :Kc - 1] = window
+    seq[:, :, Kc - 1:] = x
+    taps = weight.to(F64).permute(2, 0, 1).contiguous()[:, :, None, None, :]  # [Kc, L, 1, 1, C]
+    # A product of two values of at most 24 significant bits is exact in float64, so the fused
+    # acc + s * w rounds once, as acc + (s * w) does: the same bits, in place.
+    exact = all(t.dtype in _NARROW for t in (window, x, weight))
     acc = seq[:, :, 0:D] * taps[0]
     for m in range(1, Kc):
-        acc = acc + seq[:, :, m:m + D] * taps[m]
-    return quantize_mix(acc / (1.0 + torch.exp(-acc)))
+        if exact:
+            acc.addcmul_(seq[:, :, m:m + D], taps[m])
+        else:
+            acc.add_(seq[:, :, m:m + D] * taps[m])
+    denom = torch.neg(acc).exp_().add_(1.0)  # 1 + exp(-acc)
+    return quantize_mix(acc.div_(denom))
 
 
 def gdn_gating(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:

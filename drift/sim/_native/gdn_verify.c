@@ -1,9 +1,12 @@
 /* drift native CPU kernel: the GDN verify op (SGLang's NPU op semantics, docs/semantics.md
  * §5-§6) for float32 compute and round-to-nearest-even stores. It computes what
- * drift.sim.kernels.recurrent_gated_delta_rule's torch-op path computes: per (layer, row, value
- * head) the state is loaded once into a float32 scratch block and kept there across the row's
- * tokens; per token each of its V rows takes one pass (decay, h.k, the rank-1 update, h.q) and
- * the state after the token is staged in the scratch's dtype and streamed out.
+ * drift.sim.kernels.recurrent_gated_delta_rule's torch-op path computes. The rows of a state
+ * evolve independently (row r needs only v[r] besides the shared q, k, decay and beta), so per
+ * (layer, row, value head) the state is taken GR rows at a time: loaded once into a float32
+ * scratch block that stays in L1 across the row's tokens; per token each row takes two passes
+ * (decay and h.k; the rank-1 update and h.q), the GR rows interleaved so their dot products
+ * overlap, and the rows after the token are rounded to the scratch's dtype and streamed out
+ * (non-temporal stores, a cache line at a time where AVX-512 is there).
  * Built and loaded by drift/sim/native.py; no torch or Python headers.
  *
  * Work items are w = (l * B + b) * HV + hv; drift_rgdr splits [0, L*B*HV) over OpenMP threads.
@@ -15,7 +18,7 @@
  *         scratch index; dst: int64 [B, S], the scratch block receiving the state after token t;
  * q, k  : float32 dense [L, B, S, HV, K]; v, out: float32 dense [L, B, S, HV, V];
  * dec, beta: float32 dense [L, B, S, HV] (dec = exp(g), beta = sigmoid(b): computed by the caller);
- * work  : float32 scratch of 2*K*V floats per thread.
+ * work  : float32 scratch of 2*K*V floats per thread (min(GR, V) rows and their staged copy).
  */
 #include <stdint.h>
 #include <math.h>
@@ -116,40 +119,147 @@ static inline float axpy_dot(float *restrict hr, const float *restrict kt, const
     return s;
 }
 
+/* The lane sums of a dot, added in lane order from 0: what decay_dot / axpy_dot return. */
+static inline float lane_sum(const float *acc) {
+    float s = 0.0f;
+    for (int j = 0; j < NL; ++j) s += acc[j];
+    return s;
+}
+
+#define GR 16 /* state rows advanced together: independent dots the CPU overlaps */
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* decay_dot / axpy_dot on GR rows (K a multiple of NL = 16 lanes = one zmm): the same operations
+ * on the same lanes (multiply and add, never fused: the build contracts nothing), so the same
+ * bits; lane sums via lane_sum. */
+static inline void decay_dot_rows(float *restrict h, int64_t K, const float *restrict kt, float d, float *restrict s) {
+    const __m512 dv = _mm512_set1_ps(d);
+    float acc[GR][NL] __attribute__((aligned(64)));
+    for (int g = 0; g < GR; ++g) {
+        float *restrict hr = h + g * K;
+        __m512 a = _mm512_setzero_ps();
+        for (int64_t c = 0; c < K; c += NL) {
+            const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(hr + c), dv);
+            _mm512_storeu_ps(hr + c, x);
+            a = _mm512_add_ps(a, _mm512_mul_ps(x, _mm512_loadu_ps(kt + c)));
+        }
+        _mm512_store_ps(acc[g], a);
+    }
+    for (int g = 0; g < GR; ++g) s[g] = lane_sum(acc[g]);
+}
+
+static inline void axpy_dot_rows(float *restrict h, int64_t K, const float *restrict kt, const float *restrict qt,
+                                 const float *restrict u, float *restrict s) {
+    float acc[GR][NL] __attribute__((aligned(64)));
+    for (int g = 0; g < GR; ++g) {
+        float *restrict hr = h + g * K;
+        const __m512 uv = _mm512_set1_ps(u[g]);
+        __m512 a = _mm512_setzero_ps();
+        for (int64_t c = 0; c < K; c += NL) {
+            const __m512 x = _mm512_add_ps(_mm512_loadu_ps(hr + c), _mm512_mul_ps(uv, _mm512_loadu_ps(kt + c)));
+            _mm512_storeu_ps(hr + c, x);
+            a = _mm512_add_ps(a, _mm512_mul_ps(x, _mm512_loadu_ps(qt + c)));
+        }
+        _mm512_store_ps(acc[g], a);
+    }
+    for (int g = 0; g < GR; ++g) s[g] = lane_sum(acc[g]);
+}
+#define ROWS_FAST(K) ((K) % NL == 0)
+#else
+static inline void decay_dot_rows(float *restrict h, int64_t K, const float *restrict kt, float d, float *restrict s) {
+    for (int g = 0; g < GR; ++g) s[g] = decay_dot(h + g * K, kt, d, K);
+}
+static inline void axpy_dot_rows(float *restrict h, int64_t K, const float *restrict kt, const float *restrict qt,
+                                 const float *restrict u, float *restrict s) {
+    for (int g = 0; g < GR; ++g) s[g] = axpy_dot(h + g * K, kt, qt, u[g], K);
+}
+#define ROWS_FAST(K) 0
+#endif
+
+/* n float32 values of h stored to dst in the scratch's dtype (idt 1: bfloat16, round to nearest
+ * even as bf16_store; 0: float32), with non-temporal stores where the CPU has them. */
+static void store_rows(char *dst, int idt, const float *restrict h, void *restrict stage, int64_t n) {
+#if defined(__AVX512F__)
+    if (idt == 1 && ((uintptr_t)dst & 63) == 0 && n % 32 == 0) {
+        const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF);
+        const __m512i abs = _mm512_set1_epi32(0x7FFFFFFF), inf = _mm512_set1_epi32(0x7F800000);
+        const __m512i nan = _mm512_set1_epi32(0xFFFF);
+        for (int64_t e = 0; e < n; e += 32) {
+            __m256i half16[2];
+            for (int j = 0; j < 2; ++j) {
+                const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(h + e + 16 * j));
+                const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+                __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, half), odd), 16);
+                const __mmask16 isnan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs), inf);
+                r = _mm512_mask_mov_epi32(r, isnan, nan);
+                half16[j] = _mm512_cvtepi32_epi16(r);
+            }
+            const __m512i line = _mm512_inserti64x4(_mm512_castsi256_si512(half16[0]), half16[1], 1);
+            _mm512_stream_si512((__m512i *)(dst + 2 * e), line);
+        }
+        return;
+    }
+#endif
+    if (idt == 1) {
+        uint16_t *restrict s16 = (uint16_t *)stage;
+        for (int64_t e = 0; e < n; ++e) s16[e] = bf16_store(h[e]);
+        stream_out(dst, stage, (size_t)n * sizeof(uint16_t));
+    } else {
+        stream_out(dst, h, (size_t)n * sizeof(float));
+    }
+}
+
 static void rgdr_items(int64_t w0, int64_t w1, int64_t B, int64_t S, int64_t HV, int64_t K, int64_t V,
                        const void *rec, int sdt, int64_t rl, int64_t rs, void *inter, int idt, int64_t il,
                        int64_t is, const int64_t *start, const uint8_t *from_rec, const int64_t *dst,
                        const float *q, const float *k, const float *v, const float *dec, const float *beta,
                        float *out, float *work) {
-    float *restrict h = work;
-    void *restrict stage = work + K * V; /* the state after a token, in the scratch's dtype */
+    float *restrict h = work; /* GR rows of the running state, float32 */
+    void *restrict stage = work + (V < GR ? V : GR) * K; /* those rows in the scratch's dtype */
     const size_t esize = idt == 1 ? sizeof(uint16_t) : sizeof(float);
     const int64_t KV = K * V;
+    const int fast = ROWS_FAST(K);
     for (int64_t w = w0; w < w1; ++w) {
         const int64_t hv = w % HV, b = (w / HV) % B, l = w / (HV * B);
-        if (from_rec[b])
-            load_block(h, rec, sdt, l * rl + start[b] * rs + hv * KV, KV);
-        else
-            load_block(h, inter, idt, l * il + start[b] * is + hv * KV, KV);
-        for (int64_t t = 0; t < S; ++t) {
-            const int64_t tok = ((l * B + b) * S + t) * HV + hv;
-            const float *restrict qt = q + tok * K, *restrict kt = k + tok * K;
-            const float *restrict vt = v + tok * V;
-            float *restrict ot = out + tok * V;
-            const float d = dec[tok], bt = beta[tok];
-            for (int64_t r = 0; r < V; ++r) {
-                float *restrict hr = h + r * K;
-                const float u = (vt[r] - decay_dot(hr, kt, d, K)) * bt;
-                ot[r] = axpy_dot(hr, kt, qt, u, K);
+        const int64_t tok0 = ((l * B + b) * S) * HV + hv;
+        const void *sbase = from_rec[b] ? rec : inter;
+        const int sd = from_rec[b] ? sdt : idt;
+        const int64_t soff = from_rec[b] ? l * rl + start[b] * rs + hv * KV : l * il + start[b] * is + hv * KV;
+        for (int64_t r0 = 0; r0 < V; r0 += GR) {
+            const int64_t nr = V - r0 < GR ? V - r0 : GR;
+            load_block(h, sbase, sd, soff + r0 * K, nr * K);
+#if defined(__SSE2__)
+            {   /* the next group's source rows, while this one computes */
+                const int64_t nx = r0 + GR < V ? soff + (r0 + GR) * K : -1;
+                if (nx >= 0) {
+                    const char *p = (const char *)sbase + nx * (sd == 1 ? 2 : 4);
+                    const int64_t nb = (V - r0 - GR < GR ? V - r0 - GR : GR) * K * (sd == 1 ? 2 : 4);
+                    for (int64_t e = 0; e < nb; e += 64) _mm_prefetch(p + e, _MM_HINT_T0);
+                }
             }
-            if (idt == 1) {
-                uint16_t *restrict s16 = (uint16_t *)stage;
-                for (int64_t e = 0; e < KV; ++e) s16[e] = bf16_store(h[e]);
-            } else {
-                memcpy(stage, h, (size_t)KV * sizeof(float));
+#endif
+            for (int64_t t = 0; t < S; ++t) {
+                const int64_t tok = tok0 + t * HV;
+                const float *restrict qt = q + tok * K, *restrict kt = k + tok * K;
+                const float *restrict vt = v + tok * V + r0;
+                float *restrict ot = out + tok * V + r0;
+                const float d = dec[tok], bt = beta[tok];
+                if (fast && nr == GR) {
+                    float s[GR], u[GR];
+                    decay_dot_rows(h, K, kt, d, s);
+                    for (int g = 0; g < GR; ++g) u[g] = (vt[g] - s[g]) * bt;
+                    axpy_dot_rows(h, K, kt, qt, u, ot);
+                } else {
+                    for (int64_t g = 0; g < nr; ++g) {
+                        float *restrict hr = h + g * K;
+                        const float u = (vt[g] - decay_dot(hr, kt, d, K)) * bt;
+                        ot[g] = axpy_dot(hr, kt, qt, u, K);
+                    }
+                }
+                const int64_t to = l * il + dst[b * S + t] * is + hv * KV + r0 * K;
+                store_rows((char *)inter + to * (int64_t)esize, idt, h, stage, nr * K);
             }
-            const int64_t to = l * il + dst[b * S + t] * is + hv * KV;
-            stream_out((char *)inter + to * (int64_t)esize, stage, (size_t)KV * esize);
         }
     }
 #if defined(__SSE2__)
