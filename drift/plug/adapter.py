@@ -11,17 +11,44 @@ one layer is called (:meth:`LayerOpAdapter.call_layer`).
 
 from __future__ import annotations
 
+import importlib
 import math
 from typing import Any, Callable
 
 import torch
 
-from ..errors import UpdateRaised
+from ..errors import LoadError, UpdateRaised
 from ..sim import kernels
 from ..sim.kernels import VerifyArgs
 from ..sim.pool import raw_state
 
-BF16 = torch.bfloat16
+BF16, F32 = torch.bfloat16, torch.float32
+
+
+def engine_function(module: str, function: str, kernel: str, engine: str) -> tuple[Callable, Any]:
+    """``module.function`` from an installed engine, and the module; LoadError saying what is missing
+    (the availability probe of ``--kernel <kernel>``; ``engine`` names the package and the version
+    drift modelled, e.g. "sglang (0.5.23 was modelled)")."""
+    try:
+        mod = importlib.import_module(module)
+    except Exception as exc:
+        raise LoadError(f"--kernel {kernel} needs an installed {engine} with triton; importing {module} raised "
+                        f"{exc!r}") from exc
+    fn = getattr(mod, function, None)
+    if fn is None:
+        raise LoadError(f"{module} has no {function}; this is not the {engine}")
+    return fn, mod
+
+
+def fla_inputs(args: VerifyArgs) -> tuple[torch.Tensor, ...]:
+    """The fp32 inputs of a flash-linear-attention style recurrent kernel: q (L2-normalised, times the
+    scale) and k (L2-normalised) ``[L, B, S, HK, K]`` with one entry per key head (the kernels group
+    value heads themselves), v ``[L, B, S, HV, V]``, g ``[L, B, S, HV]``, beta = sigmoid(b) ``[L, B, S,
+    HV]``; passed with ``scale=1.0`` and ``use_qk_l2norm_in_kernel=False``."""
+    L, B, S, HV, V, K = args.dims
+    q, k, v, _, beta = args.inputs(F32)
+    group = HV // args.nk  # op_inputs repeats key heads over their value-head group
+    return q[..., ::group, :].contiguous(), k[..., ::group, :].contiguous(), v, args.g.to(F32), beta
 
 
 def output_problem(out: object, shape: tuple[int, ...], exact: bool = False) -> str:

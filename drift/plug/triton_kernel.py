@@ -25,42 +25,29 @@ Triton runs it on a GPU; on a CPU only under ``TRITON_INTERPRET=1`` (slow: tests
 
 from __future__ import annotations
 
-import importlib
 from typing import Callable
 
 import torch
 
-from ..errors import LoadError
 from ..sim.kernels import VerifyArgs, VerifyKernel
-from .adapter import LayerOpAdapter
+from .adapter import LayerOpAdapter, engine_function, fla_inputs
 
 MODULE = "sglang.kernels.ops.attention.fla.fused_recurrent"
 FUNCTION = "fused_recurrent_gated_delta_rule_update"
-F32, I32 = torch.float32, torch.int32
+I32 = torch.int32
 
 
 def sglang_triton_function() -> Callable:
     """SGLang's ``fused_recurrent_gated_delta_rule_update``; LoadError saying what is missing."""
-    try:
-        module = importlib.import_module(MODULE)
-    except Exception as exc:
-        raise LoadError(f"--kernel sglang-triton needs an installed sglang (0.5.23 was modelled) with triton; "
-                        f"importing {MODULE} raised {exc!r}") from exc
-    fn = getattr(module, FUNCTION, None)
-    if fn is None:
-        raise LoadError(f"{MODULE} has no {FUNCTION}; this sglang is not the one drift models (0.5.23)")
-    return fn
+    return engine_function(MODULE, FUNCTION, "sglang-triton", "sglang (0.5.23 was modelled)")[0]
 
 
 class TritonAdapter(LayerOpAdapter):
     """Calls SGLang's Triton kernel per layer (the mapping above)."""
 
     def prepare(self, args: VerifyArgs):
-        L, B, S, HV, V, K = args.dims
-        q, k, v, _, beta = args.inputs(F32)
-        group = HV // args.nk  # op_inputs repeats key heads over their value-head group; the kernel groups them
-        rows = torch.arange(B, dtype=I32, device=q.device)
-        return (q[..., ::group, :].contiguous(), k[..., ::group, :].contiguous(), v, args.g.to(F32), beta, rows)
+        q, k, v, g, beta = fla_inputs(args)
+        return q, k, v, g, beta, torch.arange(args.dims[1], dtype=I32, device=q.device)
 
     def call_layer(self, args: VerifyArgs, layer: int, ctx) -> torch.Tensor:
         q, k, v, g, beta, rows = ctx

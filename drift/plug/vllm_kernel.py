@@ -23,30 +23,22 @@ Triton runs it on a GPU; on a CPU only under ``TRITON_INTERPRET=1`` (slow: tests
 
 from __future__ import annotations
 
-import importlib
 from typing import Callable
 
 import torch
 
 from ..errors import LoadError
 from ..sim.kernels import VerifyArgs, VerifyKernel
-from .adapter import LayerOpAdapter
+from .adapter import LayerOpAdapter, engine_function, fla_inputs
 
 MODULE = "vllm.third_party.flash_linear_attention.ops.fused_recurrent"
 FUNCTION = "fused_recurrent_gated_delta_rule"
-F32, I32 = torch.float32, torch.int32
+I32 = torch.int32
 
 
 def vllm_triton_function() -> Callable:
     """vLLM's ``fused_recurrent_gated_delta_rule``; LoadError saying what is missing."""
-    try:
-        module = importlib.import_module(MODULE)
-    except Exception as exc:
-        raise LoadError(f"--kernel vllm-triton needs an installed vllm (0.33.0 was modelled) with triton; "
-                        f"importing {MODULE} raised {exc!r}") from exc
-    fn = getattr(module, FUNCTION, None)
-    if fn is None:
-        raise LoadError(f"{MODULE} has no {FUNCTION}; this vllm is not the one drift models (0.33.0)")
+    fn, module = engine_function(MODULE, FUNCTION, "vllm-triton", "vllm (0.33.0 was modelled)")
     if not hasattr(getattr(module, "triton", None), "next_power_of_2"):
         # vllm.triton_utils hands out a placeholder when it finds no usable triton (HAS_TRITON false):
         # the module imports, and every call would fail.
@@ -60,14 +52,12 @@ class VllmTritonAdapter(LayerOpAdapter):
 
     def prepare(self, args: VerifyArgs):
         L, B, S, HV, V, K = args.dims
-        q, k, v, _, beta = args.inputs(F32)
-        group = HV // args.nk  # op_inputs repeats key heads over their value-head group; the kernel groups them
+        q, k, v, g, beta = fla_inputs(args)
         dev = q.device
         idx = (1 + torch.arange(B * S, dtype=I32, device=dev)).view(B, S)  # block 0: the NULL block
         n = args.num_accepted_tokens.to(torch.int64)
         first = 1 + torch.arange(B, device=dev, dtype=torch.int64) * S + (n - 1).clamp(min=0)
-        return (q[..., ::group, :].contiguous(), k[..., ::group, :].contiguous(), v, args.g.to(F32), beta, idx,
-                args.num_accepted_tokens.to(I32), first)
+        return q, k, v, g, beta, idx, args.num_accepted_tokens.to(I32), first
 
     def call_layer(self, args: VerifyArgs, layer: int, ctx) -> torch.Tensor:
         q, k, v, g, beta, idx, n, first = ctx
