@@ -221,3 +221,14 @@ def test_help_and_version_import_no_torch():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip() == "True"
+
+
+def test_the_command_lets_idle_openmp_threads_sleep_unless_told_otherwise():
+    from drift.__main__ import openmp_defaults
+
+    env = {}
+    openmp_defaults(env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    mine = {"OMP_WAIT_POLICY": "ACTIVE"}  # the user's choice stands
+    openmp_defaults(mine)
+    assert mine == {"OMP_WAIT_POLICY": "ACTIVE"}
