@@ -52,7 +52,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sys.stdout.write(text)
         return 0
     openmp_defaults()
-    from .cli import main as cli_main
+    try:
+        from .cli import main as cli_main  # imports torch: seconds, and a Ctrl-C may land here
+    except KeyboardInterrupt:
+        sys.stderr.write("drift: interrupted (SIGINT) while starting; nothing was written\n")
+        return 130
 
     return cli_main(argv)
 

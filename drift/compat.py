@@ -14,7 +14,7 @@ private symbol                                               fallback when absen
 ``torch.utils._pytree.tree_flatten`` / ``tree_map``          :func:`_flatten` / :func:`_map` below
                                                              (lists, tuples, namedtuples,
                                                              torch.Size, dicts)
-``torch._subclasses.fake_tensor.FakeTensorMode``             None (tests/test_syncs.py's oracle
+``torch._subclasses.fake_tensor.FakeTensorMode``             None (tests/syncs/test_syncs.py's oracle
                                                              test fails, naming it)
 ``...fake_tensor.DataDependentOutputException``,             placeholder exception classes
 ``...fake_tensor.DynamicOutputShapeException``               (never raised by torch)

@@ -11,7 +11,7 @@
 * docs/teeth.md's ``<!-- drift:mutants -->`` / ``<!-- drift:tradeoff -->`` blocks: ``drift mutants``
   and ``drift tradeoff`` on ci-small at drift.jobs.teeth.TEETH_STEPS steps.
 
-tests/test_cli.py (help, synopsis), tests/test_check_registry.py (checks) and tests/test_teeth.py
+tests/test_cli.py (help, synopsis), tests/check/test_check_registry.py (checks) and tests/jobs/test_teeth.py
 (mutation score, trade-off) fail when these are stale.
 """
 

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import bad_spec
+from helpers import bad_spec
 from drift.sim import native
 from drift.cli import main
 from drift.errors import EXIT_FAIL, EXIT_PASS, EXIT_USAGE
@@ -232,3 +232,18 @@ def test_the_command_lets_idle_openmp_threads_sleep_unless_told_otherwise():
     mine = {"OMP_WAIT_POLICY": "ACTIVE"}  # the user's choice stands
     openmp_defaults(mine)
     assert mine == {"OMP_WAIT_POLICY": "ACTIVE"}
+
+
+def test_an_interrupt_while_starting_exits_130_without_a_traceback(monkeypatch, capsys):
+    """Ctrl-C during the seconds drift spends importing torch: one line, exit 130."""
+    import sys
+
+    from drift.__main__ import main as entry
+
+    class Interrupted:
+        def __getattr__(self, name):
+            raise KeyboardInterrupt
+
+    monkeypatch.setitem(sys.modules, "drift.cli", Interrupted())
+    assert entry(["run"]) == 130
+    assert capsys.readouterr().err == "drift: interrupted (SIGINT) while starting; nothing was written\n"

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import small_cfg
+from helpers import small_cfg
 from drift import devices
 from drift.devices import DeviceUnavailable, resolve_device, supports_float64
 from drift.config import PROFILES, preset

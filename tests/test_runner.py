@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import checks_of, small_cfg
+from helpers import checks_of, small_cfg
 from drift.check.result import CheckResult
 from drift.runner import RunReport
 from drift.simulate import RunInfo

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (bad_spec, committed_by_position, pool_digests, rel_fro, run_sim, same_bits,
+from helpers import (bad_spec, committed_by_position, pool_digests, rel_fro, run_sim, same_bits,
                       small_cfg)
 from drift.check.checks import SEMANTIC_TOL
 from drift.simulate import Simulation, StopRun

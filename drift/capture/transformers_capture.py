@@ -390,7 +390,7 @@ def record_gdn_internals(model: torch.nn.Module):
     It wraps the modeling module's ``torch_chunk_gated_delta_rule`` and
     ``torch_recurrent_gated_delta_rule`` (module globals the GDN ``forward`` looks up at call
     time; transformers 5.24.0) -- an independent view of the model's computation, used to
-    validate captures (tests/test_capture.py).
+    validate captures (tests/capture/test_capture.py).
     """
     layers = find_gdn_layers(model)
     current: list[int] = [-1]

@@ -55,7 +55,7 @@ KAPPA_COMPUTE = 3.0 / 12.0
 COMPUTE_MANTISSA = 24  # fp32 compute
 # Floor of the bound, relative to the true state: inputs, gates and norms are computed in
 # fp32 too, which the rounding envelope leaves out; it matters only for fp32 states, whose
-# store is exact. 1e-5 is the fp32 sanity tolerance (the fp32-state sanity test, tests/test_precision.py); measured fp32-state
+# store is exact. 1e-5 is the fp32 sanity tolerance (the fp32-state sanity test, tests/check/test_precision.py); measured fp32-state
 # errors stay below ~1e-6 (docs/bounds.md).
 COMPUTE_FLOOR = 1e-5
 

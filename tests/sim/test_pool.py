@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import same_bits, small_cfg
+from helpers import same_bits, small_cfg
 from drift.sim.pool import Harness, StatePool, raw_state
 
 CPU = torch.device("cpu")

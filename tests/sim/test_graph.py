@@ -24,7 +24,7 @@ from drift.sim.graph import GraphStatus, StepGraph, blame
 from drift.sim.pool import as_bits
 from drift.simulate import Simulation, SlotGuard
 
-from conftest import bad_spec
+from helpers import bad_spec
 
 CI = preset("ci-small")
 

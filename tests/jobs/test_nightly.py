@@ -1,5 +1,5 @@
 """Nightly machinery on short runs: report files, resume after a kill, baseline
-trend, shards and merge. The long-horizon matrix itself is tests/test_nightly_long.py."""
+trend, shards and merge. The long-horizon matrix itself is tests/jobs/test_nightly_long.py."""
 
 from __future__ import annotations
 

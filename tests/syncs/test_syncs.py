@@ -36,7 +36,7 @@ from drift.syncs.detector import (DETECTOR_CUDA, DETECTOR_DISPATCH, DETECTOR_NPU
 from drift.syncs.scan import representative_steps, scan_update, step_indices, sync_check, virtual_pool
 
 HERE = os.path.abspath(__file__)
-FIXTURE = os.path.join(os.path.dirname(HERE), "syncs_plugin_fixture.py")
+FIXTURE = os.path.join(os.path.dirname(os.path.dirname(HERE)), "fixtures", "syncs_plugin_fixture.py")
 CI = preset("ci-small")
 CI_NO_TRACK = CI.replace(track_interval=0)
 STEPS = 4  # two tracking and two non-tracking steps (representative_steps alternates)

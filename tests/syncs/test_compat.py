@@ -30,7 +30,7 @@ import torch
 import drift
 from drift import compat
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]  # tests/, above the package folders
 DRIFT_ROOT = Path(drift.__file__).resolve().parent.parent  # the child imports this same drift
 
 # Hideable symbols: key -> (dotted name as drift.compat.MISSING_PRIVATE spells it, probe code).
@@ -212,7 +212,7 @@ def load(path):
 
 
 tests = {"conftest": attempt(lambda: load(os.path.join(TESTS, "conftest.py")))}
-for p in sorted(Path(TESTS).glob("test_*.py")):
+for p in sorted(Path(TESTS).rglob("test_*.py")):
     tests[p.stem] = attempt(lambda p=p: load(str(p)))
 res["test_modules"] = tests
 
@@ -265,9 +265,9 @@ def _():
 
 @section("controls")
 def _():
-    """tests/test_syncs.py's controls, judged by the detector that runs here."""
+    """tests/syncs/test_syncs.py's controls, judged by the detector that runs here."""
     if tests.get("test_syncs") != "ok":
-        raise RuntimeError("tests/test_syncs.py did not import")
+        raise RuntimeError("tests/syncs/test_syncs.py did not import")
     ts = sys.modules["test_syncs"]
     controls = {}
     for fn, _, _ in ts.POSITIVE:
@@ -364,11 +364,11 @@ def test_drift_and_every_submodule_import(child):
 
 
 def test_every_test_module_imports(child, tmp_path_factory):
-    """Every tests/test_*.py imports (by path, not collected); one that skips itself at import
+    """Every tests/**/test_*.py imports (by path, not collected); one that skips itself at import
     (an optional dependency missing) must do so in the control scenario too, for the same reason."""
     scenario, res = child
     mods = res["test_modules"]
-    assert set(mods) == {"conftest"} | {p.stem for p in TESTS.glob("test_*.py")}
+    assert set(mods) == {"conftest"} | {p.stem for p in TESTS.rglob("test_*.py")}
     failed = {n: out for n, out in mods.items() if out != "ok" and not out.startswith("skipped: ")}
     assert not failed, f"{scenario}: test modules that do not import:\n" + "\n".join(
         f"{n}: {o}" for n, o in failed.items())
@@ -415,7 +415,7 @@ def test_update_scan_fails_the_guarded_update_at_its_item_line(child):
 
 
 def test_test_syncs_controls_hold_under_the_detector_that_runs(child):
-    """tests/test_syncs.py's positive controls are caught once, at their line, with the same result
+    """tests/syncs/test_syncs.py's positive controls are caught once, at their line, with the same result
     as on the host; its negative controls report nothing -- under the fallback too."""
     scenario, res = child
     _no_error(res, "controls")

@@ -20,7 +20,7 @@ from drift.check.golden import (GOLDEN_PRESETS, GoldenError, golden_dir, load_go
 from drift.runner import run_checked
 from drift.sim.stream import StreamParams, TrueTokens
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY_STEPS = 40  # a golden horizon of 40 decode steps: ~200 positions, generated in a second
 
 

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import checks_of, small_cfg
+from helpers import checks_of, small_cfg
 from drift.cli import main
 from drift.errors import EXIT_FAIL, EXIT_PASS, EXIT_USAGE, HarnessLacks
 from drift.plug.loader import load_update
 from drift.sim.pool import Harness
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 SUBCLASS = FIXTURES / "ascend_subclass.py"
 METHOD = "update_mamba_state_after_mtp_verify"
 STEPS = 40  # crosses track boundaries of the small config (interval 16): the tracking path runs

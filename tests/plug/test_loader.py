@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from conftest import checks_of, small_cfg
+from helpers import checks_of, small_cfg
 from drift.sim import kernels
 from drift.errors import LoadError
 from drift.plug.loader import load_update

@@ -4,11 +4,11 @@ against the float64 definition and the torch-op path.
 Cases are VerifyArgs of SGLang's form (dense ``[.., V, K]`` blocks, the scratch
 ``[L, rows + 1, D, HV, V, K]`` addressed by flat block ``row * D + step``), some rows continuing
 from scratch blocks (the accepted flow) and a padded row on the NaN dummy slot 0. Every
-comparison first asserts that the native path really ran (tests/test_kernels.py ``run_op`` spies
+comparison first asserts that the native path really ran (tests/sim/test_kernels.py ``run_op`` spies
 on the call), so a missing compiler fails here instead of quietly testing the torch path twice.
 Set ``DRIFT_NATIVE=0`` to opt out of the native kernel (these tests then skip, saying so).
 
-Tolerances: against float64, tests/test_kernels.py's derived bound (``op_bounds``: per token
+Tolerances: against float64, tests/sim/test_kernels.py's derived bound (``op_bounds``: per token
 (K + 6) u32 (||h|| + ||v||) for the fp32 recurrence plus (2K + 18) u32 (..) for the fp32 inputs).
 The native and torch paths share their fp32 inputs (``VerifyArgs.inputs``) and differ only in the
 recurrence's summation order, each within ``conftest.gdn_state_bound`` (t (K + 6) u32 (||h|| + ||v||))
@@ -30,7 +30,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import U32, as_bits, bf16_ulp, gdn_state_bound, same_bits
+from helpers import U32, as_bits, bf16_ulp, gdn_state_bound, same_bits
 from drift.sim import kernels, native
 from drift.sim.kernels import VerifyArgs
 from drift.sim.pool import raw_state

@@ -167,7 +167,7 @@ def test_truncation_store_fails_the_bound():
     assert row(rep, "committed_state").passed  # small but biased: a precision failure, not a semantic one
 
 
-# The PR twin is the mutant catalogue's run of skip_step0 (tests/test_teeth.py: caught by the
+# The PR twin is the mutant catalogue's run of skip_step0 (tests/jobs/test_teeth.py: caught by the
 # committed-state check and the drift bound, as README's measured table shows, over 128 steps).
 @pytest.mark.nightly
 def test_skipping_step0_commits_fails():
@@ -175,5 +175,5 @@ def test_skipping_step0_commits_fails():
     assert not row(rep, "committed_state").passed and not row(rep, "drift_bound").passed
 
 
-# #31659's guard, with and without padded rows in the batch: tests/test_teeth.py
+# #31659's guard, with and without padded rows in the batch: tests/jobs/test_teeth.py
 # (test_tradeoff_reports_the_seesaw), on the trade-off's runs of the same configurations.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import run_sim, small_cfg
+from helpers import run_sim, small_cfg
 from drift.sim import kernels
 from drift.sim.backend import VerifyArgsBuilder
 from drift.sim.pool import StatePool

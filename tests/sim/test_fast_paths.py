@@ -17,6 +17,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from helpers import same_bits
 from drift.config import preset
 from drift.dtypes import as_bits
 from drift.layouts import LAYOUTS
@@ -37,10 +38,6 @@ STEPS = {  # last_steps of the 5 batch rows (D = 4): -1 skips; a step >= D is NO
 POOLS = [(name, "bfloat16") for name in LAYOUTS] + [("contiguous", "float32")]
 
 
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(as_bits(a), as_bits(b))
 
 
 def random_bits_(t: torch.Tensor, gen: torch.Generator) -> None:
@@ -239,7 +236,7 @@ def test_verify_host_and_device_gathers_agree(monkeypatch):
     indices or index_copy_: the same values, so the same bits, with rows starting from committed
     states (a repeated slot, the padded row on the NaN dummy) and from scratch blocks. The same
     device path on drift's virtual device makes no host-device sync (the step is graph-capturable).
-    (The native kernel needs host indices; tests/test_native.py covers it.)"""
+    (The native kernel needs host indices; tests/sim/test_native.py covers it.)"""
     L, S, N, D, HV, K, V = 3, 9, 4, 4, 2, 32, 16
     monkeypatch.setattr(kernels, "USE_NATIVE", False)
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import small_cfg
+from helpers import small_cfg
 from drift.sim.stream import (MIXED_CYCLE, MIXED_PHASES, SCHEDULE_BLOCK, TOKEN_BLOCK, InputStream,
                           StreamParams, TrueTokens, accept_lengths, perturb, track_steps)
 

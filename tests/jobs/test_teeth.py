@@ -13,7 +13,7 @@ from drift.runner import run_checked
 from drift.jobs.teeth import (TEETH_STEPS, catalogue, mutant_steps, mutants_markdown, tradeoff,
                               tradeoff_markdown)
 
-TEETH_DOC = Path(__file__).resolve().parents[1] / "docs" / "teeth.md"  # the tables, from scripts/update_readme.py
+TEETH_DOC = Path(__file__).resolve().parents[2] / "docs" / "teeth.md"  # the tables, from scripts/update_readme.py
 # The tests of the catalogue and the trade-off share one worker under pytest-xdist (--dist
 # loadgroup, pyproject.toml): those module fixtures are computed once, not once per worker.
 SHARED_RUNS = pytest.mark.xdist_group("teeth")
@@ -56,7 +56,7 @@ def test_mutant_is_caught_by_its_direction(results, name):
 
 @SHARED_RUNS
 def test_skipping_step0_is_caught_by_the_state_check_and_the_bound(results):
-    """The PR twin of tests/test_precision.py's nightly test_skipping_step0_commits_fails: the lost
+    """The PR twin of tests/check/test_precision.py's nightly test_skipping_step0_commits_fails: the lost
     update of a step-0 row is an order-one state error and past the bound."""
     assert {"committed_state", "drift_bound"} <= set(results["skip_step0"]["caught_by"]), results["skip_step0"]
 

@@ -405,7 +405,7 @@ def test_pytest_plugin_replays_the_trace(captured, tmp_path):
     assert (trace_golden_dir(path) / "manifest.json").is_file()
 
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_pytest_from_the_checkout_takes_no_repository_defaults_and_refuses_a_short_trace(captured, tmp_path):

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import rel_fro, small_cfg
+from helpers import rel_fro, small_cfg
 from drift.sim import naive
 from drift.sim.twin import Float64Twin, prefill
 from drift.sim.stream import InputStream, StreamParams, TrueTokens

@@ -22,7 +22,7 @@ import types
 import pytest
 import torch
 
-from conftest import U64, gdn_state_bound
+from helpers import U64, gdn_state_bound
 from drift.sim import naive
 
 MODELING = "transformers.models.qwen3_next.modeling_qwen3_next"
@@ -108,7 +108,7 @@ def bounds(x: dict, norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """How far the two float64 computations may be apart, per row and head.
 
     Each computes the state after t tokens with error at most gdn_state_bound(t, K, ||h||, ||v||,
-    U64) = t (K + 6) u64 (||h|| + ||v||) from the exact result (tests/test_kernels.py derives it:
+    U64) = t (K + 6) u64 (||h|| + ||v||) from the exact result (tests/sim/test_kernels.py derives it:
     per token the decay, the K-term reduction S k, the update and the outer product each round,
     and the normalised k, q carry a few ulps), with ||h||, ||v|| the largest over the tokens; the
     two may differ by twice that. The normalisations differ in form (x / sqrt(.) * s vs

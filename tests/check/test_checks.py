@@ -1,7 +1,7 @@
 """drift.checks: the core checks, each with a positive and a known-bad (negative) control.
 
 Every check a test in this suite relies on is shown to fail on an update that is wrong in
-the one way that check exists for (tests/bad_updates.py), and to pass on a correct one.
+the one way that check exists for (tests/fixtures/bad_updates.py), and to pass on a correct one.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 
-from conftest import bad_spec, checks_of, small_cfg
+from helpers import bad_spec, checks_of, small_cfg
 from drift.config import PROFILES
 from drift.check.checks import SEMANTIC_TOL, Check, StateCheck, TrackCheck, untouched_result
 from drift.check.compare import PER_HEAD, PER_ROW, MetricsChunk
@@ -43,7 +43,7 @@ def test_correct_update_passes_every_core_check(good):
 
 
 def test_positive_control_written_like_a_plugin_passes():
-    """tests/bad_updates.py:correct (the same code as the bad variants, no fault) passes:
+    """tests/fixtures/bad_updates.py:correct (the same code as the bad variants, no fault) passes:
     the negative controls fail because of their one fault, not their plumbing."""
     res = checks_of(small_cfg(STEPS), bad_spec("correct"))
     assert all(res[name].passed for name in CORE), [res[n] for n in CORE]

@@ -50,7 +50,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import U32, U64, as_bits, bf16_ulp, gdn_state_bound, rel_fro, same_bits, small_cfg
+from helpers import U32, U64, as_bits, bf16_ulp, gdn_state_bound, rel_fro, same_bits, small_cfg
 from drift.layouts import LAYOUTS
 from drift.sim import kernels, naive, native
 from drift.sim.backend import VerifyArgsBuilder
@@ -87,7 +87,7 @@ def random_bits_(t: torch.Tensor, seed: int) -> torch.Tensor:
 
 # ----------------------------------------------------------------- input stages
 def test_quantize_mix_rounds_to_fp32_then_to_bf16():
-    # Double-rounding cases (tests/test_naive.py): x above a bf16 tie by less than half an
+    # Double-rounding cases (tests/sim/test_naive.py): x above a bf16 tie by less than half an
     # fp32 ulp rounds to the tie in fp32, then to even in bf16.
     x = torch.tensor([1.0 + 2.0 ** -8 + 2.0 ** -30, -(1.0 + 2.0 ** -8 + 2.0 ** -30), 1.0 + 3 * 2.0 ** -9,
                       math.pi, -1e-3, 3e38 * 1.2], dtype=F64)

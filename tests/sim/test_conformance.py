@@ -225,7 +225,7 @@ def test_vllm_triton_kernel_matches_drifts_op_and_runs_the_checks():
     ref = run_checked(cfg, sync_scan=False)  # drift's op storing by truncation, as the interpreter does
     same = [(c.key, c.passed, c.worst) for c in got.checks] == [(c.key, c.passed, c.worst) for c in ref.checks]
     print("run", same, sorted(c.key for c in got.checks if c.failed))
-    """.replace("{tests!r}", repr(os.path.dirname(os.path.abspath(__file__)))))
+    """.replace("{tests!r}", repr(str(Path(__file__).resolve().parents[1]))))  # tests/: helpers.py
     lines = out.strip().splitlines()
     for line in lines[:2]:
         flow, equal, worst, equal_rne, o_worst = line.split()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import checks_of, pool_digests, run_sim, small_cfg
+from helpers import checks_of, pool_digests, run_sim, small_cfg
 from drift.sim.pool import StatePool
 from drift.plug import parts
 from drift.plug.updates import BUILTINS, SGLANG_0523, SGLANG_31659, SGLANG_32130

@@ -22,7 +22,7 @@ from drift.plug.npu_op import npu_op_adapter
 from drift.sim.kernels import VerifyArgs
 from drift.check.registry import CHECKS
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 METHOD = "AscendHybridLinearAttnBackend.update_mamba_state_after_mtp_verify"
 GOOD = f"{FIXTURES / 'ascend_backend.py'}:{METHOD}"
 FAKE_OP = f"npu-op:{FIXTURES / 'fake_npu_op.py'}:recurrent_gated_delta_rule"
@@ -47,7 +47,7 @@ def by_name(rep):
     return {c.key: c for c in rep.checks}
 
 
-# The PR suite's horizon, and the nightly twin's (as tests/test_precision.py).
+# The PR suite's horizon, and the nightly twin's (as tests/check/test_precision.py).
 @pytest.mark.parametrize("steps", [512, pytest.param(4096, marks=pytest.mark.nightly)])
 def test_sglang_style_method_passes_every_check(steps):
     rep = run_checked(preset("ci-small"), GOOD, steps=steps)

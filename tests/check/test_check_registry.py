@@ -14,7 +14,7 @@ from drift.check.registry import CHECKS, SHAPES, CheckSpec, checks_markdown, fin
 from drift.config import preset
 from drift.runner import run_checked
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 CFG = preset("ci-small", steps=48)
 
 
