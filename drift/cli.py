@@ -159,6 +159,7 @@ def add_bench_update(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS, metavar="N",
                    help=f"decode steps averaged (default: {DEFAULT_STEPS})")
     p.add_argument("--json", action="store_true", help="print JSON (a list of objects)")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
 
 
 def cmd_bench_update(args: argparse.Namespace) -> int:
@@ -166,7 +167,8 @@ def cmd_bench_update(args: argparse.Namespace) -> int:
 
     cfg = RunSpec(preset=args.preset, device=args.device).config()
     updates = [load_update(u) for u in (args.update or BUILTINS)]
-    rows = measure(cfg, updates=updates, batch_sizes=args.batches, steps=args.steps)
+    rows = measure(cfg, updates=updates, batch_sizes=args.batches, steps=args.steps,
+                   progress=_item_progress(args, f"drift bench-update {cfg.name}"))
     print(to_json(rows) if args.json else format_table(rows))
     return EXIT_PASS
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import statistics
 from dataclasses import asdict, dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -83,9 +83,11 @@ def _latency_us(cfg: Config, upd: Update, last: torch.Tensor, trk: torch.Tensor)
 
 
 def measure(cfg: Config, updates: Sequence[str] = tuple(BUILTINS), batch_sizes: Sequence[int] = BATCH_SIZES,
-            steps: int = DEFAULT_STEPS, shape_only: bool = True) -> list[CostRow]:
+            steps: int = DEFAULT_STEPS, shape_only: bool = True,
+            progress: Optional[Callable[..., None]] = None) -> list[CostRow]:
     """One :class:`CostRow` per (update, batch size): ``cfg`` with ``num_requests`` = batch size
-    (its padded rows kept), the first ``steps`` decode steps of its stream."""
+    (its padded rows kept), the first ``steps`` decode steps of its stream; ``progress(done, total,
+    what)`` after each row."""
     if steps < 1:
         raise ValueError(f"steps={steps} is invalid; allowed: an integer >= 1")
     if not batch_sizes or any(int(b) < 1 for b in batch_sizes):
@@ -105,6 +107,8 @@ def measure(cfg: Config, updates: Sequence[str] = tuple(BUILTINS), batch_sizes: 
             out.append(CostRow(upd.name, c.num_requests, c.num_rows, steps, n_track, rep.ops / steps,
                                rep.view_ops / steps, rep.bytes / steps, len(rep.events) / steps,
                                latency, where))
+            if progress is not None:
+                progress(len(out), len(batch_sizes) * len(loaded), f"{upd.name}, batch {c.num_requests}")
     return out
 
 

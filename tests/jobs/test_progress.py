@@ -49,3 +49,12 @@ def test_progress_printer_writes_rate_and_eta_lines_off_a_terminal():
         update(i, 3, f"item {i}")
     text = out.getvalue()
     assert "job" in text and "3/3" in text and "item 3" in text and "run" in text
+
+
+def test_bench_update_reports_each_row_and_quiet_silences_it(capsys):
+    assert main(["bench-update", "--batches", "1,2", "--steps", "2", "--update", "sglang-0.5.23", "--json"]) == 0
+    err = capsys.readouterr().err
+    assert "drift bench-update ci-small" in err and "2/2" in err and "sglang-0.5.23, batch 2" in err
+    assert main(["bench-update", "--batches", "1", "--steps", "2", "--update", "sglang-0.5.23", "--json",
+                 "--quiet"]) == 0
+    assert capsys.readouterr().err == ""

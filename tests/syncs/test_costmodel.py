@@ -1,4 +1,4 @@
-"""Cost model (drift.costmodel, ``drift bench-update``): structure and relations that must hold.
+"""Cost model (drift.syncs.costmodel, ``drift bench-update``): structure and relations that must hold.
 
 No wall-clock timing is asserted; device latency is checked only where an accelerator exists.
 """
