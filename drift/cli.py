@@ -379,11 +379,11 @@ def _need_transformers() -> None:
         import transformers
     except ImportError as exc:
         raise ConfigError(f"drift capture needs transformers>=5, which is not importable ({exc}); install "
-                          "drift's capture extra: pip install 'drift[capture]'") from None
+                          "drift's capture extra from the checkout: pip install -e '.[capture]'") from None
     major = transformers.__version__.split(".")[0]
     if not major.isdigit() or int(major) < 5:
         raise ConfigError(f"drift capture needs transformers>=5, this is {transformers.__version__}; install "
-                          "drift's capture extra: pip install 'drift[capture]'")
+                          "drift's capture extra from the checkout: pip install -e '.[capture]'")
 
 
 def cmd_capture(args: argparse.Namespace) -> int:
