@@ -25,10 +25,10 @@ from ..sim.pool import raw_state
 BF16, F32 = torch.bfloat16, torch.float32
 
 
-def engine_function(module: str, function: str, kernel: str, engine: str) -> tuple[Callable, Any]:
-    """``module.function`` from an installed engine, and the module; LoadError saying what is missing
-    (the availability probe of ``--kernel <kernel>``; ``engine`` names the package and the version
-    drift modelled, e.g. "sglang (0.5.23 was modelled)")."""
+def engine_function(module: str, function: str, kernel: str, engine: str) -> Callable:
+    """``module.function`` from an installed engine; LoadError saying what is missing (the
+    availability probe of ``--kernel <kernel>``; ``engine`` names the package and the version drift
+    modelled, e.g. "sglang (0.5.23 was modelled)")."""
     try:
         mod = importlib.import_module(module)
     except Exception as exc:
@@ -37,7 +37,13 @@ def engine_function(module: str, function: str, kernel: str, engine: str) -> tup
     fn = getattr(mod, function, None)
     if fn is None:
         raise LoadError(f"{module} has no {function}; this is not the {engine}")
-    return fn, mod
+    triton = getattr(mod, "triton", None)
+    if triton is not None and not hasattr(triton, "next_power_of_2"):
+        # An engine may hand out a placeholder when it finds no usable triton (vLLM's triton_utils with
+        # HAS_TRITON false): the module imports, and every call would fail.
+        raise LoadError(f"--kernel {kernel}: {module} imported without a usable triton (the engine gave its "
+                        "placeholder); install triton where the engine can import it")
+    return fn
 
 
 def fla_inputs(args: VerifyArgs) -> tuple[torch.Tensor, ...]:
@@ -116,3 +122,15 @@ class LayerOpAdapter:
                 raise UpdateRaised(f"layer {layer}: the op {problem}")
             out[layer] = o.reshape(B, S, HV, V)
         return out
+
+
+class EngineKernelAdapter(LayerOpAdapter):
+    """An adapter for a kernel an engine ships: where it lives (``MODULE``, ``FUNCTION``), the
+    ``--kernel`` name and the engine drift modelled; :meth:`load` is its availability probe."""
+
+    MODULE = FUNCTION = KERNEL = ENGINE = ""
+
+    @classmethod
+    def load(cls) -> "EngineKernelAdapter":
+        fn = engine_function(cls.MODULE, cls.FUNCTION, cls.KERNEL, cls.ENGINE)
+        return cls(fn, f"{cls.KERNEL} ({cls.MODULE}.{cls.FUNCTION})")

@@ -32,9 +32,9 @@ from .mutants import MUTANTS, Mutant
 from .npu_op import check_op_signature, legacy_adapter, npu_op_adapter, sgl_kernel_npu_op, torch_npu_legacy_op
 from .shim import sgl_kernels
 from .specs import MUTANT_PREFIX, resolve_spec
-from .triton_kernel import sglang_triton_function, triton_adapter
+from .triton_kernel import TritonAdapter
 from .updates import BUILTINS, RENAMED
-from .vllm_kernel import vllm_triton_adapter, vllm_triton_function
+from .vllm_kernel import VllmTritonAdapter
 
 REQUIRED = ("self", "last_correct_step_indices", "mamba_track_indices", "mamba_steps_to_track")
 
@@ -95,10 +95,10 @@ for _k in (
                 Conformance(2 ** -6, 1e-2, 2 ** -6, 1e-2, "beta rounded to bf16 after the sigmoid")),
     KernelEntry("sglang-triton", "SGLang 0.5.23's Triton fused_recurrent_gated_delta_rule_update (CUDA; "
                 "kernels/ops/attention/fla/fused_recurrent.py)",
-                lambda arg: triton_adapter(sglang_triton_function()), REORDERED_FP32),
+                lambda arg: TritonAdapter.load(), REORDERED_FP32),
     KernelEntry("vllm-triton", "vLLM 0.33.0's Triton fused_recurrent_gated_delta_rule (CUDA; "
                 "vllm/third_party/flash_linear_attention/ops/fused_recurrent.py) through drift's flows",
-                lambda arg: vllm_triton_adapter(vllm_triton_function()), REORDERED_FP32),
+                lambda arg: VllmTritonAdapter.load(), REORDERED_FP32),
 ):
     KERNELS.register(_k.name, _k)
 

@@ -25,25 +25,20 @@ Triton runs it on a GPU; on a CPU only under ``TRITON_INTERPRET=1`` (slow: tests
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
-from ..sim.kernels import VerifyArgs, VerifyKernel
-from .adapter import LayerOpAdapter, engine_function, fla_inputs
+from ..sim.kernels import VerifyArgs
+from .adapter import EngineKernelAdapter, fla_inputs
 
-MODULE = "sglang.kernels.ops.attention.fla.fused_recurrent"
-FUNCTION = "fused_recurrent_gated_delta_rule_update"
 I32 = torch.int32
 
 
-def sglang_triton_function() -> Callable:
-    """SGLang's ``fused_recurrent_gated_delta_rule_update``; LoadError saying what is missing."""
-    return engine_function(MODULE, FUNCTION, "sglang-triton", "sglang (0.5.23 was modelled)")[0]
-
-
-class TritonAdapter(LayerOpAdapter):
+class TritonAdapter(EngineKernelAdapter):
     """Calls SGLang's Triton kernel per layer (the mapping above)."""
+
+    MODULE = "sglang.kernels.ops.attention.fla.fused_recurrent"
+    FUNCTION = "fused_recurrent_gated_delta_rule_update"
+    KERNEL, ENGINE = "sglang-triton", "sglang (0.5.23 was modelled)"
 
     def prepare(self, args: VerifyArgs):
         q, k, v, g, beta = fla_inputs(args)
@@ -60,7 +55,3 @@ class TritonAdapter(LayerOpAdapter):
         self.write_back(args, layer, buf.view(B * S, HV, V, K))
         return o.reshape(B, S, HV, V).to(torch.bfloat16)
 
-
-def triton_adapter(fn: Callable) -> VerifyKernel:
-    """A verify kernel calling SGLang's Triton kernel ``fn`` per layer (the mapping above)."""
-    return TritonAdapter(fn, f"sglang-triton ({MODULE}.{FUNCTION})")

@@ -23,32 +23,20 @@ Triton runs it on a GPU; on a CPU only under ``TRITON_INTERPRET=1`` (slow: tests
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
-from ..errors import LoadError
-from ..sim.kernels import VerifyArgs, VerifyKernel
-from .adapter import LayerOpAdapter, engine_function, fla_inputs
+from ..sim.kernels import VerifyArgs
+from .adapter import EngineKernelAdapter, fla_inputs
 
-MODULE = "vllm.third_party.flash_linear_attention.ops.fused_recurrent"
-FUNCTION = "fused_recurrent_gated_delta_rule"
 I32 = torch.int32
 
 
-def vllm_triton_function() -> Callable:
-    """vLLM's ``fused_recurrent_gated_delta_rule``; LoadError saying what is missing."""
-    fn, module = engine_function(MODULE, FUNCTION, "vllm-triton", "vllm (0.33.0 was modelled)")
-    if not hasattr(getattr(module, "triton", None), "next_power_of_2"):
-        # vllm.triton_utils hands out a placeholder when it finds no usable triton (HAS_TRITON false):
-        # the module imports, and every call would fail.
-        raise LoadError(f"--kernel vllm-triton: {MODULE} imported without a usable triton (vllm.triton_utils "
-                        "gave its placeholder); install triton where vllm can import it")
-    return fn
-
-
-class VllmTritonAdapter(LayerOpAdapter):
+class VllmTritonAdapter(EngineKernelAdapter):
     """Calls vLLM's recurrent kernel per layer over a block buffer laid out as above."""
+
+    MODULE = "vllm.third_party.flash_linear_attention.ops.fused_recurrent"
+    FUNCTION = "fused_recurrent_gated_delta_rule"
+    KERNEL, ENGINE = "vllm-triton", "vllm (0.33.0 was modelled)"
 
     def prepare(self, args: VerifyArgs):
         L, B, S, HV, V, K = args.dims
@@ -70,7 +58,3 @@ class VllmTritonAdapter(LayerOpAdapter):
         self.write_back(args, layer, blocks[1:])
         return o.reshape(B, S, HV, V).to(torch.bfloat16)
 
-
-def vllm_triton_adapter(fn: Callable) -> VerifyKernel:
-    """A verify kernel calling vLLM's recurrent kernel ``fn`` per layer (the mapping above)."""
-    return VllmTritonAdapter(fn, f"vllm-triton ({MODULE}.{FUNCTION})")
