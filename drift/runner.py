@@ -117,8 +117,9 @@ class CheckedRun:
             ctx.sync_scan = lambda: syncs
         else:
             ctx.sync_scan = (lambda: sync_check(self.cfg, self.sim.update)) if sync_scan else None
+        registered = {s.key for s in self.specs}
         for key, obj in ctx.checks.items():
-            if key not in {s.key for s in self.specs}:  # a caller's own per-step check
+            if key not in registered:  # a caller's own per-step check
                 res = obj.result()
                 res.key = res.key or key
                 ctx.results[key] = res
