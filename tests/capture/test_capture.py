@@ -160,7 +160,8 @@ def test_capture_is_a_greedy_decode_of_prompt_plus_new_tokens(captured):
     # decode (transformers 5.24 breaks one exact tie the other way here). fp32: exact argmax.
     tie = 2.0 ** (torch.floor(torch.log2(top.abs())) - 7) if dtype == "bfloat16" else torch.zeros_like(top)
     assert (gap(ids[:, PROMPT:]) <= tie).all(), (gap(ids[:, PROMPT:]), tie)
-    assert (L.argmax(-1) == ids[:, PROMPT:]).float().mean() >= 0.9  # ties are rare: most positions agree exactly
+    # Ties are rare: measured 1 of 26 positions in bf16 (transformers 5.24), none in fp32; 0.9 allows two.
+    assert (L.argmax(-1) == ids[:, PROMPT:]).float().mean() >= 0.9
     assert not (gap(ids[:, PROMPT + 1:]) <= tie[:, :-1]).all()  # negative control: off by one token
 
 
