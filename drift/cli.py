@@ -551,9 +551,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return exc.exit_code
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
-    previous = None
+    previous = blocked = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _terminate)
+        # A launcher may start drift with SIGTERM blocked (a CI runner's inherited signal mask did):
+        # the handler would then never run and a SIGTERM would be lost. Unblock it while drift runs.
+        blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     try:
         return args.func(args)
     except UpdateRaised as exc:
@@ -570,6 +573,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 if __name__ == "__main__":  # pragma: no cover

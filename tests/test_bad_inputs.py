@@ -332,16 +332,23 @@ def test_a_bad_baseline_is_refused_before_the_nightly_runs(nightly_dir, tmp_path
 
 
 # ------------------------------------------------------------------- interrupts
+def _as_launched_by_a_ci_runner():
+    # SIGINT as a terminal delivers it, even where the test runner's worker ignores it; SIGTERM
+    # blocked, as a CI runner's inherited signal mask had it (the SIGTERM case then exited 0)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_an_interrupt_exits_with_one_line_and_leaves_nothing_half_written(tmp_path, sig, code):
     gdir = tmp_path / "g"
     proc = subprocess.Popen([sys.executable, "-m", "drift", "regen-golden", "--golden-dir", str(gdir),
                              "--preset", "stagnation"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            # SIGINT as a terminal delivers it, even where the test runner's worker ignores it
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            preexec_fn=_as_launched_by_a_ci_runner)
     assert "generating" in proc.stdout.readline()  # it is working now
     proc.send_signal(sig)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == code, err
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, f"stdout: {out!r}\nstderr: {err!r}"
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and "interrupted" in err
     assert not list(gdir.glob("*.tmp")) and not (gdir / "manifest.json").exists()
