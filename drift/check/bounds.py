@@ -82,6 +82,8 @@ class BoundCheck(Check):
     """
 
     key = "drift_bound"
+    # the envelope's terms and the state error it bounds, plus what its OutputBound reads
+    measures = ("state", "bound_terms", "outputs")
     _state = Check._state + ("env2", "var2", "worst_head", "logdecay_sum", "logdecay_n")
 
     def __init__(self, constant: float = BOUND_CONSTANT, growth_limit: float = GROWTH_LIMIT,
@@ -214,6 +216,7 @@ class OutputBound(Check):
     """
 
     key = "output_bound"
+    measures = ("bound_terms", "outputs")  # fed by the BoundCheck, which declares these for it
 
     def __init__(self):
         super().__init__(1.0)

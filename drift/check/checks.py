@@ -42,6 +42,7 @@ class Check(Stateful):
     """Base consumer: tracks the worst value and the first place it crossed the limit."""
 
     key = "check"  # its registry key (drift.check.registry); the title comes from there
+    measures: tuple[str, ...] = ()  # what it reads of each chunk (drift/check/measures.py); () = every measure
     _state = ("worst", "worst_where", "first_fail", "seen")
 
     @property
@@ -90,6 +91,7 @@ class FiniteCheck(Check):
     """Committed states stay finite; the first NaN/Inf ends the run, named by step, layer, row, head."""
 
     key = "finite_states"
+    measures = ("state",)
 
     def consume(self, chunk: MetricsChunk) -> None:
         bad = ~chunk.finite
@@ -110,6 +112,7 @@ class StateCheck(Check):
     """Committed state of every active row vs the twin, relative Frobenius per (layer, head)."""
 
     key = "committed_state"
+    measures = ("state",)
 
     def __init__(self, limit: float = SEMANTIC_TOL):
         super().__init__(limit)
@@ -122,6 +125,7 @@ class OutputCheck(Check):
     """Outputs of the accepted tokens vs the twin's, relative per (layer, head)."""
 
     key = "outputs"
+    measures = ("outputs",)
 
     def __init__(self, limit: float = SEMANTIC_TOL):
         super().__init__(limit)
@@ -134,6 +138,7 @@ class ConvWindowCheck(Check):
     """The last Kc-1 rows of every request's conv buffer equal the true inputs, bit for bit."""
 
     key = "conv_windows"
+    measures = ("conv",)
 
     def __init__(self):
         super().__init__(0.0)
@@ -148,6 +153,7 @@ class TrackCheck(Check):
     semantic threshold of the twin's boundary state."""
 
     key = "tracked_snapshots"
+    measures = ("tracked",)
     _state = Check._state + ("tracked", "bits_fail", "conv_fail")
 
     def __init__(self, limit: float = SEMANTIC_TOL):
@@ -206,6 +212,7 @@ class GoldenCheck(Check):
     position and accepted output, full states and conv windows at checkpoints."""
 
     key = "golden"
+    measures = ("golden",)
     _state = Check._state + ("ckpt_fail",)
 
     def __init__(self, tol: float = GOLDEN_TOL):

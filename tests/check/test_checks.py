@@ -14,7 +14,8 @@ import pytest
 from helpers import bad_spec, checks_of, small_cfg
 from drift.config import PROFILES
 from drift.check.checks import SEMANTIC_TOL, Check, StateCheck, TrackCheck, untouched_result
-from drift.check.compare import PER_HEAD, PER_ROW, MetricsChunk
+from drift.check.compare import MetricsChunk
+from drift.check.measures import MEASURES
 from drift.check.metrics import rel_err
 
 CORE = ("finite_states", "committed_state", "outputs", "conv_windows", "tracked_snapshots",
@@ -134,8 +135,8 @@ def test_rel_err_uses_the_norm_floor():
 
 def _chunk(count=2, R=1, **over):
     """A MetricsChunk of zero errors (unit references), one layer and head, nothing tracked."""
-    arrays = {k: np.zeros((count, 1, R, 1)) for k in PER_HEAD}
-    arrays.update({k: np.zeros((count, R), np.int64) for k in PER_ROW})
+    arrays = {k: np.zeros((count, 1, R, 1)) for m in MEASURES.values() for k in m.head}
+    arrays.update({k: np.zeros((count, R), np.int64) for m in MEASURES.values() for k in m.row})
     arrays.update(ref2=np.ones((count, 1, R, 1)), finite=np.ones((count, 1, R, 1), bool),
                   pre=np.zeros((count, R), np.int64), accept=np.ones((count, R), np.int64),
                   track=np.full((count, R), -1, np.int64))

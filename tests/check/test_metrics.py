@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from drift.check.bounds import KAPPA, KAPPA_COMPUTE
-from drift.check.compare import ulp2_sum
+from drift.check.measures import ulp2_sum
 from drift.sim.kernels import _gdn_token, round_to
 from drift.check.metrics import DriftCurves, bin_center, growth_exponent, norm_floor, rel_err, step_bin, ulp_err
 

@@ -1,0 +1,364 @@
+"""Measures: the per-step reductions that checks declare and the comparison computes.
+
+A check names the measures it reads (``Check.measures``); :class:`~drift.check.compare.Comparison`
+computes the union of what its consumers declare (plus what those measures ``need``) and nothing
+else, one generic loop over :data:`MEASURES`. Each measure is one registry entry: the arrays it
+fills in the :class:`~drift.check.compare.MetricsChunk` and up to four hooks, all device-side torch
+(the state measure also has a native C implementation, tested equal to its torch reducer in
+tests/check/test_measures.py):
+
+* ``start(comp)``: once, when the run starts (``comp.sim`` is there);
+* ``snapshot(comp, view) -> Any``: at the simulation step, what must be taken before the next step
+  overwrites it (stored with the step, read back as ``batch.extra[key][j]``);
+* ``on_step(comp, batch, j)``: once the float64 twin has advanced through buffered step ``j``;
+* ``on_batch(comp, batch)``: after the twin went through the whole batch of steps.
+
+Arrays are float64 on the comparison's reference device: per head ``[S, L, R, HV]`` (``head``),
+per row ``[S, R]`` (``row``), and boolean per-head flags that start True (``flags``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional
+
+import numpy as np
+import torch
+
+from ..dtypes import as_bits, store_dtype
+from ..registry import Registry
+from ..sim import native
+
+F64 = torch.float64
+
+
+@dataclass(frozen=True)
+class Measure:
+    """One measure: ``key``, the arrays it fills, the measures it ``needs``, and its hooks."""
+
+    key: str
+    doc: str
+    head: tuple[str, ...] = ()
+    row: tuple[str, ...] = ()
+    flags: tuple[str, ...] = ()
+    needs: tuple[str, ...] = ()
+    start: Optional[Callable[[Any], None]] = None
+    snapshot: Optional[Callable[[Any, Any], Any]] = None
+    on_step: Optional[Callable[[Any, "Batch", int], None]] = None
+    on_batch: Optional[Callable[[Any, "Batch"], None]] = None
+
+    @property
+    def arrays(self) -> tuple[str, ...]:
+        return self.head + self.row + self.flags
+
+
+MEASURES: Registry[Measure] = Registry("measure")
+
+
+def resolve(keys: Iterable[str]) -> list[Measure]:
+    """The measures ``keys`` and everything they need, in registry order (a need comes first)."""
+    wanted: set[str] = set()
+
+    def add(key: str) -> None:
+        if key not in wanted:
+            for need in MEASURES[key].needs:  # an unknown key raises, listing the measures
+                add(need)
+            wanted.add(key)
+
+    for key in keys:
+        add(key)
+    return [m for name, m in MEASURES.items() if name in wanted]
+
+
+def declared(consumers) -> list[Measure]:
+    """What ``consumers`` declare (``measures``); one that declares nothing reads every measure."""
+    keys: list[str] = []
+    for c in consumers:
+        keys.extend(getattr(c, "measures", None) or MEASURES.names())
+    return resolve(keys)
+
+
+@dataclass
+class Batch:
+    """The buffered steps the comparison processes at once (``n`` of them).
+
+    snap: the run's views per step (``run`` committed states, ``out``, ``win``, inputs), stacked
+    ``[n, ...]`` on the reference device; idx ``[n]`` chunk rows; pre / accept ``[n, R]`` host int;
+    rows ``[n]`` device; m ``[n, R, D]`` accepted tokens (filled after the twin ran); tw_out
+    ``[n, L, R, D, HV, V]``, tw_win, and tw decay / beta / norm2 ``[n, L, R, D, HV]``: the twin's
+    per-step values; extra: per measure, what its ``snapshot`` took at each step.
+    """
+
+    n: int
+    snap: dict
+    idx: list
+    pre: np.ndarray
+    accept: np.ndarray
+    tw_out: torch.Tensor
+    tw_win: torch.Tensor
+    tw: dict
+    marks: list
+    extra: dict = field(default_factory=dict)
+    scratch: dict = field(default_factory=dict)  # per-batch values a measure keeps between hooks
+    rows: Optional[torch.Tensor] = None
+    m: Optional[torch.Tensor] = None
+
+
+# ------------------------------------------------------------------------------------ helpers
+def ulp_sq(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``ulp(x)^2`` elementwise: ulp = spacing of ``dtype``'s grid at each element of float64
+    ``x`` (``2^(e - p)`` with ``x = m 2^e``, ``m`` in [0.5, 1), p mantissa bits), 0 where x is 0."""
+    _, e = torch.frexp(x)
+    sq = torch.exp2((e - store_dtype(dtype).mantissa_bits).to(x.dtype) * 2.0)
+    return torch.where(x == 0, torch.zeros_like(x), sq)
+
+
+def ulp2_sum(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``sum(ulp(x)^2)`` over the last two dims (float64, x's shape minus two dims)."""
+    return ulp_sq(x, dtype).sum((-1, -2))
+
+
+def key_columns(u2: torch.Tensor) -> torch.Tensor:
+    """``[L, R, HV, K]``: each key column's share of a store rounding's error energy (ulp^2 summed
+    over the state's V rows): how the committed error is spread over the key directions."""
+    col = u2.sum(-2)
+    return col / col.sum(-1, keepdim=True).clamp(min=1e-300)
+
+
+# ----------------------------------------------------------------------- committed state
+STATE_SUMS = ("err2", "ref2", "run2", "ulp2_run", "ulp4_run", "ulp2_bf16")  # native column order
+
+
+def state_sums_torch(run: torch.Tensor, truth: torch.Tensor, dtype: torch.dtype):
+    """The committed-state reductions of one step, torch reducer: ``run`` the committed states
+    ``[L, R, HV, V, K]`` (the state dtype), ``truth`` the twin's (float64). Returns the float64
+    sums ``[L, R, HV]`` by name (:data:`STATE_SUMS`), ``finite`` ``[L, R, HV]`` bool, and the
+    run's key-column shares of its rounding energy ``[L, R, HV, K]``."""
+    run = run.to(truth.device, F64)
+    u2 = ulp_sq(run, dtype)
+    sums = {"err2": (run - truth).square().sum((-1, -2)), "ref2": truth.square().sum((-1, -2)),
+            "run2": run.square().sum((-1, -2)), "ulp2_run": u2.sum((-1, -2)),
+            "ulp4_run": u2.square().sum((-1, -2)), "ulp2_bf16": ulp2_sum(truth, torch.bfloat16)}
+    return sums, torch.isfinite(run).all(-1).all(-1), key_columns(u2)
+
+
+def state_sums_native(run: torch.Tensor, truth: torch.Tensor, dtype: torch.dtype):
+    """The same as :func:`state_sums_torch` in one pass of drift.sim.native's C kernel (CPU)."""
+    m, col = native.state_metrics(run.contiguous(), truth, store_dtype(dtype).mantissa_bits)
+    sums = {name: m[..., j] for j, name in enumerate(STATE_SUMS)}
+    return sums, m[..., 6] > 0, col / col.sum(-1, keepdim=True).clamp(min=1e-300)
+
+
+def _state_start(comp) -> None:
+    pool, dev = comp.sim.pool, comp.ref_device
+    # One rounding of the prefill state on load: the bound model's starting point.
+    u2 = ulp_sq(pool.states[:, pool.active_slots].to(dev, F64), pool.temporal.dtype)
+    comp.ulp2_initial = u2.sum((-1, -2)).cpu().numpy()
+    comp.ulp4_initial = u2.square().sum((-1, -2)).cpu().numpy()
+    comp.col_frac = key_columns(u2)  # of the last committed state compared
+    comp.col_frac_before = comp.col_frac
+    comp.native_state_sums = (dev.type == "cpu" and native.available()
+                              and store_dtype(pool.temporal.dtype).native)
+
+
+def _state_step(comp, batch: Batch, j: int) -> None:
+    run, truth, dtype = batch.snap["run"][j], comp.twin.state, comp.sim.pool.temporal.dtype
+    native_ok = comp.native_state_sums and type(run) is torch.Tensor and run.device.type == "cpu"
+    sums, finite, col = (state_sums_native if native_ok else state_sums_torch)(run, truth, dtype)
+    i = batch.idx[j]
+    for name, value in sums.items():
+        comp.buf[name][i] = value
+    comp.buf["finite"][i] = finite
+    comp.col_frac_before, comp.col_frac = comp.col_frac, col
+
+
+MEASURES.register("state", Measure(
+    "state", "committed states of the active rows vs the twin (relative error, ULP units, finiteness)",
+    head=("err2",        # ||run - twin||_F^2 of the committed state
+          "ref2",        # ||twin||_F^2
+          "run2",        # ||run||_F^2
+          "ulp2_run",    # ||ulp(run)||_F^2 in the state dtype: the size of one store rounding
+          "ulp4_run",    # sum ulp(run)^4: how much one rounding's energy fluctuates
+          "ulp2_bf16"),  # ||ulp_bf16(twin)||_F^2: the unit of the bf16-ULP error metric
+    flags=("finite",), start=_state_start, on_step=_state_step))
+
+
+# ----------------------------------------------------------------------- bound model terms
+def _bound_step(comp, batch: Batch, j: int) -> None:
+    if "qc" not in batch.scratch:
+        batch.scratch["qc"] = torch.empty_like(batch.tw["decay"])
+    # sum_k q_k^2 c_k with c the key-column shares of the state this step started from
+    batch.scratch["qc"][j] = (comp.twin.q_sq * comp.col_frac_before[:, :, None]).sum(-1)
+
+
+def _bound_batch(comp, batch: Batch) -> None:
+    """Contraction of the error energy over each step, and the weight of its roundings.
+
+    Per token the error is multiplied by ``a (I - beta k k^T)``; for an error spread evenly
+    over the ``r_eff``-dimensional key span, E||(I - beta k k^T) e||^2 = (1 - (2 beta -
+    beta^2) / r_eff) ||e||^2 (docs/bounds.md). A rounding after token j is contracted by
+    the tokens after it and scales with the state's size there, ||h_j||^2 / ||h_last||^2
+    (the bound multiplies by the ulp^2 of the committed state). MTP stores once, after the
+    last accepted token; sequential decode after every token; the fp32 compute rounds
+    at every token in both.
+    """
+    buf, rows, m, qc = comp.buf, batch.rows, batch.m, batch.scratch["qc"]
+    mm = m[:, None, :, :, None]  # [n, 1, R, D, 1]
+    decay, beta, norm2 = batch.tw["decay"], batch.tw["beta"], batch.tw["norm2"]
+    r_eff = comp.sim.cfg.key_rank or comp.sim.cfg.head_k_dim
+    c = decay.square() * (1.0 - (2.0 * beta - beta.square()) / r_eff)  # [n, L, R, D, HV]
+    c = torch.where(mm, c, torch.ones_like(c))
+    buf["rho2"][rows] = c.prod(3)
+    buf["logdecay"][rows] = torch.where(mm, torch.log(decay), torch.zeros_like(decay)).sum(3)
+    # The output of token t sees the step's starting error E contracted by tokens 1..t, read by
+    # q_t: E||E q||^2 = sum_k q_k^2 E||E[:, k]||^2 = ||E||_F^2 sum_k q_k^2 c_k, c_k the share of
+    # the error energy in key column k (that of the last store's rounding; 1/K when even).
+    buf["out_w"][rows] = (qc * torch.cumprod(c, 3) * mm).sum(3)
+    suffix = torch.flip(torch.cumprod(torch.flip(c, [3]), 3), [3])  # prod_{t >= j}
+    after = torch.cat([suffix[..., 1:, :], torch.ones_like(suffix[..., :1, :])], 3)  # prod_{t > j}
+    last = (m.sum(2) - 1).clamp(min=0)  # [n, R] index of the last accepted token
+    n_last = norm2.gather(3, last[:, None, :, None, None].expand(-1, norm2.shape[1], -1, 1, norm2.shape[4]))
+    size = norm2 / n_last.clamp(min=1e-300)
+    tok_w = (after * size * mm).sum(3)
+    buf["tok_w"][rows] = tok_w
+    buf["round_w"][rows] = torch.ones_like(tok_w) if comp.sim.mode == "mtp" else tok_w
+
+
+MEASURES.register("bound_terms", Measure(
+    "bound_terms", "what the drift bound's envelope is built of: contraction, decay and rounding weights",
+    head=("rho2",      # contraction of the error energy over this step's accepted tokens (bound model)
+          "logdecay",  # sum of g over the accepted tokens: log of the pure decay of this step
+          "round_w",   # store roundings this step, each weighted by the contraction that follows it
+          "tok_w",     # the same for the fp32 compute of every accepted token
+          "out_w"),    # sum over accepted tokens of rho2(<= t) sum_k q_tk^2 c_k: how the committed error reaches them
+    needs=("state",), on_step=_bound_step, on_batch=_bound_batch))
+
+
+# ----------------------------------------------------------------------- outputs, conv windows
+def _outputs_batch(comp, batch: Batch) -> None:
+    buf, rows = comp.buf, batch.rows
+    o_run = batch.snap["out"].to(F64)
+    m6 = batch.m[:, None, :, :, None, None]
+    buf["out_err2"][rows] = ((o_run - batch.tw_out) * m6).square().sum((3, 5))
+    buf["out_ref2"][rows] = (batch.tw_out * m6).square().sum((3, 5))
+    # Round to nearest moves a value by at most half an ulp of the result (an ulp of a bf16
+    # output bounds the ulp of the fp32 value it was rounded from).
+    buf["out_round2"][rows] = (ulp_sq(o_run, torch.bfloat16) * m6).sum((3, 5)) / 4.0
+
+
+MEASURES.register("outputs", Measure(
+    "outputs", "outputs of the accepted tokens vs the twin's (summed over them)",
+    head=("out_err2", "out_ref2",
+          "out_round2"),  # sum over accepted tokens of ||ulp_bf16(o_run)/2||^2: the most the op's bf16 output rounding moves them
+    on_batch=_outputs_batch))
+
+
+def _conv_batch(comp, batch: Batch) -> None:
+    comp.buf["conv_bad"][batch.rows] = (batch.snap["win"].to(F64) != batch.tw_win).sum((1, 3, 4)).to(F64)
+
+
+MEASURES.register("conv", Measure("conv", "bits of each row's committed conv window that differ from the "
+                                  "true inputs", row=("conv_bad",), on_batch=_conv_batch))
+
+
+# ----------------------------------------------------------------------- tracked snapshots
+def _tracked_snapshot(comp, view):
+    """What the tracking rows hold now: (rows, tracked states, their windows, bit mismatches of
+    each tracked slot against the scratch block it was copied from [n]); None when none tracks."""
+    sim, cfg, pool = comp.sim, comp.sim.cfg, comp.sim.pool
+    if sim.mode != "mtp" or not (view.track >= 0).any():
+        return None
+    rows = np.nonzero(view.track >= 0)[0]
+    rows_t = torch.from_numpy(rows).to(sim.device)
+    tslots = pool.row_track_slots[rows_t]
+    got = pool.states[:, tslots]  # [L, n, HV, V, K] in the state dtype
+    held = pool.scratch[:, rows_t, torch.from_numpy(view.track[rows]).to(sim.device)]
+    bits_bad = (as_bits(got) != as_bits(held)).sum((0, 2, 3, 4))
+    Km1 = cfg.conv_kernel - 1
+    return rows, got.clone(), pool.conv[:, tslots, cfg.conv_window - Km1:].clone(), bits_bad
+
+
+def _tracked_step(comp, batch: Batch, j: int) -> None:
+    """Tracked snapshots of step j (taken when it ran) against the twin's track state now."""
+    tracked = batch.extra["tracked"][j]
+    if tracked is None:
+        return
+    twin, buf, dev, i = comp.twin, comp.buf, comp.ref_device, batch.idx[j]
+    rows, got, win, bits_bad = tracked
+    rows_d = torch.from_numpy(rows).to(dev)
+    buf["trk_bits_bad"][i].index_copy_(0, rows_d, bits_bad.to(dev, F64))
+    ref = twin.track_state[:, rows_d]
+    buf["trk_err2"][i][:, rows_d] = (got.to(dev, F64) - ref).square().sum((-1, -2))
+    buf["trk_ref2"][i][:, rows_d] = ref.square().sum((-1, -2))
+    buf["trk_conv_bad"][i].index_copy_(0, rows_d, (win.to(dev, F64) != twin.track_window[:, rows_d])
+                                       .sum((0, 2, 3)).to(F64))
+
+
+MEASURES.register("tracked", Measure(
+    "tracked", "prefix-cache snapshots vs the twin's boundary state, and bit for bit vs what the run held",
+    head=("trk_err2", "trk_ref2"), row=("trk_bits_bad", "trk_conv_bad"),
+    snapshot=_tracked_snapshot, on_step=_tracked_step))
+
+
+# ----------------------------------------------------------------------- golden validation
+def _golden_step(comp, batch: Batch, j: int) -> None:
+    if comp.golden is None:
+        return
+    if "p_twin" not in batch.scratch:
+        batch.scratch["p_twin"] = torch.empty_like(comp.buf["gold_dev"][:batch.n])
+    g, twin = comp.gold, comp.twin
+    batch.scratch["p_twin"][j] = torch.einsum("lhv,lrhvk,lhk->lrh", g["proj_w"], twin.state, g["proj_u"])
+    if batch.marks[j] is not None:
+        _checkpoint(comp, batch.idx[j], batch.pre[j], batch.marks[j])
+
+
+def _checkpoint(comp, i: int, pre: np.ndarray, mark: np.ndarray) -> None:
+    """Full state and conv window of the twin against golden checkpoints passed at step i."""
+    ga, buf, dev, twin = comp.golden.arrays, comp.buf, comp.ref_device, comp.twin
+    for r in np.nonzero(mark >= 0)[0]:
+        c = comp.golden_ckpt[int(pre[r] + mark[r] + 1)]
+        ref = torch.from_numpy(ga["ckpt_state"][c][:, r]).to(dev, F64)
+        d = torch.linalg.vector_norm(twin.mark_state[:, r] - ref) / torch.linalg.vector_norm(ref)
+        wref = torch.from_numpy(ga["ckpt_window"][c][:, r]).to(dev, F64)
+        buf["gold_ckpt_dev"][i, r] = d
+        buf["gold_ckpt_bad"][i, r] = (twin.mark_window[:, r] != wref).sum().to(F64)
+        comp.golden_checkpoints += 1
+
+
+def _golden_batch(comp, batch: Batch) -> None:
+    """Twin vs golden for a batch of steps ``[n]``: projections at every committed position and
+    accepted output. Positions past the golden horizon are NaN."""
+    if comp.golden is None:
+        return
+    cfg, buf, dev, g = comp.sim.cfg, comp.buf, comp.ref_device, comp.gold
+    pre, rows, m, tw_out, p_twin = batch.pre, batch.rows, batch.m, batch.tw_out, batch.scratch["p_twin"]
+    post = pre + batch.accept
+    inside = post <= comp.golden_limit  # [n, R]
+    comp.beyond_golden_steps += int((~inside.all(1)).sum())
+    comp.golden_positions += int(inside.sum())
+    R = cfg.num_requests
+    r_idx = torch.arange(R, device=dev)
+    pos = torch.from_numpy(np.minimum(post, comp.golden_limit)).to(dev)  # [n, R]
+    scale_kv = math.sqrt(cfg.head_k_dim * cfg.head_v_dim)
+    p_gold = g["proj_state"][pos, :, r_idx[None, :]].permute(0, 2, 1, 3)  # [n, L, R, HV]
+    n_gold = g["state_norm"][pos, :, r_idx[None, :]].permute(0, 2, 1, 3)
+    dev_s = (p_twin - p_gold).abs() / (p_gold.abs() + n_gold / scale_kv + 1e-300)
+    inside_t = torch.from_numpy(inside).to(dev)[:, None, :, None]
+    buf["gold_dev"][rows] = torch.where(inside_t, dev_s, torch.full_like(dev_s, math.nan))
+    # Outputs of accepted tokens j sit at positions pre + j.
+    opos = torch.from_numpy(pre).to(dev)[:, :, None] + torch.arange(cfg.num_draft_tokens, device=dev)  # [n, R, D]
+    ok = m & (opos < g["proj_out"].shape[0])
+    o_gold = g["proj_out"][opos.clamp(max=g["proj_out"].shape[0] - 1), :, r_idx[None, :, None]]  # [n, R, D, L, HV]
+    o_twin = torch.einsum("nlrdhv,lhv->nrdlh", tw_out, g["proj_wo"])
+    o_norm = torch.linalg.vector_norm(tw_out, dim=-1).permute(0, 2, 3, 1, 4) / math.sqrt(cfg.head_v_dim)
+    o_dev = (o_twin - o_gold).abs() / (o_gold.abs() + o_norm + 1e-300)
+    o_dev = torch.where(ok[..., None, None], o_dev, torch.zeros_like(o_dev)).amax(2)  # [n, R, L, HV]
+    buf["gold_out_dev"][rows] = torch.where(inside_t, o_dev.permute(0, 2, 1, 3), torch.full_like(dev_s, math.nan))
+
+
+MEASURES.register("golden", Measure(
+    "golden", "the float64 twin vs the golden trajectory (NaN past the golden horizon: not covered)",
+    head=("gold_dev",       # |proj(twin) - golden proj| / (|golden proj| + ||h|| / sqrt(K V))
+          "gold_out_dev"),  # the same for the outputs of the accepted tokens (max over them)
+    row=("gold_ckpt_bad", "gold_ckpt_dev"), on_step=_golden_step, on_batch=_golden_batch))
