@@ -23,6 +23,7 @@ import torch
 
 from drift import checkpoint, fileio
 from drift.check import golden
+from drift.check.registry import title
 from drift.cli import main
 from drift.errors import EXIT_FAIL, EXIT_PASS, EXIT_USAGE, DataError
 from drift.jobs import nightly
@@ -179,11 +180,11 @@ def test_a_trace_shorter_than_the_track_interval_is_not_a_false_fail(tmp_path, c
     # qwen3.5-397b-tp16 tracks every 256 tokens; the trace has 20: tracking cannot be exercised.
     assert main(["run", "--trace", str(npz), "--preset", "qwen3.5-397b-tp16", "--quiet"]) == EXIT_PASS
     out = capsys.readouterr().out
-    row = next(ln for ln in out.splitlines() if ln.startswith("tracked snapshots"))
+    row = next(ln for ln in out.splitlines() if ln.startswith(title("tracked_snapshots")))
     assert "n/a" in row and "not exercised" in row and "--loop" in row
     # negative control: with a track interval the trace reaches, the check is exercised and gates.
     assert main(["run", "--trace", str(npz), "--preset", "ci-small", "--quiet"]) == EXIT_PASS
-    row = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("tracked snapshots"))
+    row = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(title("tracked_snapshots")))
     assert "PASS" in row and "snapshots compared" in row
 
 

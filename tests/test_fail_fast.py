@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+from drift.check.registry import title
 from drift.cli import main
 from drift.config import preset
 from drift.errors import EXIT_FAIL, EXIT_PASS
@@ -20,14 +21,14 @@ def test_a_sync_fails_the_run_before_the_simulation(capsys):
     rc = main(["run", "--update", "sglang-32130", "--steps", "512", "--quiet"])
     out = capsys.readouterr().out
     rows = _rows(out)
-    assert rc == EXIT_FAIL and rows == {"host syncs": "FAIL", "precision checks": "n/a"}, out
+    assert rc == EXIT_FAIL and rows == {title("host_syncs"): "FAIL", "precision checks": "n/a"}, out
     assert "0 steps" in out and "parts.py:95" in out  # no step simulated; the row names the line
 
 
 def test_all_checks_runs_the_full_table_despite_a_sync(capsys):
     rc = main(["run", "--update", "sglang-32130", "--steps", "8", "--quiet", "--all-checks"])
     rows = _rows(capsys.readouterr().out)
-    assert rc == EXIT_FAIL and rows["host syncs"] == "FAIL" and rows["committed state"] == "PASS"
+    assert rc == EXIT_FAIL and rows[title("host_syncs")] == "FAIL" and rows[title("committed_state")] == "PASS"
     assert "precision checks" not in rows
 
 
@@ -38,7 +39,7 @@ def test_fail_fast_stops_at_the_first_failing_chunk(capsys):
     # Committing one step back is order-one wrong from the first step: the run ends after its first
     # chunk (at most 256 steps, drift.sim.stream's chunk size), not at 2048.
     assert rc == EXIT_FAIL and 0 < steps <= 256, out
-    assert _rows(out)["run completed"] == "FAIL" and "--fail-fast" in out
+    assert _rows(out)[title("run_completed")] == "FAIL" and "--fail-fast" in out
 
 
 def test_fail_fast_leaves_a_passing_run_whole(capsys):

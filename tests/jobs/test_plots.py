@@ -10,6 +10,7 @@ import warnings
 import numpy as np
 import pytest
 
+from drift.check.registry import find_result
 from drift.cli import main
 from drift.jobs.plots import nightly_figures, planned_plots, run_figure
 
@@ -43,7 +44,7 @@ def test_run_plot_draws_the_worst_ratio_with_the_bound_line(run_report):
     title = fig._suptitle.get_text()
     assert "update sglang-0.5.23" in title and "kernel portable" in title and "flow sglang" in title
     assert all(_bound_lines(fig)) and len(fig.axes) == run_report["config"]["num_v_heads"]
-    bound = next(c for c in run_report["checks"] if c["name"] == "drift bound")["bound"]["curves"]["bound_ratio"]
+    bound = find_result(run_report["checks"], "drift_bound")["bound"]["curves"]["bound_ratio"]
     worst = np.asarray(bound["max"]).max(axis=1)  # [bins, heads]: max over layers (rows already)
     low = fig.axes[0].get_ylim()[0]
     for h, ax in enumerate(fig.axes):
