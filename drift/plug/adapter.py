@@ -134,3 +134,26 @@ class EngineKernelAdapter(LayerOpAdapter):
     def load(cls) -> "EngineKernelAdapter":
         fn = engine_function(cls.MODULE, cls.FUNCTION, cls.KERNEL, cls.ENGINE)
         return cls(fn, f"{cls.KERNEL} ({cls.MODULE}.{cls.FUNCTION})")
+
+
+class FlaKernelAdapter(EngineKernelAdapter):
+    """An engine's FLA-style recurrent kernel: drift's inputs in the op's dtypes (:func:`fla_inputs`),
+    sliced per layer, and its output ``[B, S, HV, V]`` cast to bf16. A subclass says which indices
+    the op takes (:meth:`indices`, once per call) and how it is called for a layer (:meth:`call_op`)."""
+
+    def indices(self, args: VerifyArgs, device: torch.device) -> Any:
+        raise NotImplementedError  # pragma: no cover
+
+    def call_op(self, args: VerifyArgs, layer: int, qkvgb: tuple, indices: Any) -> torch.Tensor:
+        raise NotImplementedError  # pragma: no cover
+
+    def prepare(self, args: VerifyArgs):
+        inputs = fla_inputs(args)
+        return inputs, self.indices(args, inputs[0].device)
+
+    def call_layer(self, args: VerifyArgs, layer: int, ctx) -> torch.Tensor:
+        inputs, indices = ctx
+        q, k, v, g, beta = (t[layer] for t in inputs)
+        o = self.call_op(args, layer, (q, k, v.contiguous(), g.contiguous(), beta.contiguous()), indices)
+        L, B, S, HV, V, K = args.dims
+        return o.reshape(B, S, HV, V).to(BF16)

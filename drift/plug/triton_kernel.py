@@ -28,30 +28,25 @@ from __future__ import annotations
 import torch
 
 from ..sim.kernels import VerifyArgs
-from .adapter import EngineKernelAdapter, fla_inputs
-
-I32 = torch.int32
+from .adapter import FlaKernelAdapter
 
 
-class TritonAdapter(EngineKernelAdapter):
+class TritonAdapter(FlaKernelAdapter):
     """Calls SGLang's Triton kernel per layer (the mapping above)."""
 
     MODULE = "sglang.kernels.ops.attention.fla.fused_recurrent"
     FUNCTION = "fused_recurrent_gated_delta_rule_update"
     KERNEL, ENGINE = "sglang-triton", "sglang (0.5.23 was modelled)"
 
-    def prepare(self, args: VerifyArgs):
-        q, k, v, g, beta = fla_inputs(args)
-        return q, k, v, g, beta, torch.arange(args.dims[1], dtype=I32, device=q.device)
+    def indices(self, args: VerifyArgs, device: torch.device) -> torch.Tensor:
+        return torch.arange(args.dims[1], dtype=torch.int32, device=device)  # start states and buffer rows
 
-    def call_layer(self, args: VerifyArgs, layer: int, ctx) -> torch.Tensor:
-        q, k, v, g, beta, rows = ctx
+    def call_op(self, args: VerifyArgs, layer: int, qkvgb: tuple, rows: torch.Tensor) -> torch.Tensor:
+        q, k, v, g, beta = qkvgb
         L, B, S, HV, V, K = args.dims
         buf = torch.empty(B, S, HV, V, K, dtype=args.intermediate_state.dtype, device=q.device)
-        o = self.op(q[layer], k[layer], v[layer].contiguous(), g[layer].contiguous(), beta=beta[layer].contiguous(),
-                    scale=1.0, initial_state_source=self.start_states(args, layer), initial_state_indices=rows,
-                    use_qk_l2norm_in_kernel=False, disable_state_update=True, intermediate_states_buffer=buf,
-                    intermediate_state_indices=rows, cache_steps=S)
+        o = self.op(q, k, v, g, beta=beta, scale=1.0, initial_state_source=self.start_states(args, layer),
+                    initial_state_indices=rows, use_qk_l2norm_in_kernel=False, disable_state_update=True,
+                    intermediate_states_buffer=buf, intermediate_state_indices=rows, cache_steps=S)
         self.write_back(args, layer, buf.view(B * S, HV, V, K))
-        return o.reshape(B, S, HV, V).to(torch.bfloat16)
-
+        return o

@@ -26,35 +26,33 @@ from __future__ import annotations
 import torch
 
 from ..sim.kernels import VerifyArgs
-from .adapter import EngineKernelAdapter, fla_inputs
+from .adapter import FlaKernelAdapter
 
 I32 = torch.int32
 
 
-class VllmTritonAdapter(EngineKernelAdapter):
+class VllmTritonAdapter(FlaKernelAdapter):
     """Calls vLLM's recurrent kernel per layer over a block buffer laid out as above."""
 
     MODULE = "vllm.third_party.flash_linear_attention.ops.fused_recurrent"
     FUNCTION = "fused_recurrent_gated_delta_rule"
     KERNEL, ENGINE = "vllm-triton", "vllm (0.33.0 was modelled)"
 
-    def prepare(self, args: VerifyArgs):
+    def indices(self, args: VerifyArgs, device: torch.device) -> tuple:
+        """Block indices ``[B, S]`` (block 0: the NULL block), accept counts ``[B]`` (int32), and the
+        block each row's kernel reads first ``[B]`` (int64)."""
         L, B, S, HV, V, K = args.dims
-        q, k, v, g, beta = fla_inputs(args)
-        dev = q.device
-        idx = (1 + torch.arange(B * S, dtype=I32, device=dev)).view(B, S)  # block 0: the NULL block
+        idx = (1 + torch.arange(B * S, dtype=I32, device=device)).view(B, S)
         n = args.num_accepted_tokens.to(torch.int64)
-        first = 1 + torch.arange(B, device=dev, dtype=torch.int64) * S + (n - 1).clamp(min=0)
-        return q, k, v, g, beta, idx, args.num_accepted_tokens.to(I32), first
+        first = 1 + torch.arange(B, device=device, dtype=torch.int64) * S + (n - 1).clamp(min=0)
+        return idx, args.num_accepted_tokens.to(I32), first
 
-    def call_layer(self, args: VerifyArgs, layer: int, ctx) -> torch.Tensor:
-        q, k, v, g, beta, idx, n, first = ctx
+    def call_op(self, args: VerifyArgs, layer: int, qkvgb: tuple, indices: tuple) -> torch.Tensor:
+        idx, n, first = indices
         L, B, S, HV, V, K = args.dims
-        blocks = torch.zeros(1 + B * S, HV, V, K, dtype=args.intermediate_state.dtype, device=q.device)
+        blocks = torch.zeros(1 + B * S, HV, V, K, dtype=args.intermediate_state.dtype, device=qkvgb[0].device)
         blocks.index_copy_(0, first, self.start_states(args, layer).to(blocks.dtype))
-        o, _ = self.op(q[layer], k[layer], v[layer].contiguous(), g[layer].contiguous(), beta[layer].contiguous(),
-                       scale=1.0, initial_state=blocks, inplace_final_state=True, cu_seqlens=None,
+        o, _ = self.op(*qkvgb, scale=1.0, initial_state=blocks, inplace_final_state=True, cu_seqlens=None,
                        ssm_state_indices=idx, num_accepted_tokens=n, use_qk_l2norm_in_kernel=False)
         self.write_back(args, layer, blocks[1:])
-        return o.reshape(B, S, HV, V).to(torch.bfloat16)
-
+        return o
