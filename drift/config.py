@@ -32,22 +32,30 @@ DEVICES = ("cpu", "cuda", "npu")
 
 @dataclass(frozen=True)
 class Flow:
-    """Where the verify op starts each row, and what that models (docs/semantics.md §6)."""
+    """How an engine keeps MTP state between verify steps (docs/semantics.md §6): where each verify
+    starts and what commits the accepted state. ``engine``: the engine and version modelled (or
+    why none runs it); ``files``: the shipped files the model is read from."""
 
     name: str
     description: str
+    engine: str
+    files: tuple[str, ...]
 
 
-# Verify flows (docs/semantics.md §6).
+# State flows (docs/semantics.md §6).
 FLOWS: Registry[Flow] = Registry("flow")
 FLOWS.register("sglang", Flow(
-    "sglang", "SGLang 0.5.23's arguments (srt/hardware_backend/npu/attention/ascend_gdn_backend.py: "
-    "prepare_gdn_inputs; ascend_hybrid_linear_attn_backend.py: _replay_metadata): num_accepted_tokens = "
-    "ones, ssm_state_indices = arange, so every row starts from its committed state"))
-FLOWS.register("accepted", Flow(
-    "accepted", "real accepted counts passed to the NPU op (a row continues from the previous step's "
-    "scratch), plus SGLang's commit copy: the op's accepted-count argument form, which SGLang 0.5.23 "
-    "does not use"))
+    "sglang", "SGLang's copy-commit: num_accepted_tokens = ones and ssm_state_indices = arange, so every "
+    "row starts from its committed state; update_mamba_state_after_mtp_verify copies the accepted "
+    "scratch state into it", "SGLang 0.5.23 (Ascend NPU)",
+    ("srt/hardware_backend/npu/attention/ascend_gdn_backend.py: prepare_gdn_inputs",
+     "srt/hardware_backend/npu/attention/ascend_hybrid_linear_attn_backend.py: _replay_metadata, "
+     "update_mamba_state_after_mtp_verify")))
+FLOWS.register("npu-accepted", Flow(
+    "npu-accepted", "the NPU op's accepted-count argument form (a row continues from the previous step's "
+    "scratch block; one that accepted one token from its committed state) under SGLang's commit copy: "
+    "a hybrid no engine drift has read runs", "none: SGLang 0.5.23 passes ones; vLLM 0.33.0 has no commit copy",
+    ("sgl-kernel-npu: the op's num_accepted_tokens / ssm_state_indices arguments (docs/semantics.md §5-§6)",)))
 
 
 @dataclass(frozen=True)

@@ -91,8 +91,8 @@ SPECS: dict[str, dict] = {
                    f"{', '.join(n + (':<spec>' if KERNELS[n].takes_arg else '') for n in KERNELS)}, "
                    "mutant:<name>, package.module:qualname or path/to/file.py:qualname"),
     "flow": dict(type=_choice(FLOWS, "flow"), metavar="F",
-                 help=lambda: f"where each verify starts, and what that models (docs/semantics.md §6): "
-                              f"{', '.join(FLOWS)}"),
+                 help=lambda: "how the engine keeps MTP state between steps (docs/semantics.md §6): "
+                              + "; ".join(f"{n} ({FLOWS[n].engine})" for n in FLOWS)),
     "trace": dict(metavar="FILE", help="replay a captured trace (NAME.npz + NAME.json, from drift capture) "
                   "instead of the synthetic stream: its model shapes, tokens and constants; golden data "
                   "beside it (NAME.golden/, generated on first use); without --steps the whole trace"),

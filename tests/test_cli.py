@@ -16,6 +16,7 @@ import pytest
 from helpers import bad_spec
 from drift.sim import native
 from drift.cli import main
+from drift.config import FLOWS
 from drift.errors import EXIT_FAIL, EXIT_PASS, EXIT_USAGE
 from drift.check.registry import CHECKS
 
@@ -51,8 +52,8 @@ def test_other_correct_configurations_exit_0(args):
 def test_flow_option_reaches_the_config_and_the_report(tmp_path):
     """--flow accepted: the verify op continues from the previous step's scratch (the named
     variant of docs/semantics.md §6); the released update passes there too."""
-    assert main(RUN + ["--flow", "accepted", "--report", str(tmp_path)]) == EXIT_PASS
-    assert json.loads((tmp_path / "report.json").read_text())["config"]["flow"] == "accepted"
+    assert main(RUN + ["--flow", "npu-accepted", "--report", str(tmp_path)]) == EXIT_PASS
+    assert json.loads((tmp_path / "report.json").read_text())["config"]["flow"] == "npu-accepted"
 
 
 def test_failing_check_exits_1(capsys):
@@ -105,7 +106,7 @@ def test_usage_config_load_and_device_errors_exit_2(cpu_only, capsys, args, word
     (["run", "--preset", "nope"], "preset 'nope' is not known; allowed: ci-small"),
     (["run", "--profile", "tpu"], "profile 'tpu' is not known"),
     (["run", "--device", "tpu"], "device 'tpu' is not known"),
-    (["run", "--flow", "ragged"], "flow 'ragged' is not known; allowed: sglang, accepted"),
+    (["run", "--flow", "ragged"], "flow 'ragged' is not known; allowed: " + ", ".join(FLOWS)),
     (["fly"], "invalid choice: 'fly'"),
     (["tradeoff", "--steps", "0"], "'0' is not an integer >= 1"),  # it used to run 1,024 steps silently
     (["mutants", "--steps", "-3"], "'-3' is not an integer >= 1"),

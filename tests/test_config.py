@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from drift.config import PRESETS, PROFILES, Config, preset
+from drift.config import FLOWS, PRESETS, PROFILES, Config, preset
 from drift.layouts import LAYOUTS
 from drift.errors import ConfigError
 
@@ -110,7 +110,7 @@ def test_profiles_set_the_state_store():
     assert got["ascend"].unit_roundoff == 2.0 ** -8 and got["fp32"].unit_roundoff == 2.0 ** -24
 
 
-@pytest.mark.parametrize("field, value, words", [("flow", "real", "flow='real' is not known; allowed: sglang, accepted"),
+@pytest.mark.parametrize("field, value, words", [("flow", "real", "flow='real' is not known; allowed: " + ", ".join(FLOWS)),
                                                  ("graph_mode", 1, "graph_mode=1 is invalid"),
                                                  ("layout", "npu", "layout='npu' is not known")])
 def test_flow_graph_mode_and_layout_are_checked(field, value, words):

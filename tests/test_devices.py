@@ -15,7 +15,7 @@ import torch
 from helpers import small_cfg
 from drift import devices
 from drift.devices import DeviceUnavailable, resolve_device, supports_float64
-from drift.config import PROFILES, preset
+from drift.config import FLOWS, PROFILES, preset
 from drift.simulate import Simulation
 
 
@@ -72,7 +72,7 @@ META = torch.device("meta")
 
 
 @pytest.mark.parametrize("profile", list(PROFILES))
-@pytest.mark.parametrize("flow", ["sglang", "accepted"])
+@pytest.mark.parametrize("flow", FLOWS.names())
 def test_every_tensor_of_a_step_lives_on_the_run_device(profile, flow):
     cfg = preset("ci-small").with_profile(profile).replace(flow=flow)
     sim = Simulation(cfg, "sglang-0.5.23", device=META, check_untouched=False, graph=False)

@@ -124,7 +124,8 @@ def mutants_markdown(rows: Sequence[dict], cfg: Config) -> str:
 
 
 def tradeoff_markdown(rows: Sequence[dict], cfg: Config) -> str:
-    lines = [f"Trade-off on {cfg.name} ({cfg.steps} steps), in SGLang's verify flow and with real accepted counts:", "",
+    lines = [f"Trade-off on {cfg.name} ({cfg.steps} steps), in each state flow (" + "; ".join(
+        f"`{f}`: {FLOWS[f].engine}" for f in dict.fromkeys(r["flow"] for r in rows)) + "):", "",
              "| implementation | flow | syncs/step | bytes/step | worst state error | worst drift/bound | precision "
              "| sync free |",
              "|---|---|---|---|---|---|---|---|"]

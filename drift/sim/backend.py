@@ -14,7 +14,7 @@ batch (docs/semantics.md §5-§6):
   ``arange(bs * draft_token_num)``;
 * ``cache_indices = forward_metadata.mamba_cache_indices`` (padded rows on slot 0).
 
-With these every row starts from its committed state (the ``sglang`` flow). The ``accepted``
+With these every row starts from its committed state (the ``sglang`` flow). The ``npu-accepted``
 flow passes the previous step's accept lengths as ``num_accepted_tokens`` (an argument form the
 op supports): a row then continues from the previous step's scratch block.
 """
@@ -53,7 +53,7 @@ class VerifyArgsBuilder:
             self.actual_seq_lengths = torch.ones([N], dtype=I32, device=dev) * D
             self.ssm_state_indices = torch.arange(self.cache_indices.shape[0] * D, dtype=I32, device=dev)
         self.scale = cfg.head_k_dim ** -0.5
-        # The accepted flow: accept lengths of the previous step (1 after prefill: the start state
+        # The npu-accepted flow: accept lengths of the previous step (1 after prefill: the start state
         # is the committed one).
         self.prev_accept = torch.ones(N, dtype=I32, device=dev)
 
@@ -69,7 +69,7 @@ class VerifyArgsBuilder:
 
     def accepted(self, last_steps: torch.Tensor) -> None:
         """Record this step's accepted steps (int ``[N]``, -1 for padded rows) for the next step's
-        ``num_accepted_tokens`` in the accepted flow: ``max(last + 1, 1)``, on the device."""
+        ``num_accepted_tokens`` in the npu-accepted flow: ``max(last + 1, 1)``, on the device."""
         self.prev_accept.copy_(torch.clamp(last_steps + 1, min=1).to(I32))
 
     def state_dict(self) -> dict:

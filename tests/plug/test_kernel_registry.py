@@ -17,7 +17,7 @@ from helpers import assert_conforms, verify_case
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 # Kernels that take an argument are tested with a CPU stand-in written from the op's AscendC source.
 ARGS = {"npu-op": f"{FIXTURES / 'fake_npu_op.py'}:recurrent_gated_delta_rule"}
-FLOWS = {"sglang": (1, 1, 1), "accepted": (3, 1, 4)}  # num_accepted_tokens per row
+FLOWS = {"sglang": (1, 1, 1), "npu-accepted": (3, 1, 4)}  # num_accepted_tokens per row
 
 
 @pytest.mark.parametrize("flow", list(FLOWS))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from drift.sim import kernels
-from drift.config import preset
+from drift.config import FLOWS, preset
 from drift.errors import LoadError
 from drift.runner import run_checked
 from drift.plug.loader import load_kernel
@@ -187,7 +187,7 @@ def test_the_stand_in_loses_writes_to_a_non_contiguous_intermediate():
     assert not torch.equal(contiguous.view(torch.int16), args.intermediate_state[0].view(torch.int16))  # control
 
 
-@pytest.mark.parametrize("flow", ["sglang", "accepted"])
+@pytest.mark.parametrize("flow", FLOWS.names())
 def test_simulation_through_the_npu_adapter(flow):
     """Every check passes through the adapter with the stand-in op, in both flows (a wrong argument
     shows within the first track intervals: WIRING_STEPS)."""

@@ -56,7 +56,7 @@ def test_sglang_arguments_make_every_verify_start_from_the_committed_state():
 def test_accepted_flow_continues_from_the_previous_steps_scratch():
     """num_accepted_tokens = the previous step's accept_len (1 after prefill and for padded rows):
     a row that accepted n > 1 tokens starts from its scratch block b*S + n - 1."""
-    cfg, pool, b = _builder(flow="accepted")
+    cfg, pool, b = _builder(flow="npu-accepted")
     start, from_committed = kernels.start_blocks(_args(cfg, b))
     assert from_committed.all()  # the first step starts from the prefill's committed state
     b.accepted(torch.tensor([3, 0, 2, 1, -1]))  # accept lengths 4, 1, 3, 2; a padded row
@@ -89,7 +89,7 @@ def _outputs(cfg, update):
     return torch.stack(outs)
 
 
-@pytest.mark.parametrize("flow, reads", [("sglang", {"committed"}), ("accepted", {"scratch"})])
+@pytest.mark.parametrize("flow, reads", [("sglang", {"committed"}), ("npu-accepted", {"scratch"})])
 def test_what_each_flow_reads(flow, reads):
     """The verify's outputs show what it read. In SGLang's flow it reads only committed states
     (scribbling on the scratch after the commit changes no output); with real accepted counts and
@@ -104,10 +104,10 @@ def test_what_each_flow_reads(flow, reads):
 
 def test_checkpoint_keeps_the_accepted_flow_memory():
     """A resumed accepted-flow run must know the accept lengths of the step before the checkpoint."""
-    cfg, pool, b = _builder(flow="accepted")
+    cfg, pool, b = _builder(flow="npu-accepted")
     b.accepted(torch.tensor([3, 0, 2, 1, -1]))
     state = b.state_dict()
-    _, _, fresh = _builder(flow="accepted")
+    _, _, fresh = _builder(flow="npu-accepted")
     assert fresh.prev_accept.tolist() == [1] * cfg.num_rows
     fresh.load_state_dict(state)
     assert fresh.prev_accept.tolist() == [4, 1, 3, 2, 1]

@@ -136,7 +136,7 @@ def test_sglang_triton_kernel_matches_drifts_op_with_the_interpreters_truncating
                           torch.arange(B * S, dtype=torch.int32).view(B, S), torch.ones(B, dtype=torch.int32),
                           torch.full((B,), S, dtype=torch.int32), HK, HV, K ** -0.5)
         triton_kernel = load_kernel("sglang-triton")
-        for flow, accepted in (("sglang", [1, 1, 1]), ("accepted", [3, 1, 4])):
+        for flow, accepted in (("sglang", [1, 1, 1]), ("npu-accepted", [3, 1, 4])):
             args = replace(base, num_accepted_tokens=torch.tensor(accepted, dtype=torch.int32))
             clone = lambda: replace(args, recurrent_state=args.recurrent_state.clone(),
                                     intermediate_state=args.intermediate_state.clone())
@@ -209,7 +209,7 @@ def test_vllm_triton_kernel_matches_drifts_op_and_runs_the_checks():
     from drift.runner import run_checked
     from drift.sim import kernels
     k = load_kernel("vllm-triton")
-    for flow, accepted in (("sglang", (1, 1, 1)), ("accepted", (3, 1, 4))):
+    for flow, accepted in (("sglang", (1, 1, 1)), ("npu-accepted", (3, 1, 4))):
         args = verify_case(accepted=accepted)
         a, b, c = clone_case(args), clone_case(args), clone_case(args)
         o_a = k(a)

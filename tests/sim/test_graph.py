@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from drift.config import preset
+from drift.config import FLOWS, preset
 from drift.check.runlevel import graph_result
 from drift.runner import CheckedRun
 from drift.sim import graph as graph_mod
@@ -159,7 +159,7 @@ def same(a, b):
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("flow", ["sglang", "accepted"])
+@pytest.mark.parametrize("flow", FLOWS.names())
 def test_the_graph_path_is_bit_identical_to_eager_across_chunks(monkeypatch, flow):
     cfg = CI.replace(flow=flow)
     _, eager_info, eager = run(cfg, graph=False)

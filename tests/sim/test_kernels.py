@@ -624,7 +624,7 @@ def test_verify_regression_variants_differ_from_the_op(monkeypatch):
     assert same_bits(s_g[:, :, 0], s_r[:, :, 0]) and not same_bits(s_g[:, :, 1:], s_r[:, :, 1:])
 
 
-LAYOUT_CFG = dict(num_layers=2, head_k_dim=16, head_v_dim=8, flow="accepted")
+LAYOUT_CFG = dict(num_layers=2, head_k_dim=16, head_v_dim=8, flow="npu-accepted")
 
 
 def _layout_run(layout: str, monkeypatch, path: str, logical: bool = False):
