@@ -57,9 +57,13 @@ def commit_nonzero_rows(b: Batch) -> None:
 
 
 # -------------------------------------------------------- commit parts: semantics
+def one_step_late(steps: torch.Tensor, D: int) -> torch.Tensor:
+    """Each draft step ``>= 0`` one later (at most the last, ``D - 1``); -1 (nothing) stays."""
+    return torch.where(steps >= 0, (steps + 1).clamp(max=D - 1), steps)
+
+
 def commit_next_step(b: Batch) -> None:
-    step = torch.where(b.last >= 0, (b.last + 1).clamp(max=b.D - 1), b.last)
-    b.k.move_intermediate_cache(b.ssm, b.inter, b.dst, b.src, step)
+    b.k.move_intermediate_cache(b.ssm, b.inter, b.dst, b.src, one_step_late(b.last, b.D))
 
 
 def commit_previous_step(b: Batch) -> None:
@@ -80,7 +84,7 @@ def commit_through_reshape(b: Batch) -> None:
 
 # ------------------------------------------------------------- rollback parts
 def rollback_shifted(b: Batch) -> None:
-    rollback_rows(Batch(**{**vars(b), "last": torch.where(b.last >= 0, (b.last + 1).clamp(max=b.D - 1), b.last)}))
+    rollback_rows(Batch(**{**vars(b), "last": one_step_late(b.last, b.D)}))
 
 
 def rollback_on_contiguous_copy(b: Batch) -> None:
