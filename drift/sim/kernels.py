@@ -28,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from ..dtypes import as_bits
 from . import native
 from .pool import raw_state
 
@@ -213,7 +214,7 @@ def conv_state_rollback(conv_states: torch.Tensor, state_indices: torch.Tensor,
         flat = _flat_rows(slot, L, S).reshape(-1)
         blocks = rows.index_select(0, flat).view(L, -1, C, W)
         # Gather on the bits: torch.gather on bf16 rewrites NaN payloads, an int view keeps them.
-        blocks = blocks.view(_SAME_WIDTH_INT[blocks.element_size()])
+        blocks = as_bits(blocks)
         moved = torch.gather(blocks, 3, src[None, :, None, :].expand(blocks.shape))
         dst, moved = _wide_rows(rows, moved.view(rows.dtype).view(-1, C * W))
         dst.index_copy_(0, flat, moved)
@@ -676,7 +677,6 @@ def _as_rows(t: torch.Tensor, lead: int) -> torch.Tensor | None:
 
 
 _WIDE = (torch.complex128, torch.int64, torch.int32, torch.int16)
-_SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _wide_rows(*rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
