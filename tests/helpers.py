@@ -57,7 +57,7 @@ def assert_conforms(kernel, reference, args: VerifyArgs, conformance: Conformanc
                                rtol=c.state_rtol, atol=c.state_atol, msg=lambda m: f"scratch states ({c.why}): {m}")
     torch.testing.assert_close(out.float(), ref_out.float(), rtol=c.output_rtol, atol=c.output_atol,
                                msg=lambda m: f"outputs ({c.why}): {m}")
-    assert torch.equal(got.recurrent_state.view(torch.int16), args.recurrent_state.view(torch.int16)), \
+    assert same_bits(got.recurrent_state, args.recurrent_state), \
         "the kernel wrote the committed states"
 
 

@@ -9,13 +9,14 @@ bug. Load one as ``mutant:<name>`` wherever an update or kernel spec is accepted
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Callable, Optional
 
 import torch
 
 from ..sim import kernels
 from ..sim.kernels import VerifyArgs
+from ..sim.pool import raw_state
 from .parts import Batch, commit_all, commit_unless_all_step0, rollback_rows
 from .updates import SGLANG_0523
 
@@ -56,9 +57,13 @@ def commit_nonzero_rows(b: Batch) -> None:
 
 
 # -------------------------------------------------------- commit parts: semantics
+def one_step_late(steps: torch.Tensor, D: int) -> torch.Tensor:
+    """Each draft step ``>= 0`` one later (at most the last, ``D - 1``); -1 (nothing) stays."""
+    return torch.where(steps >= 0, (steps + 1).clamp(max=D - 1), steps)
+
+
 def commit_next_step(b: Batch) -> None:
-    step = torch.where(b.last >= 0, (b.last + 1).clamp(max=b.D - 1), b.last)
-    b.k.move_intermediate_cache(b.ssm, b.inter, b.dst, b.src, step)
+    b.k.move_intermediate_cache(b.ssm, b.inter, b.dst, b.src, one_step_late(b.last, b.D))
 
 
 def commit_previous_step(b: Batch) -> None:
@@ -79,7 +84,7 @@ def commit_through_reshape(b: Batch) -> None:
 
 # ------------------------------------------------------------- rollback parts
 def rollback_shifted(b: Batch) -> None:
-    rollback_rows(Batch(**{**vars(b), "last": torch.where(b.last >= 0, (b.last + 1).clamp(max=b.D - 1), b.last)}))
+    rollback_rows(Batch(**{**vars(b), "last": one_step_late(b.last, b.D)}))
 
 
 def rollback_on_contiguous_copy(b: Batch) -> None:
@@ -102,12 +107,60 @@ def _kernel_truncate(args: VerifyArgs) -> torch.Tensor:
     return kernels.recurrent_gated_delta_rule(replace(args, rounding="truncate"))
 
 
+@dataclass
+class _GivenInputs(VerifyArgs):
+    """Verify arguments whose op inputs (q, k, v, decay, beta: :meth:`VerifyArgs.inputs`) are
+    given rather than derived: how a kernel mutant changes what the unchanged op computes on."""
+
+    given: tuple = ()
+
+    def inputs(self, dtype: torch.dtype = kernels.F32):
+        return tuple(x.to(dtype) for x in self.given)
+
+
+def _given(args: VerifyArgs, given: tuple, **changes) -> _GivenInputs:
+    return _GivenInputs(**{**{f.name: getattr(args, f.name) for f in fields(VerifyArgs)}, **changes}, given=given)
+
+
 def _kernel_beta_bf16(args: VerifyArgs) -> torch.Tensor:
-    return kernels.recurrent_gated_delta_rule(args, beta_round=BF16)
+    """The op (its torch-op path) with beta rounded to bf16 after the sigmoid."""
+    q, k, v, decay, beta = args.inputs()
+    return kernels.recurrent_gated_delta_rule_torch(_given(args, (q, k, v, decay, beta.to(BF16).to(beta.dtype))))
 
 
 def _kernel_round_every_token(args: VerifyArgs) -> torch.Tensor:
-    return kernels.recurrent_gated_delta_rule(args, round_every_token=True)
+    """The op (its torch-op path) one draft token at a time: each token starts from the state the
+    one before it stored (rounded to the scratch dtype), not from the running fp32 state.
+
+    Token t of row b runs as a one-token call whose committed state is row b's running state and
+    whose scratch is one private block per row, keyed so its store rounds as token t's does
+    (:func:`drift.sim.kernels.token_key`); the stored blocks then go where ``ssm_state_indices[:, t]``
+    says, and are the next token's running states.
+    """
+    L, B, S, HV, V, K = args.dims
+    kernels.check_lengths(args)
+    inputs = args.inputs()
+    blocks = kernels.scratch_blocks(args.intermediate_state)
+    rec = raw_state(args.recurrent_state)
+    start, from_rec = kernels.start_blocks(args)
+    dev = blocks.device
+    running = torch.where(from_rec.to(dev)[None, :, None, None, None],
+                          rec.index_select(1, args.cache_indices.to(device=rec.device, dtype=torch.int64)).to(dev),
+                          blocks.index_select(1, start.to(dev)))
+    rows = torch.arange(B, dtype=args.cache_indices.dtype, device=args.cache_indices.device)
+    one = torch.ones_like(args.num_accepted_tokens)
+    dst = args.ssm_state_indices.to(device=dev, dtype=torch.int64)
+    outs = []
+    for t in range(S):
+        stored = torch.empty(L, B, 1, HV, V, K, dtype=blocks.dtype, device=dev)
+        token = _given(args, tuple(x[:, :, t:t + 1] for x in inputs), mix_qkv=args.mix_qkv[:, :, t:t + 1],
+                       beta=args.beta[:, :, t:t + 1], g=args.g[:, :, t:t + 1], recurrent_state=running,
+                       intermediate_state=stored, cache_indices=rows, ssm_state_indices=rows[:, None],
+                       num_accepted_tokens=one, actual_seq_lengths=one, key=kernels.token_key(args.key, t))
+        outs.append(kernels.recurrent_gated_delta_rule_torch(token))
+        running = stored[:, :, 0]
+        blocks.index_copy_(1, dst[:, t], running)
+    return torch.cat(outs, dim=2)
 
 
 def _kernel_padded_alias(args: VerifyArgs) -> torch.Tensor:

@@ -24,10 +24,11 @@ S <- S + delta k^T; o = S q``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
+from ..dtypes import as_bits
 from . import native
 from .pool import raw_state
 
@@ -213,7 +214,7 @@ def conv_state_rollback(conv_states: torch.Tensor, state_indices: torch.Tensor,
         flat = _flat_rows(slot, L, S).reshape(-1)
         blocks = rows.index_select(0, flat).view(L, -1, C, W)
         # Gather on the bits: torch.gather on bf16 rewrites NaN payloads, an int view keeps them.
-        blocks = blocks.view(_SAME_WIDTH_INT[blocks.element_size()])
+        blocks = as_bits(blocks)
         moved = torch.gather(blocks, 3, src[None, :, None, :].expand(blocks.shape))
         dst, moved = _wide_rows(rows, moved.view(rows.dtype).view(-1, C * W))
         dst.index_copy_(0, flat, moved)
@@ -256,6 +257,22 @@ def store_state(dst: torch.Tensor, h: torch.Tensor, rounding: str = "rne", key: 
         dst.copy_((bits + noise).bitwise_and(_MASK_HI16).view(torch.float32))
     else:
         raise ValueError(f"store rounding {rounding!r} is not known; allowed: rne, stochastic, truncate")
+
+
+_KEY_STRIDE, _TOKEN_STRIDE = 1_000_003, 4099  # store_key's mix of a call's key and a token's step
+
+
+def store_key(key: int, t: int) -> int:
+    """The hash key of the state stored after token ``t`` of a call keyed ``key`` (the verify op's
+    ``args.key``, gdn_decode's ``key``); :func:`_hash32` reads it mod 2^32."""
+    return key * _KEY_STRIDE + t * _TOKEN_STRIDE
+
+
+def token_key(key: int, t: int) -> int:
+    """The key of a one-token call whose store hashes as token ``t`` of a call keyed ``key`` does:
+    ``store_key(token_key(key, t), 0) == store_key(key, t)`` mod 2^32 (the stride is odd, so it
+    has an inverse mod 2^32)."""
+    return store_key(key, t) * pow(_KEY_STRIDE, -1, 1 << 32) % (1 << 32)
 
 
 def round_to(h: torch.Tensor, dtype: torch.dtype, rounding: str = "rne", key: int = 0,
@@ -364,42 +381,62 @@ def _layer_major(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype).movedim(2, 0).contiguous()
 
 
-def recurrent_gated_delta_rule(args: VerifyArgs, compute_dtype: torch.dtype = F32,
-                               beta_round: Optional[torch.dtype] = None,
-                               round_every_token: bool = False) -> torch.Tensor:
+def recurrent_gated_delta_rule(args: VerifyArgs, compute_dtype: torch.dtype = F32) -> torch.Tensor:
     """The verify op, SGLang's NPU semantics (docs/semantics.md §5-§6), for every layer at once.
 
     Each row b starts where :func:`start_blocks` says, runs its ``actual_seq_lengths[b]`` tokens
     in ``compute_dtype`` (the op: fp32) and stores the state after token t into the scratch block
     ``ssm_state_indices[b, t]`` (``args.rounding``); the committed states are never written.
     Returns the outputs ``o = S q`` (of the unrounded running state) as bf16 ``[L, B, S, HV, V]``.
-    ``beta_round`` / ``round_every_token`` are regressions of the mutant catalogue: beta rounded
-    to that dtype after the sigmoid; the running state kept in the store dtype between tokens.
-    On plain CPU tensors the C kernel of :mod:`drift.sim.native` runs when it applies.
+    On plain CPU tensors the C kernel of :mod:`drift.sim.native` runs when it applies
+    (:func:`uses_native`); everywhere else :func:`recurrent_gated_delta_rule_torch`.
     """
+    if not (_plain(args) and uses_native(args, compute_dtype)):
+        return recurrent_gated_delta_rule_torch(args, compute_dtype)
+    L, B, S, HV, V, K = args.dims
+    q, k, v, decay, beta = args.inputs(compute_dtype)
+    check_lengths(args)
+    start, from_rec = start_blocks(args)
+    out = torch.empty(L, B, S, HV, V, dtype=compute_dtype)
+    fr = from_rec.tolist()
+    src = [slot if f else i for slot, f, i in zip(args.cache_indices.tolist(), fr, start.tolist())]
+    native.recurrent_gated_delta_rule(raw_state(args.recurrent_state), scratch_blocks(args.intermediate_state), src, fr,
+                                      args.ssm_state_indices.to(torch.int64).tolist(),
+                                      *(t.contiguous() for t in (q, k, v, decay, beta)), out)
+    return out.to(BF16)
+
+
+def _plain(args: VerifyArgs) -> bool:
+    """Whether every tensor the verify op indexes by is a plain CPU tensor (:func:`_host_indexed`)."""
+    return _host_indexed(raw_state(args.recurrent_state), scratch_blocks(args.intermediate_state), args.cache_indices,
+                         args.ssm_state_indices, args.num_accepted_tokens, args.actual_seq_lengths)
+
+
+def check_lengths(args: VerifyArgs) -> None:
+    """ValueError unless every row runs all S tokens (drift's verify does), when ``args`` are plain
+    CPU tensors; elsewhere reading the lengths would be a host sync, and nothing is checked."""
+    if not _plain(args):
+        return
+    S = args.mix_qkv.shape[2]
+    host_len = args.actual_seq_lengths.to(torch.int64).tolist()
+    if any(n != S for n in host_len) or not all(0 < n <= S for n in host_len):
+        raise ValueError(f"actual_seq_lengths {host_len}: drift's verify runs every row's S = {S} tokens")
+
+
+def recurrent_gated_delta_rule_torch(args: VerifyArgs, compute_dtype: torch.dtype = F32) -> torch.Tensor:
+    """:func:`recurrent_gated_delta_rule` in torch ops, whatever the device: the same semantics as
+    the C kernel, which agrees with it to float32 rounding, not bit for bit (:mod:`drift.sim.native`).
+    The state after each token is stored (rounded to the scratch dtype) while the running state
+    stays in ``compute_dtype``."""
     L, B, S, HV, V, K = args.dims
     cd = compute_dtype
     q, k, v, decay, beta = args.inputs(cd)
-    if beta_round is not None:
-        beta = beta.to(beta_round).to(cd)
     rec = raw_state(args.recurrent_state)
     inter = scratch_blocks(args.intermediate_state)
     sdt = inter.dtype
-    plain = _host_indexed(rec, inter, args.cache_indices, args.ssm_state_indices, args.num_accepted_tokens,
-                          args.actual_seq_lengths)
+    plain = _plain(args)
     start, from_rec = start_blocks(args)
-    lengths = args.actual_seq_lengths.to(torch.int64)
-    if plain:
-        host_len = lengths.tolist()
-        if any(n != S for n in host_len) or not all(0 < n <= S for n in host_len):
-            raise ValueError(f"actual_seq_lengths {host_len}: drift's verify runs every row's S = {S} tokens")
-        if uses_native(args, cd, beta_round, round_every_token):
-            out = torch.empty(L, B, S, HV, V, dtype=cd)
-            fr = from_rec.tolist()
-            src = [slot if f else i for slot, f, i in zip(args.cache_indices.tolist(), fr, start.tolist())]
-            native.recurrent_gated_delta_rule(rec, inter, src, fr, args.ssm_state_indices.to(torch.int64).tolist(),
-                                              *(t.contiguous() for t in (q, k, v, decay, beta)), out)
-            return out.to(BF16)
+    check_lengths(args)
     qt, kt, vt, dect, bt = (_layer_major(t, cd) for t in (q, k, v, decay, beta))
     out = torch.empty(S, L, B, HV, V, dtype=cd, device=q.device)
     step = _layer_chunk((B, HV, V, K), torch.finfo(cd).bits // 8)
@@ -425,9 +462,7 @@ def recurrent_gated_delta_rule(args: VerifyArgs, compute_dtype: torch.dtype = F3
             _gdn_token(h, qt[t, l0:l1].view(nb, K), kt[t, l0:l1].view(nb, K), vt[t, l0:l1].view(nb, V),
                        dect[t, l0:l1].view(nb), bt[t, l0:l1].view(nb), out[t, l0:l1].view(nb, V))
             stored = torch.empty(l1 - l0, B, HV, V, K, dtype=sdt, device=h.device)
-            store_state(stored, hv, args.rounding, args.key * 1_000_003 + t * 4099, offset=l0 * B * HV * V * K)
-            if round_every_token and sdt != cd:
-                h.copy_(stored.view(nb, V, K))
+            store_state(stored, hv, args.rounding, store_key(args.key, t), offset=l0 * B * HV * V * K)
             if host is not None:
                 for b in range(B):
                     inter[l0:l1, host[3][b][t]].copy_(stored[:, b])
@@ -436,10 +471,9 @@ def recurrent_gated_delta_rule(args: VerifyArgs, compute_dtype: torch.dtype = F3
     return out.permute(1, 2, 0, 3, 4).to(BF16)
 
 
-def uses_native(args: VerifyArgs, compute_dtype: torch.dtype = F32, beta_round=None,
-                round_every_token: bool = False) -> bool:
+def uses_native(args: VerifyArgs, compute_dtype: torch.dtype = F32) -> bool:
     """Whether :func:`recurrent_gated_delta_rule` with these arguments runs the C kernel."""
-    if not USE_NATIVE or beta_round is not None or round_every_token or compute_dtype != F32:
+    if not USE_NATIVE or compute_dtype != F32:
         return False
     rec, inter = raw_state(args.recurrent_state), args.intermediate_state
     if not (_host_indexed(rec, inter, args.cache_indices, args.ssm_state_indices) and rec.is_contiguous()):
@@ -500,7 +534,7 @@ def gdn_decode(state: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: tor
                        bt[l0:l1, :, t].reshape(nb), o_t)
             out[l0:l1, :, t] = o_t.view(l1 - l0, N, HV, V)
             if sdt != cd:
-                h.copy_(round_to(h, sdt, rounding, key * 1_000_003 + t * 4099, offset=l0 * N * HV * V * K))
+                h.copy_(round_to(h, sdt, rounding, store_key(key, t), offset=l0 * N * HV * V * K))
             if norms_out is not None:
                 norms_out[l0:l1, :, t] = h.square().sum((-1, -2)).view(l1 - l0, N, HV).to(norms_out.dtype)
             for mask, cap_out in cap_masks.get(t, ()):
@@ -643,7 +677,6 @@ def _as_rows(t: torch.Tensor, lead: int) -> torch.Tensor | None:
 
 
 _WIDE = (torch.complex128, torch.int64, torch.int32, torch.int16)
-_SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _wide_rows(*rows: torch.Tensor) -> tuple[torch.Tensor, ...]:

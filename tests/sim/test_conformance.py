@@ -67,7 +67,7 @@ def test_shim_kernels_match_sgl_kernel_npus_triton_kernels():
         from drift.layouts import LAYOUTS
         from drift.sim.pool import StatePool
         g = torch.Generator().manual_seed(0)
-        bits = lambda t: t.view(torch.int16)
+        from drift.dtypes import as_bits as bits
         for layout in LAYOUTS:
             cfg = preset("ci-small", num_layers=2, head_k_dim=16, head_v_dim=8, num_v_heads=2, num_k_heads=1,
                          decays=(0.5, 0.9), layout=layout)  # C = 2*16 + 2*8 = 48
@@ -126,6 +126,7 @@ def test_sglang_triton_kernel_matches_drifts_op_with_the_interpreters_truncating
         fr.exp = lambda x, **kw: tl.exp(x)  # an alias bound at import escapes the interpreter's patching
         from drift.plug.loader import load_kernel
         from drift.sim import kernels
+        from drift.dtypes import as_bits
         from drift.sim.kernels import VerifyArgs
         g = torch.Generator().manual_seed(1)
         L, slots, B, S, HK, HV, K, V = 1, 6, 3, 4, 1, 2, 16, 16
@@ -151,7 +152,7 @@ def test_sglang_triton_kernel_matches_drifts_op_with_the_interpreters_truncating
             equal_rne = (a == c).float().mean().item()
             o_ulp = 2.0 ** (torch.floor(torch.log2(o_tr.float().abs().clamp_min(1e-30))) - 7)
             o_worst = ((o_t.float() - o_tr.float()).abs() / o_ulp).max().item()
-            same_committed = torch.equal(t.recurrent_state.view(torch.int16), args.recurrent_state.view(torch.int16))
+            same_committed = torch.equal(as_bits(t.recurrent_state), as_bits(args.recurrent_state))
             print(flow, equal, worst, equal_rne, o_worst, same_committed)
     """)
     for line in out.strip().splitlines():

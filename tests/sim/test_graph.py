@@ -21,7 +21,7 @@ from drift.check.runlevel import graph_result
 from drift.runner import CheckedRun
 from drift.sim import graph as graph_mod
 from drift.sim.graph import GraphStatus, StepGraph, blame
-from drift.sim.pool import as_bits
+from drift.dtypes import as_bits
 from drift.simulate import Simulation, SlotGuard
 
 from helpers import bad_spec

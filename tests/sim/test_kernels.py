@@ -52,6 +52,7 @@ import torch
 
 from helpers import U32, U64, as_bits, bf16_ulp, gdn_state_bound, rel_fro, same_bits, small_cfg
 from drift.layouts import LAYOUTS
+from drift.plug.mutants import MUTANTS
 from drift.sim import kernels, naive, native
 from drift.sim.backend import VerifyArgsBuilder
 from drift.sim.kernels import VerifyArgs
@@ -607,21 +608,48 @@ def test_verify_regression_variants_differ_from_the_op(monkeypatch):
     out_good = kernels.recurrent_gated_delta_rule(good)
     assert ((states(good).double() - ref_states[:, :n]).norm(dim=(-1, -2)) <= state_b).all()
     bad = clone_args(args)
-    out_bad = kernels.recurrent_gated_delta_rule(bad, beta_round=BF16)
+    out_bad = MUTANTS["beta_bf16"].fn(bad)
     assert not same_bits(out_bad, out_good)
     assert ((states(bad).double() - ref_states[:, :n]).norm(dim=(-1, -2)) > state_b).any()
     # fp32 scratch: nothing to round between tokens.
     ret = clone_args(args)
-    assert same_bits(kernels.recurrent_gated_delta_rule(ret, round_every_token=True), out_good)
+    assert same_bits(MUTANTS["round_every_token"].fn(ret), out_good)
     assert same_bits(states(ret), states(good))
     # bf16 scratch: token 0 is the same; later tokens start from a rounded state.
     a16 = op_case(scratch_dtype=BF16)
     g16, r16 = clone_args(a16), clone_args(a16)
     o_g = kernels.recurrent_gated_delta_rule(g16)
-    o_r = kernels.recurrent_gated_delta_rule(r16, round_every_token=True)
+    o_r = MUTANTS["round_every_token"].fn(r16)
     assert same_bits(o_g[:, :n, 0], o_r[:, :n, 0]) and not same_bits(o_g[:, :n, 1:], o_r[:, :n, 1:])
     s_g, s_r = states(g16), states(r16)
     assert same_bits(s_g[:, :, 0], s_r[:, :, 0]) and not same_bits(s_g[:, :, 1:], s_r[:, :, 1:])
+
+
+@pytest.mark.parametrize("rounding", ["rne", "stochastic"])
+def test_rounding_every_token_is_sequential_decode(rounding):
+    """The round_every_token mutant (one-token calls of the op) computes what sequential decode
+    (gdn_decode) does from the same start: the state rounded to the store dtype after every token,
+    each store keyed by its token (kernels.store_key), the outputs of the unrounded state. Rows
+    start where the indices say (flow_case: committed slots and scratch blocks), so the check also
+    covers where the mutant reads its first state."""
+    args = flow_case()
+    args = replace(args, rounding=rounding, key=7)
+    n = len(FLOW_SLOTS)
+    h0 = torch.stack([block(args, start_of(args, b)) for b in range(n)], 1)  # [L, n, HV, V, K]
+    q, k, v, decay, beta = args.inputs()
+    blocks_dtype = kernels.scratch_blocks(args.intermediate_state).dtype
+    caps = [([t] * n, torch.zeros(h0.shape, dtype=blocks_dtype)) for t in range(D)]
+    seq_out = kernels.gdn_decode(h0.to(blocks_dtype).clone(), torch.arange(n), q, k, v, decay, beta,
+                                 torch.full((n,), D), rounding, args.key, captures=caps)
+    got = clone_args(args)
+    out = MUTANTS["round_every_token"].fn(got)
+    assert same_bits(out, seq_out.to(BF16))
+    written = kernels.scratch_blocks(got.intermediate_state)
+    for t, (_, cap) in enumerate(caps):
+        assert same_bits(written[:, args.ssm_state_indices[:, t].long()], cap)
+    # Negative control: the op itself keeps the running state in fp32, which differs after token 0.
+    op = clone_args(args)
+    assert not same_bits(kernels.recurrent_gated_delta_rule(op), seq_out.to(BF16))
 
 
 LAYOUT_CFG = dict(num_layers=2, head_k_dim=16, head_v_dim=8, flow="npu-accepted")

@@ -31,6 +31,7 @@ import pytest
 import torch
 
 from helpers import U32, as_bits, bf16_ulp, gdn_state_bound, same_bits
+from drift.plug.mutants import MUTANTS
 from drift.sim import kernels, native
 from drift.sim.kernels import VerifyArgs
 from drift.sim.pool import raw_state
@@ -194,8 +195,6 @@ def test_what_the_native_kernel_leaves_to_the_torch_path(monkeypatch):
     assert not native.supports(rec[:, ::2], blocks, "rne")  # slot-strided committed states
     assert kernels.uses_native(args)
     assert not kernels.uses_native(args, torch.float64)  # fp64 compute
-    assert not kernels.uses_native(args, beta_round=BF16)  # the mutant catalogue's regressions
-    assert not kernels.uses_native(args, round_every_token=True)
     assert not kernels.uses_native(replace(args, rounding="stochastic"))
     # A transposed view of [K, V] storage is a dense raw state: the C kernel takes it.
     tr = torch.empty(rec.shape[:-2] + rec.shape[-2:][::-1], dtype=rec.dtype).transpose(-1, -2)
@@ -214,6 +213,22 @@ def test_what_the_native_kernel_leaves_to_the_torch_path(monkeypatch):
     out_w = run_op("torch", monkeypatch, a_wide)
     out_d = run_op("torch", monkeypatch, a_dense)
     assert same_bits(out_w, out_d) and same_bits(a_wide.intermediate_state, a_dense.intermediate_state)
+
+
+@pytest.mark.parametrize("name", ["beta_bf16", "round_every_token"])
+def test_the_catalogue_precision_regressions_run_the_torch_path(monkeypatch, name):
+    """The mutant catalogue's beta_bf16 and round_every_token wrap the op's torch-op path
+    (kernels.recurrent_gated_delta_rule_torch): the C kernel, which agrees with it only to float32
+    rounding, is never called, so their figures do not depend on whether it builds."""
+    args = make_case()
+    assert kernels.uses_native(args)
+    calls = []
+    real = native.recurrent_gated_delta_rule
+    monkeypatch.setattr(native, "recurrent_gated_delta_rule", lambda *a: (calls.append(1), real(*a))[1])
+    MUTANTS[name].fn(fresh(args))
+    assert not calls
+    kernels.recurrent_gated_delta_rule(fresh(args))
+    assert calls  # the spy does see the C kernel where the op runs it
 
 
 def _native_args(args: VerifyArgs):

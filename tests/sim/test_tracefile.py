@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from drift.dtypes import as_bits
 from drift.errors import DataError
 from drift.fileio import load_npz, npz_bytes
 from drift.sim.tracefile import (ARRAYS, bf16_bits_to_float32, float32_to_bf16_bits, read_trace, trace_paths,
@@ -52,7 +53,7 @@ def test_round_trip_is_bit_exact(tmp_path, dtype):
     raw = load_npz(npz)
     if dtype == "bfloat16":
         assert raw["x"].dtype == np.uint16
-        assert np.array_equal(raw["x"], src["x"].view(torch.int16).numpy().view(np.uint16))
+        assert np.array_equal(raw["x"], as_bits(src["x"]).numpy().view(np.uint16))
     else:
         assert raw["x"].dtype == np.float32
     m = tr.manifest
@@ -71,7 +72,7 @@ def test_round_trip_is_bit_exact(tmp_path, dtype):
 
 def test_bf16_bit_helpers_and_numpy_inputs(tmp_path):
     x = make("bfloat16")["x"]
-    u16 = x.view(torch.int16).numpy().view(np.uint16)
+    u16 = as_bits(x).numpy().view(np.uint16)
     f32 = x.float().numpy()
     assert np.array_equal(bf16_bits_to_float32(u16), f32)
     assert np.array_equal(float32_to_bf16_bits(f32), u16)
