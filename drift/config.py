@@ -15,14 +15,14 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from .dtypes import STORE_DTYPES
 from .errors import ConfigError
-from .layouts import LAYOUTS
+from .layouts import LAYOUTS, Layout
 from .registry import Registry
 
 ROUNDINGS = ("rne", "stochastic", "truncate")
@@ -90,6 +90,16 @@ for _p in (
             "CUDA's default (SGLANG_MAMBA_SSM_DTYPE=float32, srt/configs/mamba_utils.py)"),
 ):
     PROFILES.register(_p.name, _p)
+
+
+def find_profile(what: str, test: Callable[[Profile, Layout], bool]) -> str:
+    """The name of the first registered profile (registry order) for which ``test(profile, its
+    layout)`` holds: how code that needs a kind of profile (fp32 states, a transposed layout)
+    picks one without naming it. ConfigError, saying ``what`` was sought, when none does."""
+    for name, p in PROFILES.items():
+        if test(p, LAYOUTS[p.layout]):
+            return name
+    raise ConfigError(f"no registered profile has {what}; profiles: {', '.join(PROFILES)}")
 
 
 # drift.sim.stream keys its generators with the seed masked to 32 bits: a larger seed would

@@ -34,6 +34,11 @@ class Layout:
     conv_channel_major: bool  # conv [L, S, W, C] a transposed view of [L, S, C, W] storage
     description: str
 
+    @property
+    def dense(self) -> bool:
+        """Whether every tensor is dense (none a transposed view)."""
+        return not (self.state_kv_storage or self.scratch_kv_storage or self.conv_channel_major)
+
     def state(self, lead: tuple, V: int, K: int, dtype: torch.dtype, device) -> torch.Tensor:
         """Committed states ``[*lead, V, K]`` (zeros)."""
         return _state_view(lead, V, K, dtype, device, self.state_kv_storage)

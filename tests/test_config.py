@@ -9,7 +9,9 @@ import math
 
 import pytest
 
-from drift.config import FLOWS, PRESETS, PROFILES, Config, preset
+from drift.config import FLOWS, PRESETS, PROFILES, Config, Profile, find_profile, preset
+from drift.jobs.nightly import FP32_PROFILE
+from drift.plug.mutants import MUTANTS
 from drift.layouts import LAYOUTS
 from drift.errors import ConfigError
 
@@ -108,6 +110,27 @@ def test_profiles_set_the_state_store():
     assert all(c.profile == name for name, c in got.items())
     assert BASE.profile == "ascend" and BASE.replace(ssm_dtype="float16").profile == "custom"
     assert got["ascend"].unit_roundoff == 2.0 ** -8 and got["fp32"].unit_roundoff == 2.0 ** -24
+
+
+def test_code_that_needs_a_kind_of_profile_finds_it_by_its_properties():
+    """find_profile: the first profile in registry order whose entry and layout pass the test, so
+    a renamed profile keeps serving (the mutant catalogue's layout-bound entries, nightly's fp32
+    variant); when none passes, an error says what was sought."""
+    fp32 = find_profile("fp32 states", lambda p, lay: p.ssm_dtype == "float32")
+    assert PROFILES[fp32].ssm_dtype == "float32"
+    assert all(PROFILES[n].ssm_dtype != "float32" for n in PROFILES.names()[:PROFILES.names().index(fp32)])
+    with PROFILES.temporary("zz-renamed", Profile("zz-renamed", "bfloat16", "bfloat16", "scratch-transposed", "")):
+        assert find_profile("a transposed scratch only", lambda p, lay: lay.scratch_kv_storage
+                            and not lay.state_kv_storage) == "zz-renamed"
+    with pytest.raises(ConfigError, match="no registered profile has an fp8 state"):
+        find_profile("an fp8 state", lambda p, lay: p.ssm_dtype == "float8")
+    # The catalogue's layout-bound mutants run where their bug shows.
+    rollback = LAYOUTS[PROFILES[MUTANTS["rollback_contiguous"].config["profile"]].layout]
+    reshape = LAYOUTS[PROFILES[MUTANTS["reshape_commit"].config["profile"]].layout]
+    mixed = LAYOUTS[PROFILES[MUTANTS["logical_commit"].config["profile"]].layout]
+    assert rollback.conv_channel_major and reshape.state_kv_storage
+    assert mixed.state_kv_storage != mixed.scratch_kv_storage
+    assert PROFILES[FP32_PROFILE].ssm_dtype == "float32" and LAYOUTS[PROFILES[FP32_PROFILE].layout].dense
 
 
 @pytest.mark.parametrize("field, value, words", [("flow", "real", "flow='real' is not known; allowed: " + ", ".join(FLOWS)),

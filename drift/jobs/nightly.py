@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence, TextIO
 
 from .. import checkpoint
-from ..config import PRESETS, Config
+from ..config import PRESETS, Config, find_profile
 from ..errors import ConfigError, DataError, DriftError
 from ..fileio import atomic_write_json, atomic_write_text, read_json
 from ..plug.loader import load_update
@@ -50,6 +50,8 @@ from .plots import nightly_plots
 from .report import nightly_markdown
 
 VARIANTS = ("rne", "stochastic", "fp32", "sequential")
+# The fp32 variant's profile: fp32 states in dense tensors (CUDA's default).
+FP32_PROFILE = find_profile("fp32 states in dense tensors", lambda p, lay: p.ssm_dtype == "float32" and lay.dense)
 DEFAULT_PRESETS = ("qwen3.5-397b-tp16",)
 # The released, sync-free update; add `--update sglang-32130` (which syncs on its tracking path
 # by design) or a plug-in to compare. A default that always fails would hide regressions.
@@ -92,7 +94,7 @@ class Entry:
         """The entry's run (drift/runspec.py): the variant picks the rounding or the fp32 profile."""
         return RunSpec(preset=self.preset, seed=self.seed, steps=self.steps, device=device,
                        trace=self.trace or None, loop=self.loop, no_graph=not self.graph, layers=self.layers,
-                       profile="fp32" if self.variant == "fp32" else None,
+                       profile=FP32_PROFILE if self.variant == "fp32" else None,
                        rounding=None if self.variant == "fp32" else
                        ("stochastic" if self.variant == "stochastic" else "rne")).config()
 

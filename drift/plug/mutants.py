@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..config import find_profile
 from ..sim import kernels
 from ..sim.kernels import VerifyArgs
 from ..sim.pool import raw_state
@@ -177,8 +178,12 @@ def _kernel_padded_alias(args: VerifyArgs) -> torch.Tensor:
     return out
 
 
-TRANSPOSED = {"profile": "ascend-transposed"}  # the bug shows on strided views
-MIXED = {"profile": "ascend-mixed"}  # the bug shows where committed state and scratch differ in layout
+# The bug shows on strided views (of the state, the scratch and the conv windows):
+TRANSPOSED = {"profile": find_profile("state, scratch and conv as transposed views", lambda p, lay: (
+    lay.state_kv_storage and lay.scratch_kv_storage and lay.conv_channel_major))}
+# The bug shows where committed state and scratch differ in layout:
+MIXED = {"profile": find_profile("committed state and scratch in different layouts",
+                                 lambda p, lay: lay.state_kv_storage != lay.scratch_kv_storage)}
 MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("item_guard", "sync", "update", "precision guard (last_steps == 0).all().item() skips the commit",
            "sglang #31659", _update("item_guard", "guard with .item()", commit=commit_unless_all_step0)),

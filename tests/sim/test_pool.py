@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from helpers import same_bits, small_cfg
+from drift.config import PROFILES
+from drift.layouts import LAYOUTS
 from drift.sim.pool import Harness, StatePool, raw_state
 
 CPU = torch.device("cpu")
@@ -31,17 +33,20 @@ def test_ascend_profile_is_sglang_0523s_plain_contiguous_pool():
     assert p.states is p.temporal and p.scratch is p.intermediate_ssm  # raw meaning = the tensors
 
 
-@pytest.mark.parametrize("profile", ["ascend-transposed", "ascend-mixed"])
-def test_transposed_and_mixed_layouts(profile):
-    """ascend-transposed: temporal and scratch transposed views of [K, V] storage, conv of [C, W];
-    ascend-mixed: only the committed state transposed."""
+@pytest.mark.parametrize("profile", list(PROFILES))
+def test_every_profile_allocates_its_layout(profile):
+    """Each tensor the layout says is a transposed view is one (of [K, V] storage for temporal and
+    scratch, of [C, W] for conv) and every other is dense: ascend-transposed has all three
+    transposed, ascend-mixed only the committed state (tests/test_config.py pins the registry)."""
     cfg, p = _pool(profile=profile)
+    layout = LAYOUTS[PROFILES[profile].layout]
     K, V = cfg.head_k_dim, cfg.head_v_dim
-    assert p.temporal.shape[-2:] == (V, K) and not p.temporal.is_contiguous()
-    assert p.temporal.transpose(-1, -2).is_contiguous()
-    transposed = profile == "ascend-transposed"
-    assert p.intermediate_ssm.is_contiguous() is not transposed
-    assert p.conv.is_contiguous() is not transposed
+    for t, transposed in ((p.temporal, layout.state_kv_storage), (p.intermediate_ssm, layout.scratch_kv_storage),
+                          (p.conv, layout.conv_channel_major)):
+        assert t.is_contiguous() is not transposed
+        assert t.transpose(-1, -2).is_contiguous() is transposed
+    assert p.temporal.shape[-2:] == p.intermediate_ssm.shape[-2:] == (V, K)
+    assert p.conv.shape[-2:] == (cfg.conv_window, cfg.conv_channels)
     # The raw meaning reinterprets the same memory as dense [V, K] blocks (a view).
     assert p.states.is_contiguous() and p.states.data_ptr() == p.temporal.data_ptr()
     assert p.scratch.is_contiguous() and p.scratch.data_ptr() == p.intermediate_ssm.data_ptr()
