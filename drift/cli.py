@@ -33,7 +33,6 @@ from .fileio import output_file, output_files, writable_dir
 from .options import CONFIG_OPTIONS, RUN_OPTIONS, add_options, dest, positive_int
 from .plug.loader import load_kernel, load_update
 from .plug.mutants import MUTANTS
-from .plug.updates import BUILTINS
 from .runspec import RunSpec
 from .version import __version__
 
@@ -83,7 +82,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     report_dir = output_files(args.report, REPORT_FILES, "--report") if args.report else None
-    update = load_update(args.update) if args.mode == "mtp" else None
+    update = load_update(args.update) if args.mode == "mtp" and args.update else None  # None: the flow's
     kernel = load_kernel(args.kernel)
     golden = None
     if cfg.trace:  # the trace's golden data beside it, generated on first use (saying so), before the run
@@ -166,7 +165,7 @@ def cmd_bench_update(args: argparse.Namespace) -> int:
     from .syncs.costmodel import format_table, measure, to_json
 
     cfg = RunSpec(preset=args.preset, device=args.device).config()
-    updates = [load_update(u) for u in (args.update or BUILTINS)]
+    updates = [load_update(u) for u in args.update] or None  # None: the built-ins of the preset's flow
     rows = measure(cfg, updates=updates, batch_sizes=args.batches, steps=args.steps,
                    progress=_item_progress(args, f"drift bench-update {cfg.name}"))
     print(to_json(rows) if args.json else format_table(rows))

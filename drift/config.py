@@ -34,12 +34,15 @@ DEVICES = ("cpu", "cuda", "npu")
 class Flow:
     """How an engine keeps MTP state between verify steps (docs/semantics.md §6): where each verify
     starts and what commits the accepted state. ``engine``: the engine and version modelled (or
-    why none runs it); ``files``: the shipped files the model is read from."""
+    why none runs it); ``files``: the shipped files the model is read from; ``kind``: the state
+    machinery (drift/sim/flows.py): ``copy-commit`` (a scratch and a commit copy) or ``in-place``
+    (blocks written in place, the accept count picks the next start)."""
 
     name: str
     description: str
     engine: str
     files: tuple[str, ...]
+    kind: str = "copy-commit"
 
 
 # State flows (docs/semantics.md §6).
@@ -56,6 +59,15 @@ FLOWS.register("npu-accepted", Flow(
     "scratch block; one that accepted one token from its committed state) under SGLang's commit copy: "
     "a hybrid no engine drift has read runs", "none: SGLang 0.5.23 passes ones; vLLM 0.33.0 has no commit copy",
     ("sgl-kernel-npu: the op's num_accepted_tokens / ssm_state_indices arguments (docs/semantics.md §5-§6)",)))
+FLOWS.register("vllm", Flow(
+    "vllm", "vLLM's in-place block flow: each request owns D blocks of one state cache; token t's state is "
+    "written in place to block idx[b, t], the next step starts from idx[b, n - 1] (n the accept count), "
+    "with no commit copy; the conv cache is read at offset n - 1; padded rows carry NULL block 0",
+    "vLLM 0.33.0 (CUDA; vllm-ascend follows its flow)",
+    ("vllm/v1/attention/backends/gdn_attn.py: GDNAttentionMetadataBuilder.build",
+     "vllm/v1/worker/gpu_model_runner.py: _update_states_after_model_execute",
+     "vllm/third_party/flash_linear_attention/ops/fused_recurrent.py",
+     "vllm/model_executor/layers/mamba/ops/causal_conv1d.py: causal_conv1d_update"), kind="in-place"))
 
 
 @dataclass(frozen=True)

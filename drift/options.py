@@ -25,7 +25,7 @@ from typing import Callable, Iterable, Optional
 
 from .config import DEFAULT_PRESET, FLOWS, PATTERNS, PRESETS, PROFILES, ROUNDINGS, SEED_MAX
 from .plug.loader import KERNELS
-from .plug.updates import BUILTINS, DEFAULT_UPDATE
+from .plug.updates import BUILTINS
 from .simulate import MODES
 
 
@@ -86,7 +86,8 @@ SPECS: dict[str, dict] = {
                     help=f"acceptance pattern: {', '.join(PATTERNS)}"),
     "mode": dict(type=_choice(MODES, "mode"), metavar="M", help="mtp or sequential (non-MTP) decode"),
     "update": dict(metavar="SPEC", help=f"update under test: a built-in ({', '.join(BUILTINS)}), "
-                   "mutant:<name>, package.module:qualname or path/to/file.py:qualname"),
+                   "mutant:<name>, package.module:qualname or path/to/file.py:qualname (default: the flow's "
+                   "own built-in: vllm-0.33.0 under --flow vllm, sglang-0.5.23 under the others)"),
     "kernel": dict(metavar="SPEC", help=lambda: "verify kernel under test: "
                    f"{', '.join(n + (':<spec>' if KERNELS[n].takes_arg else '') for n in KERNELS)}, "
                    "mutant:<name>, package.module:qualname or path/to/file.py:qualname"),
@@ -109,7 +110,7 @@ SPECS: dict[str, dict] = {
 # options that make a Config, and those plus what is under test.
 CONFIG_OPTIONS = ("preset", "steps", "seed", "device", "profile", "rounding", "pattern", "flow")
 RUN_OPTIONS = CONFIG_OPTIONS + ("update", "kernel", "mode", "trace", "loop", "no-graph")
-DEFAULTS: dict[str, object] = {"preset": DEFAULT_PRESET, "device": "cpu", "update": DEFAULT_UPDATE,
+DEFAULTS: dict[str, object] = {"preset": DEFAULT_PRESET, "device": "cpu", "update": None,
                                "kernel": "portable", "mode": "mtp", "loop": False}
 
 
@@ -139,6 +140,8 @@ def add_options(addoption: Callable, names: Iterable[str], prefix: str = "", rep
             text = (default_text or {}).get(name)
             if text is not None:
                 kw["help"] += f" (default: {text})"
+            elif name == "update":
+                pass  # its help says the default (it depends on the flow)
             elif name == "trace":
                 kw["help"] += " (default: none, the synthetic stream)" if default is None else f" (default: {default})"
             else:

@@ -83,7 +83,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "drift_update" in metafunc.fixturenames:
         specs = metafunc.config.getoption(dest(PREFIX, "update")) or [DEFAULTS["update"]]
-        metafunc.parametrize("drift_update", specs, ids=[s.rsplit(":", 1)[-1][:60] for s in specs])
+        ids = [s.rsplit(":", 1)[-1][:60] if s else "the-flows-update" for s in specs]  # None: the flow's default
+        metafunc.parametrize("drift_update", specs, ids=ids)
 
 
 @pytest.fixture

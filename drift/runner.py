@@ -13,12 +13,12 @@ import torch
 from .check.bounds import BoundCheck
 from .check.checks import Check
 from .check.compare import Comparison
+from .sim.flows import flow_kind
 from .check.registry import CHECKS, RunContext
 from .check.result import CheckResult
 from .config import Config
 from .plug.loader import Update, load_update
 from .plug.shim import kernels_in_use
-from .plug.updates import DEFAULT_UPDATE
 from .sim.twin import F64
 from .simulate import ResumePoint, RunInfo, Simulation
 from .syncs.scan import sync_check
@@ -73,7 +73,7 @@ class CheckedRun:
     :class:`ResumePoint` with the bound envelope it carries there.
     """
 
-    def __init__(self, cfg: Config, update=DEFAULT_UPDATE, mode: str = "mtp",
+    def __init__(self, cfg: Config, update=None, mode: str = "mtp",
                  checks: Optional[Sequence[Check]] = None, verify_kernel=None, golden=None,
                  vs_sequential: bool = False, start: Optional[ResumePoint] = None,
                  env2_start: Optional[np.ndarray] = None, observers: Sequence = (), fail_fast: bool = False):
@@ -135,7 +135,7 @@ class CheckedRun:
                          self.comparison.reference_description())
 
 
-def run_checked(cfg: Config, update=DEFAULT_UPDATE, mode: str = "mtp", steps: Optional[int] = None,
+def run_checked(cfg: Config, update=None, mode: str = "mtp", steps: Optional[int] = None,
                 checks: Optional[Sequence[Check]] = None,
                 progress: Optional[Callable[[int, int], None]] = None,
                 verify_kernel=None, golden=None, vs_sequential: bool = False,
@@ -150,7 +150,7 @@ def run_checked(cfg: Config, update=DEFAULT_UPDATE, mode: str = "mtp", steps: Op
     sync_sample: real steps of the run's horizon the scan re-checks beyond its representative ones."""
     syncs = None
     if sync_scan and mode == "mtp":
-        update = load_update(update)
+        update = load_update(update or flow_kind(cfg).default_update)
         t0 = time.perf_counter()
         syncs = sync_check(cfg, update, sample=sync_sample)
         if syncs.failed and sync_first:
@@ -246,7 +246,7 @@ class SnapshotCatcher:
         return point, env2
 
 
-def capture_snapshots(cfg: Config, update=DEFAULT_UPDATE, after_step: int = 256,
+def capture_snapshots(cfg: Config, update=None, after_step: int = 256,
                       steps: Optional[int] = None) -> tuple[RunReport, ResumePoint, np.ndarray]:
     """Run ``cfg`` (checked) and capture every row's first tracked snapshot after ``after_step``:
     the prefix-cache entry a later request with the same prefix would load (cache hit)."""

@@ -29,16 +29,15 @@ import torch
 from .checkpoint import restore, saveable
 from .config import Config
 from .devices import resolve_device
-from .errors import DriftError, UpdateRaised
+from .errors import DriftError, LoadError, UpdateRaised
 from .plug.loader import Update, load_update
 from .plug.adapter import output_problem
 from .plug.shim import kernels_in_use
-from .plug.updates import DEFAULT_UPDATE
 from .sim import kernels
-from .sim.backend import VerifyArgsBuilder
+from .sim.flows import state_flow
 from .sim.graph import GraphStatus, StepGraph
 from .sim.kernels import VerifyKernel
-from .sim.pool import STALE, Harness, StatePool
+from .sim.pool import StatePool
 from .sim.stream import InputStream
 from .sim.twin import prefill
 
@@ -105,7 +104,7 @@ class SlotGuard:
         self._t_words, self._c_words = (_slot_words(t) for t in pool.bits())
         self._before_t = torch.empty_like(self._t_words)
         self._before_c = torch.empty_like(self._c_words)
-        self.violations = torch.zeros(capacity, pool.cfg.num_slots, dtype=torch.bool, device=pool.device)
+        self.violations = torch.zeros(capacity, pool.temporal.shape[1], dtype=torch.bool, device=pool.device)
         self.first: Optional[dict] = None  # first violation seen: step, slot, what, role
 
     def before(self) -> None:
@@ -196,7 +195,7 @@ class Simulation:
     verify_kernel: replaces :func:`drift.sim.kernels.recurrent_gated_delta_rule` (a :data:`VerifyKernel`).
     """
 
-    def __init__(self, cfg: Config, update: str | Update | Callable | None = DEFAULT_UPDATE,
+    def __init__(self, cfg: Config, update: str | Update | Callable | None = None,
                  mode: str = "mtp", observers: Sequence[Observer] = (),
                  verify_kernel: Optional[VerifyKernel] = None, check_untouched: bool = True,
                  device: Optional[torch.device] = None, start: Optional[ResumePoint] = None,
@@ -206,15 +205,21 @@ class Simulation:
         self.cfg = cfg
         self.mode = mode
         self.device = device if device is not None else resolve_device(cfg.device)
+        self.flow = state_flow(cfg, self.device, mode)  # pool, harness, verify arguments (drift/sim/flows.py)
+        self.pool: StatePool = self.flow.pool
+        self.harness = self.flow.harness
         self.update = None
-        if mode == "mtp":
-            self.update = update if isinstance(update, Update) else load_update(update or DEFAULT_UPDATE)
+        if mode == "mtp":  # None: the flow's own default
+            self.update = update if isinstance(update, Update) else load_update(update or self.flow.default_update)
         self.verify_kernel = verify_kernel or kernels.recurrent_gated_delta_rule
+        rules = getattr(self.verify_kernel, "START_RULES", None)  # what an adapter of an engine's op implements
+        if mode == "mtp" and rules is not None and self.flow.start_rule not in rules:
+            raise LoadError(f"the verify kernel {getattr(self.verify_kernel, '__qualname__', '')} reads its arguments "
+                            f"by the {', '.join(rules)} rule, but --flow {cfg.flow} needs {self.flow.start_rule!r} "
+                            f"(drift.sim.kernels.START_RULES): run it under a flow of kind "
+                            f"{'copy-commit' if 'npu' in rules else 'in-place'}")
         self.stream = InputStream(cfg, self.device)
         self.params = self.stream.params.to(self.device)
-        self.pool = StatePool(cfg, self.device)
-        self.harness = Harness(self.pool)
-        self.verify_args = VerifyArgsBuilder(cfg, self.pool)
         self.observers = list(observers)
         self.guard = SlotGuard(self.pool, self.stream.chunk_steps) if (check_untouched and mode == "mtp") else None
         if start is None:
@@ -261,18 +266,8 @@ class Simulation:
         return self._graph.status
 
     def _load_start(self, stored: torch.Tensor, window: torch.Tensor) -> None:
-        """The starting state as prefill leaves it: stored once in the state dtype, the conv
-        window at the end of the buffer, the first D-1 rows stale (NaN: a read of them shows)."""
-        cfg, pool = self.cfg, self.pool
-        slots = pool.active_slots
-        pool.states[:, slots] = stored
-        W, Km1 = cfg.conv_window, cfg.conv_kernel - 1
-        buf = torch.full((cfg.num_layers, cfg.num_requests, W, cfg.conv_channels), STALE,
-                         dtype=pool.conv.dtype, device=self.device)
-        buf[:, :, W - Km1:] = window.to(self.device, pool.conv.dtype)
-        pool.conv[:, slots] = buf
-        pool.temporal[:, pool.row_track_slots[: cfg.num_requests]] = STALE
-        pool.conv[:, pool.row_track_slots[: cfg.num_requests]] = STALE
+        """The starting state as prefill leaves it, where the flow keeps it (drift/sim/flows.py)."""
+        self.flow.load_start(stored, window)
 
     # ------------------------------------------------------------------ loop
     def run(self, steps: Optional[int] = None,
@@ -340,8 +335,8 @@ class Simulation:
         if fn is not kernels.recurrent_gated_delta_rule:
             return getattr(fn, "__qualname__", repr(fn))
         cfg = self.cfg
-        args = self.verify_args.build(torch.empty(cfg.num_layers, cfg.num_rows, cfg.num_draft_tokens, cfg.conv_channels,
-                                                  device="meta"), None, None, cfg.store_rounding)
+        args = self.flow.verify_args(torch.empty(cfg.num_layers, cfg.num_rows, cfg.num_draft_tokens, cfg.conv_channels,
+                                                 device="meta"), None, None, cfg.store_rounding, 0)
         if kernels.uses_native(args):
             return "portable, native C kernel (CPU)"
         return "portable, torch ops"
@@ -351,7 +346,7 @@ class Simulation:
         """Pool tensors, stream position and step counters (between chunks only)."""
         pool = self.pool
         return saveable({"temporal": pool.temporal, "conv": pool.conv, "inter": pool.intermediate_ssm,
-                         "verify_args": self.verify_args.state_dict(),
+                         "flow": self.flow.state_dict(),
                          "stream_pos": self.stream.pos, "stream_step": self.stream.step, "step": self.step,
                          "guard_first": self.guard.first if self.guard is not None else None})
 
@@ -360,7 +355,7 @@ class Simulation:
         pool.temporal.copy_(state["temporal"])
         pool.conv.copy_(state["conv"])
         pool.intermediate_ssm.copy_(state["inter"])
-        self.verify_args.load_state_dict(state.get("verify_args"))
+        self.flow.load_state_dict(state.get("flow") or {"verify_args": state.get("verify_args")})
         self.stream.pos = restore(state["stream_pos"])
         self.stream.step = int(state["stream_step"])
         self.step = int(state["step"])
@@ -397,12 +392,7 @@ class Simulation:
 
     def _touched(self, chunk) -> torch.Tensor:
         """``[count, S]`` bool: slots the update may write at each step of the chunk."""
-        cfg, pool = self.cfg, self.pool
-        t = np.zeros((chunk.count, cfg.num_slots), dtype=bool)
-        t[:, pool.request_slots] = True
-        rows, idx = np.nonzero(chunk.track_host >= 0)
-        t[rows, pool.track_slots[idx]] = True
-        return torch.from_numpy(t).to(self.device)
+        return torch.from_numpy(self.flow.touched(chunk.track_host)).to(self.device)
 
     def _step(self, chunk, s: int, touched: Optional[torch.Tensor]) -> None:
         if self._graph.api is not None and not self._graph.status.failed:
@@ -480,13 +470,13 @@ class Simulation:
         """The step proper: conv verify, gating, verify op, the update (or sequential decode), the
         slot guard. s: the step's index in the chunk (host int, or device tensor when captured)."""
         cfg, pool, prm = self.cfg, self.pool, self.params
-        mix = kernels.conv_verify(pool.conv, pool.row_slots, x, prm.conv_weight)  # bf16 [L, N, D, C]
+        mix = self.flow.conv_verify(x, prm.conv_weight)  # bf16 [L, N, D, C]
         g = kernels.gdn_gating(a, prm.A_log, prm.dt_bias)  # fp32 [L, N, D, HV]
         beta = b.to(torch.bfloat16)  # the beta logit, on the bf16 grid already
         self._lap("conv verify, gating")
         if self.mode == "mtp":
-            out = self._verify(self.verify_args.build(mix, beta, g, cfg.store_rounding, self.step))
-            self.verify_args.accepted(last)
+            out = self._verify(self.flow.verify_args(mix, beta, g, cfg.store_rounding, self.step))
+            self.flow.after_verify(last)
             self._lap("verify op")
             if self.guard is not None:
                 self.guard.before()

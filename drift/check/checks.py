@@ -165,7 +165,8 @@ class TrackCheck(Check):
     def start(self, comparison) -> None:
         super().start(comparison)
         sim = comparison.sim
-        self.enabled = sim.cfg.track_interval > 0 and sim.mode == "mtp"
+        self.enabled = sim.cfg.track_interval > 0 and sim.mode == "mtp" and sim.flow.tracks
+        self.flow_untracked = sim.mode == "mtp" and not sim.flow.tracks
         # A trace replayed without --loop ends where the trace ends: a longer run is not possible.
         self.fixed_horizon = bool(sim.cfg.trace) and not sim.cfg.trace_loop
         self.interval = sim.cfg.track_interval
@@ -185,6 +186,9 @@ class TrackCheck(Check):
                 setattr(self, attr, f"step {chunk.step0 + int(s)}, row {int(r)}")
 
     def result(self) -> CheckResult:
+        if not self.enabled and getattr(self, "flow_untracked", False):
+            return CheckResult(self.name, True, None, None, "", "not applicable: this state flow's prefix-cache "
+                               "copies (vLLM's align mode) are not modelled yet", extra={"applicable": False})
         if not self.enabled:
             return CheckResult(self.name, True, None, None, "", "not applicable: tracking off "
                                "(track_interval = 0) or sequential decode", extra={"applicable": False})

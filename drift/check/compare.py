@@ -134,10 +134,8 @@ class Comparison:
     def _views(self, view) -> dict[str, torch.Tensor]:
         """What a step leaves to compare, as views of the run (its device, its dtypes): committed
         states, outputs and conv windows of the active rows, and the step's true inputs."""
-        cfg, pool, R = self.sim.cfg, self.sim.pool, self.sim.cfg.num_requests
-        Km1 = cfg.conv_kernel - 1
-        return {"run": pool.states[:, pool.active_slots], "out": view.out[:, :R],
-                "win": pool.conv[:, pool.active_slots, cfg.conv_window - Km1:],
+        flow, R = self.sim.flow, self.sim.cfg.num_requests
+        return {"run": flow.committed_states(), "out": view.out[:, :R], "win": flow.committed_windows(),
                 "x": view.x[:, :R], "a": view.a[:, :R], "b": view.b[:, :R]}
 
     def on_step(self, view) -> None:

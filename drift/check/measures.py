@@ -267,7 +267,7 @@ def _tracked_snapshot(comp, view):
     """What the tracking rows hold now: (rows, tracked states, their windows, bit mismatches of
     each tracked slot against the scratch block it was copied from [n]); None when none tracks."""
     sim, cfg, pool = comp.sim, comp.sim.cfg, comp.sim.pool
-    if sim.mode != "mtp" or not (view.track >= 0).any():
+    if sim.mode != "mtp" or not sim.flow.tracks or not (view.track >= 0).any():
         return None
     rows = np.nonzero(view.track >= 0)[0]
     rows_t = torch.from_numpy(rows).to(sim.device)

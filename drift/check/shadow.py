@@ -41,8 +41,8 @@ class SequentialShadow:
 
     def on_step(self, view) -> None:
         self.seq.advance(1)
-        a = self.main.pool.states[:, self.main.pool.active_slots].to(F64)
-        b = self.seq.pool.states[:, self.seq.pool.active_slots].to(F64)
+        a = self.main.flow.committed_states().to(F64)
+        b = self.seq.flow.committed_states().to(F64)
         self._buf[view.index] = (a - b).square().sum((-1, -2)).sqrt() / a.square().sum((-1, -2)).sqrt().clamp(min=1e-300)
         self._steps.append(view.step)
 

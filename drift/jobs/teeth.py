@@ -14,7 +14,7 @@ from ..check.registry import CHECKS, find_result
 from ..config import FLOWS, Config
 from ..plug.loader import load_kernel, mutant_config
 from ..plug.mutants import MUTANTS
-from ..plug.updates import BUILTINS, DEFAULT_UPDATE
+from ..plug.updates import BUILTIN_KINDS, BUILTINS
 from ..runner import run_checked
 from ..syncs.costmodel import measure
 
@@ -45,8 +45,9 @@ def _verdicts(rep) -> tuple[list[str], Optional[float], Optional[float]]:
     return failed, ratio, syncs
 
 
-def run_spec(cfg: Config, update: str = DEFAULT_UPDATE, kernel: Optional[str] = None):
-    """A checked run of ``update`` with ``kernel``, under the config a mutant spec asks for."""
+def run_spec(cfg: Config, update: Optional[str] = None, kernel: Optional[str] = None):
+    """A checked run of ``update`` (None: the flow's default) with ``kernel``, under the config a
+    mutant spec asks for."""
     overrides = {**mutant_config(update), **mutant_config(kernel)}
     profile = overrides.pop("profile", None)
     if profile:
@@ -60,7 +61,8 @@ def evaluate_mutant(name: str, cfg: Config) -> dict:
     cfg = cfg.replace(steps=mutant_steps(m.direction, cfg.steps))
     rep = run_spec(cfg, f"mutant:{name}") if m.kind == "update" else run_spec(cfg, kernel=f"mutant:{name}")
     failed, ratio, syncs = _verdicts(rep)
-    return {"mutant": name, "direction": m.direction, "kind": m.kind, "description": m.description,
+    flow = mutant_config(f"mutant:{name}").get("flow", cfg.flow)
+    return {"mutant": name, "flow": flow, "direction": m.direction, "kind": m.kind, "description": m.description,
             "thread": m.thread, "steps": cfg.steps, "caught": bool(failed), "caught_by": failed,
             "worst_bound_ratio": ratio, "syncs_per_step": syncs}
 
@@ -80,29 +82,33 @@ def catalogue(cfg: Config, names: Optional[Sequence[str]] = None,
 
 def tradeoff(cfg: Config, impls: Sequence[str] = tuple(BUILTINS), unpadded_guard: bool = True,
              flows: Sequence[str] = FLOWS.names(), progress: Optional[Callable[..., None]] = None) -> list[dict]:
-    """One row per built-in and verify flow (docs/semantics.md §6) on ``cfg``; with
-    ``unpadded_guard`` also ``sglang-31659`` on the same batch without padded rows (its guard never
-    fires while a padded row carries step -1). Syncs and bytes are the update's own (the same in
-    every flow); precision is the flow's. ``progress(done, total, what)`` after each checked run."""
-    runs = [(impl, cfg, impl) for impl in impls]
-    if unpadded_guard and GUARDED in impls and cfg.num_padded > 0:
-        runs.append((GUARDED, cfg.replace(num_padded=0), f"{GUARDED} (no padded rows)"))
-    rows = []
-    costs = {label: measure(c, [impl], [c.num_requests])[0] for impl, c, label in runs}  # flow-independent
+    """One row per state flow (docs/semantics.md §6) and each of ``impls`` written for it (its
+    kind: :data:`drift.plug.updates.BUILTIN_KINDS`) on ``cfg``; with ``unpadded_guard`` also
+    ``sglang-31659`` on the same batch without padded rows (its guard never fires while a padded
+    row carries step -1). Syncs and bytes are the update's own; precision is the flow's.
+    ``progress(done, total, what)`` after each checked run."""
+    plan = []
     for flow in flows:
-        for impl, c, label in runs:
-            c = c.replace(flow=flow)
-            rep = run_checked(c, impl)
-            if progress is not None:
-                progress(len(rows) + 1, len(flows) * len(runs), f"{label}, {flow} flow")
-            failed, ratio, syncs = _verdicts(rep)
-            cost = costs[label]
-            state = find_result(rep.checks, "committed_state")
-            rows.append({"impl": label, "flow": flow, "syncs_per_step": syncs, "bytes_per_step": cost.bytes_per_step,
-                         "worst_bound_ratio": ratio, "worst_state_error": state.worst,
-                         "precision_ok": not [f for f in failed if f != SYNC_CHECK],
-                         "no_syncs": SYNC_CHECK not in failed, "failed_checks": failed,
-                         "batch": f"{c.num_requests} requests + {c.num_padded} padded"})
+        mine = [i for i in impls if BUILTIN_KINDS.get(i, "copy-commit") == FLOWS[flow].kind]
+        c0 = cfg.replace(flow=flow)
+        plan += [(flow, impl, c0, impl) for impl in mine]
+        if unpadded_guard and GUARDED in mine and cfg.num_padded > 0:
+            plan.append((flow, GUARDED, c0.replace(num_padded=0), f"{GUARDED} (no padded rows)"))
+    rows, costs = [], {}
+    for flow, impl, c, label in plan:
+        key = (label, FLOWS[flow].kind)
+        if key not in costs:  # the same in every flow of one kind
+            costs[key] = measure(c, [impl], [c.num_requests])[0]
+        rep = run_checked(c, impl)
+        if progress is not None:
+            progress(len(rows) + 1, len(plan), f"{label}, {flow} flow")
+        failed, ratio, syncs = _verdicts(rep)
+        state = find_result(rep.checks, "committed_state")
+        rows.append({"impl": label, "flow": flow, "syncs_per_step": syncs, "bytes_per_step": costs[key].bytes_per_step,
+                     "worst_bound_ratio": ratio, "worst_state_error": state.worst,
+                     "precision_ok": not [f for f in failed if f != SYNC_CHECK],
+                     "no_syncs": SYNC_CHECK not in failed, "failed_checks": failed,
+                     "batch": f"{c.num_requests} requests + {c.num_padded} padded"})
     return rows
 
 
@@ -116,10 +122,11 @@ def mutants_markdown(rows: Sequence[dict], cfg: Config) -> str:
     lines = [f"**Mutation score: {caught}/{len(rows)} caught** ({cfg.name}, every PR-gating check; precision "
              f"mutants over {mutant_steps('precision', cfg.steps)} steps, sync and semantic ones over "
              f"{mutant_steps('sync', cfg.steps)})", "",
-             "| mutant | direction | what it does | modelled on | caught by |", "|---|---|---|---|---|"]
+             "| mutant | flow | direction | what it does | modelled on | caught by |", "|---|---|---|---|---|---|"]
     for r in rows:
         by = ", ".join(CHECKS.title(k) for k in r["caught_by"]) if r["caught"] else "**NOT CAUGHT**"
-        lines.append(f"| `{r['mutant']}` | {r['direction']} | {r['description']} | {r['thread'] or '-'} | {by} |")
+        lines.append(f"| `{r['mutant']}` | {r.get('flow', '-')} | {r['direction']} | {r['description']} | "
+                     f"{r['thread'] or '-'} | {by} |")
     return "\n".join(lines)
 
 

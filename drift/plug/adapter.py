@@ -70,7 +70,11 @@ def output_problem(out: object, shape: tuple[int, ...], exact: bool = False) -> 
 
 
 class LayerOpAdapter:
-    """A verify kernel (``adapter(args) -> bf16 [L, B, S, HV, V]``) calling ``op`` once per layer."""
+    """A verify kernel (``adapter(args) -> bf16 [L, B, S, HV, V]``) calling ``op`` once per layer.
+    ``START_RULES``: the argument rules it implements (drift.sim.kernels.START_RULES); a flow whose
+    rule is not among them refuses it (exit 2) rather than misread its arguments."""
+
+    START_RULES: tuple[str, ...] = ("npu",)
 
     def __init__(self, op: Callable, name: str):
         self.op = op

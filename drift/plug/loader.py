@@ -157,9 +157,11 @@ class Update:
             what = f"self.{name}"
         else:
             what = f"{name!r} of {type(obj).__name__.lstrip('_')}"
+        provided = getattr(type(harness), "PROVIDED", PROVIDED)
+        how = getattr(type(harness), "HOW_TO_PROVIDE", HOW_TO_PROVIDE)
         return HarnessLacks(f"the update under test ({self.spec}) read {what}, which drift's harness does "
                             f"not provide, so drift could not run it (not a regression). drift provides "
-                            f"{PROVIDED}. To provide it: {HOW_TO_PROVIDE}.")
+                            f"{provided}. To provide it: {how}.")
 
 
 def _bare_instance(cls: type, spec: str) -> Any:

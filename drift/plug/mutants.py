@@ -20,6 +20,7 @@ from ..sim.kernels import VerifyArgs
 from ..sim.pool import raw_state
 from .parts import Batch, commit_all, commit_unless_all_step0, rollback_rows
 from .updates import SGLANG_0523
+from .vllm_update import bookkeeping, kept_tokens
 
 BF16 = torch.bfloat16
 
@@ -184,6 +185,36 @@ TRANSPOSED = {"profile": find_profile("state, scratch and conv as transposed vie
 # The bug shows where committed state and scratch differ in layout:
 MIXED = {"profile": find_profile("committed state and scratch in different layouts",
                                  lambda p, lay: lay.state_kv_storage != lay.scratch_kv_storage)}
+# ------------------------------------------------------- the vllm flow's bookkeeping
+def accept_one_ahead(self, last) -> None:
+    # num_accepted_tokens one too high: the next verify starts from the block after the last accepted one
+    R, D = self.num_spec_decodes, self.block_table.shape[1]
+    self.num_accepted_tokens[:R].copy_((kept_tokens(last)[:R] + 1).clamp(max=D))
+    self.num_accepted_tokens[R:].fill_(1)
+
+
+def accept_never_refreshed(self, last) -> None:
+    # the sampled counts never reach the buffer (the async-scheduling race gpu_model_runner guards against)
+    self.num_accepted_tokens.fill_(1)
+
+
+def accept_on_host(self, last) -> None:
+    R = self.num_spec_decodes
+    counts = [max(int(x) + 1, 0) for x in last[:R].tolist()]  # .tolist(): a sync
+    self.num_accepted_tokens[:R].copy_(torch.tensor(counts, dtype=self.num_accepted_tokens.dtype))
+    self.num_accepted_tokens[R:].fill_(1)
+
+
+def padded_rows_read_row0(self) -> None:
+    # padded rows keep request 0's blocks instead of NULL_BLOCK_ID: the kernel reads and writes them
+    R = self.num_spec_decodes
+    self.spec_state_indices_tensor[:R].copy_(self.block_table[:R])
+    self.spec_state_indices_tensor[R:].copy_(self.block_table[:1].expand_as(self.spec_state_indices_tensor[R:]))
+
+
+VLLM_FLOW = {"flow": "vllm"}  # the vllm flow's mutants run under it (drift.config.FLOWS)
+
+
 MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("item_guard", "sync", "update", "precision guard (last_steps == 0).all().item() skips the commit",
            "sglang #31659", _update("item_guard", "guard with .item()", commit=commit_unless_all_step0)),
@@ -219,6 +250,17 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
            "vLLM #53877, sglang #38975", _kernel_beta_bf16),
     Mutant("round_every_token", "precision", "kernel", "verify kernel rounds the running state to the "
            "store dtype after every draft token", "sglang #25587, sgl-kernel-npu #651", _kernel_round_every_token),
+    Mutant("vllm_start_plus1", "semantics", "update", "vllm flow: num_accepted_tokens one too high, so the next "
+           "verify starts from the block after the last accepted one", "vllm gdn_attn.py class",
+           bookkeeping(accept=accept_one_ahead, name="mutant:vllm_start_plus1"), VLLM_FLOW),
+    Mutant("vllm_stale_accept", "semantics", "update", "vllm flow: num_accepted_tokens never refreshed from the "
+           "sampled tokens (stays 1)", "vllm gpu_model_runner.py async-scheduling race",
+           bookkeeping(accept=accept_never_refreshed, name="mutant:vllm_stale_accept"), VLLM_FLOW),
+    Mutant("vllm_null_row_read", "semantics", "update", "vllm flow: padded rows get request 0's blocks instead "
+           "of NULL_BLOCK_ID, so the kernel reads and overwrites them", "vllm NULL_BLOCK_ID padding",
+           bookkeeping(indices=padded_rows_read_row0, name="mutant:vllm_null_row_read"), VLLM_FLOW),
+    Mutant("vllm_accept_sync", "sync", "update", "vllm flow: accept counts computed on the host with .tolist()",
+           "", bookkeeping(accept=accept_on_host, name="mutant:vllm_accept_sync"), VLLM_FLOW),
     Mutant("padded_alias_row0", "semantics", "kernel", "padded graph rows alias request 0's scratch slot",
            "sglang #26906 / #27202", _kernel_padded_alias),
 ]}

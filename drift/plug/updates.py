@@ -12,7 +12,10 @@ mamba_steps_to_track, model=None, req_pool_indices=None)``.
   still selects tracked rows with a boolean mask (``t[mask]`` is a nonzero: a sync on every
   step with tracking on).
 - ``sglang-0.5.23``: the method as SGLang 0.5.23 ships it: tracking by ``torch.where`` and an
-  unconditional copy (a self-copy for untracked rows); no sync anywhere. The default.
+  unconditional copy (a self-copy for untracked rows); no sync anywhere. The copy-commit flows' default.
+- ``vllm-0.33.0``: vLLM 0.33.0's per-step bookkeeping of the in-place block flow (``--flow vllm``,
+  whose default it is): the accept count and the state indices the next verify reads
+  (drift/plug/vllm_update.py).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 from typing import Callable
 
 from .parts import Recipe, commit_unless_all_step0, track_boolean_mask
+from .vllm_update import vllm_0330
 
 SGLANG_0523 = Recipe()
 SGLANG_32130 = SGLANG_0523.but(track=track_boolean_mask)
@@ -32,7 +36,16 @@ BUILTINS: dict[str, Callable] = {
         "sglang-32130", "sglang #32130: guard removed; tracking still selects rows with a boolean mask."),
     "sglang-0.5.23": SGLANG_0523.build(
         "sglang-0.5.23", "SGLang 0.5.23: device-side tracking by torch.where; no sync."),
+    "vllm-0.33.0": vllm_0330,
 }
+# The state-flow kind (drift/sim/flows.py) each built-in is written for: the harness it gets as self.
+BUILTIN_KINDS: dict[str, str] = {"sglang-31659": "copy-commit", "sglang-32130": "copy-commit",
+                                 "sglang-0.5.23": "copy-commit", "vllm-0.33.0": "in-place"}
 DEFAULT_UPDATE = "sglang-0.5.23"
+
+
+def builtins_of(kind: str) -> tuple[str, ...]:
+    """The built-ins written for state-flow kind ``kind``, in table order."""
+    return tuple(n for n in BUILTINS if BUILTIN_KINDS[n] == kind)
 # Names earlier drift releases used, for a message that points at the new one.
 RENAMED = {"guarded": "sglang-31659", "sync_free": "sglang-32130", "device_select": "sglang-0.5.23"}

@@ -8,7 +8,9 @@ index is <= 0 is skipped, and no state is stored at an index <= 0). In speculati
 starts from block ``ssm_state_indices[n, num_accepted_tokens[n] - 1]`` and writes its state after
 token ``t`` in place to block ``ssm_state_indices[n, t]`` (docs/semantics.md §6).
 
-The adapter runs it under drift's flows, per layer, in a block buffer of its own: block 0 the
+Under drift's ``vllm`` flow (docs/semantics.md §6) the op gets vLLM's own arguments: the pool is
+vLLM's state cache, written in place. Under drift's copy-commit flows the adapter runs it per
+layer in a block buffer of its own: block 0 the
 NULL block, blocks ``1 + b * S + t`` row ``b``'s tokens; each row's start state (the committed
 state or the scratch block its accept count names, as drift's flow says:
 :meth:`LayerOpAdapter.start_states`) is put in the block the kernel will read first
@@ -26,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..sim.kernels import VerifyArgs
+from ..sim.pool import raw_state
 from .adapter import FlaKernelAdapter
 
 I32 = torch.int32
@@ -38,16 +41,25 @@ class VllmTritonAdapter(FlaKernelAdapter):
     FUNCTION = "fused_recurrent_gated_delta_rule"
     KERNEL, ENGINE = "vllm-triton", "vllm (0.33.0 was modelled)"
 
+    START_RULES = ("npu", "blocks")  # drift's copy-commit flows through the mapping above; its own natively
+
     def indices(self, args: VerifyArgs, device: torch.device) -> tuple:
         """Block indices ``[B, S]`` (block 0: the NULL block), accept counts ``[B]`` (int32), and the
         block each row's kernel reads first ``[B]`` (int64)."""
         L, B, S, HV, V, K = args.dims
+        if args.start_rule == "blocks":
+            return None  # the vllm flow hands the op vLLM's own arguments
         idx = (1 + torch.arange(B * S, dtype=I32, device=device)).view(B, S)
         n = args.num_accepted_tokens.to(torch.int64)
         first = 1 + torch.arange(B, device=device, dtype=torch.int64) * S + (n - 1).clamp(min=0)
         return idx, args.num_accepted_tokens.to(I32), first
 
     def call_op(self, args: VerifyArgs, layer: int, qkvgb: tuple, indices: tuple) -> torch.Tensor:
+        if indices is None:  # the vllm flow: the cache itself is the op's state, written in place
+            o, _ = self.op(*qkvgb, scale=1.0, initial_state=raw_state(args.recurrent_state)[layer],
+                           inplace_final_state=True, cu_seqlens=None, ssm_state_indices=args.ssm_state_indices,
+                           num_accepted_tokens=args.num_accepted_tokens, use_qk_l2norm_in_kernel=False)
+            return o
         idx, n, first = indices
         L, B, S, HV, V, K = args.dims
         blocks = torch.zeros(1 + B * S, HV, V, K, dtype=args.intermediate_state.dtype, device=qkvgb[0].device)

@@ -155,6 +155,31 @@ def conv_verify(conv_states: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
     return out
 
 
+def conv_verify_at(conv_states: torch.Tensor, slots: torch.Tensor, offset: torch.Tensor, x: torch.Tensor,
+                   weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """vLLM 0.33.0's speculative conv update (``causal_conv1d_update`` with ``num_accepted_tokens``,
+    model_executor/layers/mamba/ops/causal_conv1d.py), for the batch rows ``rows`` (the others,
+    on the NULL block, are skipped: their output is zero). Row b reads the ``Kc-1`` inputs at
+    ``offset[b] = n - 1`` of its slot's buffer ``conv_states [L, S, W, C]`` (``W = Kc-1 + D-1``, the
+    cache's state_len), returns ``mix_qkv`` bf16 ``[L, N, D, C]`` (:func:`conv_mix`) and leaves the
+    buffer ``[old[offset + 1 : offset + Kc-1], x_0 .. x_{D-1}]``: the next step reads at its own
+    accept count (a lazy rollback: nothing is rolled back after the step). slots / offset int64
+    ``[N]``; rows int64 ``[n]``, fixed by the pool (no device read)."""
+    L, S, W, C = conv_states.shape
+    N, D, Kc = x.shape[1], x.shape[2], weight.shape[-1]
+    slot = slots.index_select(0, rows)
+    off = offset.index_select(0, rows)
+    buf = conv_states.index_select(1, slot)  # [L, n, W, C]
+    cols = off[:, None] + torch.arange(W, device=off.device)  # [n, W]; past W: never kept below
+    src = cols.clamp(max=W - 1)[None, :, :, None].expand(L, -1, -1, C)
+    shifted = buf.gather(2, src)  # [L, n, W, C]: column j holds old[off + j]
+    out = torch.zeros(L, N, D, C, dtype=BF16, device=x.device)
+    out.index_copy_(1, rows, conv_mix(shifted[:, :, :Kc - 1], x.index_select(1, rows), weight))
+    kept = shifted[:, :, 1:Kc - 1]  # old[off + 1 .. off + Kc - 2]
+    conv_states.index_copy_(1, slot, torch.cat([kept, x.index_select(1, rows).to(conv_states.dtype)], dim=2))
+    return out
+
+
 def _slot_rows(conv_states: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
     """``conv_states [L, S, W, C]`` as rows ``[L * S, W * C]`` holding each slot's window in
     storage order, and whether that order is channel-major (``[C, W]``, a transposed view);
@@ -321,6 +346,7 @@ class VerifyArgs:
     scale: float
     rounding: str = "rne"
     key: int = 0
+    start_rule: str = "npu"  # where a row starts and what is stored: START_RULES
 
     @property
     def dims(self) -> tuple[int, int, int, int, int, int]:
@@ -352,14 +378,28 @@ def scratch_blocks(intermediate: torch.Tensor) -> torch.Tensor:
                             raw.storage_offset())
 
 
+# Where a row starts and which tokens are stored (docs/semantics.md §6), both from
+# i = ssm_state_indices[b, num_accepted[b] - 1]:
+# * "npu": sgl-kernel-npu's op -- the committed state recurrent_state[cache_indices[b]] when
+#   i % S == 0 (the row's first block), else the scratch block i; every token stored;
+# * "blocks": vLLM 0.33.0's fused_recurrent_gated_delta_rule (third_party/flash_linear_attention/
+#   ops/fused_recurrent.py) over one state cache -- always block i, and a row with i <= 0
+#   (NULL_BLOCK_ID) is skipped: no read, no store, its outputs left alone (drift: zeros); a token
+#   whose index is <= 0 is not stored.
+START_RULES = ("npu", "blocks")
+
+
 def start_blocks(args: VerifyArgs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where each row starts (docs/semantics.md §6): ``i = ssm_state_indices[b, num_accepted[b] - 1]``;
-    the committed state ``recurrent_state[cache_indices[b]]`` when ``i % S == 0``, else the scratch
-    block ``i``. Returns (i int64 ``[B]``, from_committed bool ``[B]``), on the indices' device."""
+    """Where each row starts (:data:`START_RULES`). Returns (i int64 ``[B]``, from_committed bool
+    ``[B]``), on the indices' device."""
     S = args.mix_qkv.shape[2]
     idx = args.ssm_state_indices.to(torch.int64)
     n = args.num_accepted_tokens.to(torch.int64)
     start = idx.gather(1, (n - 1).clamp(min=0)[:, None]).squeeze(1)
+    if args.start_rule == "blocks":
+        return start, torch.zeros_like(start, dtype=torch.bool)
+    if args.start_rule != "npu":
+        raise ValueError(f"start_rule {args.start_rule!r} is not one of {START_RULES}")
     return start, (start % S) == 0
 
 
@@ -397,12 +437,25 @@ def recurrent_gated_delta_rule(args: VerifyArgs, compute_dtype: torch.dtype = F3
     q, k, v, decay, beta = args.inputs(compute_dtype)
     check_lengths(args)
     start, from_rec = start_blocks(args)
-    out = torch.empty(L, B, S, HV, V, dtype=compute_dtype)
+    dst = args.ssm_state_indices.to(torch.int64).tolist()
+    rows = list(range(B))
+    if args.start_rule == "blocks":  # the C kernel runs the rows that are not skipped
+        rows = [b for b, i in enumerate(start.tolist()) if i > 0]
+        if any(i <= 0 for b in rows for i in dst[b]):  # a partly NULL row: the torch ops store per token
+            return recurrent_gated_delta_rule_torch(args, compute_dtype)
     fr = from_rec.tolist()
     src = [slot if f else i for slot, f, i in zip(args.cache_indices.tolist(), fr, start.tolist())]
-    native.recurrent_gated_delta_rule(raw_state(args.recurrent_state), scratch_blocks(args.intermediate_state), src, fr,
-                                      args.ssm_state_indices.to(torch.int64).tolist(),
-                                      *(t.contiguous() for t in (q, k, v, decay, beta)), out)
+    out = torch.zeros(L, B, S, HV, V, dtype=compute_dtype)
+    if len(rows) == B:
+        native.recurrent_gated_delta_rule(raw_state(args.recurrent_state), scratch_blocks(args.intermediate_state), src,
+                                          fr, dst, *(t.contiguous() for t in (q, k, v, decay, beta)), out)
+    elif rows:
+        sel = torch.tensor(rows, dtype=torch.int64)
+        part = torch.empty(L, len(rows), S, HV, V, dtype=compute_dtype)
+        native.recurrent_gated_delta_rule(raw_state(args.recurrent_state), scratch_blocks(args.intermediate_state),
+                                          [src[b] for b in rows], [fr[b] for b in rows], [dst[b] for b in rows],
+                                          *(t.index_select(1, sel).contiguous() for t in (q, k, v, decay, beta)), part)
+        out.index_copy_(1, sel, part)
     return out.to(BF16)
 
 
@@ -443,9 +496,13 @@ def recurrent_gated_delta_rule_torch(args: VerifyArgs, compute_dtype: torch.dtyp
     h_buf = torch.empty(min(step, L) * B * HV, V, K, dtype=cd, device=q.device)
     dst_idx = args.ssm_state_indices.to(device=inter.device, dtype=torch.int64)
     host = (start.tolist(), from_rec.tolist(), args.cache_indices.tolist(), dst_idx.tolist()) if plain else None
+    blocks_rule = args.start_rule == "blocks"  # skip NULL rows and NULL stores (START_RULES)
     if not plain:
         slots = args.cache_indices.to(device=rec.device, dtype=torch.int64)
         start_d, from_d = start.to(rec.device), from_rec.to(rec.device)
+        if blocks_rule:
+            live = (start_d > 0)[None, :, None, None, None]
+            stores = dst_idx > 0  # [B, S]
     for l0 in range(0, L, step):
         l1 = min(L, l0 + step)
         nb = (l1 - l0) * B * HV
@@ -453,11 +510,16 @@ def recurrent_gated_delta_rule_torch(args: VerifyArgs, compute_dtype: torch.dtyp
         hv = h.view(l1 - l0, B, HV, V, K)
         if host is not None:  # one converting copy per row
             for b, (i, fr, slot) in enumerate(zip(host[0], host[1], host[2])):
-                hv[:, b].copy_(rec[l0:l1, slot] if fr else inter[l0:l1, i])
+                if blocks_rule and i <= 0:
+                    hv[:, b].zero_()
+                else:
+                    hv[:, b].copy_(rec[l0:l1, slot] if fr else inter[l0:l1, i])
         else:
             cand_rec = rec[l0:l1].index_select(1, slots)
             cand_int = inter[l0:l1].index_select(1, start_d)
             hv.copy_(torch.where(from_d[None, :, None, None, None], cand_rec, cand_int))
+            if blocks_rule:
+                hv.copy_(torch.where(live, hv, torch.zeros_like(hv)))
         for t in range(S):
             _gdn_token(h, qt[t, l0:l1].view(nb, K), kt[t, l0:l1].view(nb, K), vt[t, l0:l1].view(nb, V),
                        dect[t, l0:l1].view(nb), bt[t, l0:l1].view(nb), out[t, l0:l1].view(nb, V))
@@ -465,9 +527,15 @@ def recurrent_gated_delta_rule_torch(args: VerifyArgs, compute_dtype: torch.dtyp
             store_state(stored, hv, args.rounding, store_key(args.key, t), offset=l0 * B * HV * V * K)
             if host is not None:
                 for b in range(B):
-                    inter[l0:l1, host[3][b][t]].copy_(stored[:, b])
+                    if not (blocks_rule and (host[0][b] <= 0 or host[3][b][t] <= 0)):
+                        inter[l0:l1, host[3][b][t]].copy_(stored[:, b])
             else:
+                if blocks_rule:  # a skipped store writes back what the block holds
+                    keep = (stores[:, t] & (start_d > 0))[None, :, None, None, None]
+                    stored = torch.where(keep, stored, inter[l0:l1].index_select(1, dst_idx[:, t]))
                 inter[l0:l1].index_copy_(1, dst_idx[:, t], stored)
+    if blocks_rule:  # a skipped row computes nothing: its outputs stay zero
+        out = torch.where((start.to(out.device) > 0)[None, None, :, None, None], out, torch.zeros_like(out))
     return out.permute(1, 2, 0, 3, 4).to(BF16)
 
 

@@ -29,8 +29,8 @@ import torch
 from ..config import Config
 from ..devices import resolve_device
 from ..plug.loader import Update, load_update
-from ..plug.updates import BUILTINS
-from ..sim.pool import Harness, StatePool
+from ..plug.updates import builtins_of
+from ..sim.flows import flow_kind, state_flow
 from .detector import SyncDetector, to_virtual
 from .scan import step_indices, update_calls, virtual_harness
 
@@ -68,7 +68,7 @@ def _latency_us(cfg: Config, upd: Update, last: torch.Tensor, trk: torch.Tensor)
     device events; inputs are moved to the device before timing starts."""
     device = resolve_device(cfg.device)
     backend = getattr(torch, device.type)
-    calls = list(update_calls(cfg, Harness(StatePool(cfg, device)), last, trk, lambda t: t.to(device)))
+    calls = list(update_calls(cfg, state_flow(cfg, device).harness, last, trk, lambda t: t.to(device)))
     for call in calls[:LATENCY_WARMUP]:
         upd(*call)
     times = []
@@ -82,17 +82,17 @@ def _latency_us(cfg: Config, upd: Update, last: torch.Tensor, trk: torch.Tensor)
     return statistics.median(times), str(device)
 
 
-def measure(cfg: Config, updates: Sequence[str] = tuple(BUILTINS), batch_sizes: Sequence[int] = BATCH_SIZES,
+def measure(cfg: Config, updates: Optional[Sequence[str]] = None, batch_sizes: Sequence[int] = BATCH_SIZES,
             steps: int = DEFAULT_STEPS, shape_only: bool = True,
             progress: Optional[Callable[..., None]] = None) -> list[CostRow]:
     """One :class:`CostRow` per (update, batch size): ``cfg`` with ``num_requests`` = batch size
     (its padded rows kept), the first ``steps`` decode steps of its stream; ``progress(done, total,
-    what)`` after each row."""
+    what)`` after each row. updates: default the built-ins of ``cfg``'s state flow."""
     if steps < 1:
         raise ValueError(f"steps={steps} is invalid; allowed: an integer >= 1")
     if not batch_sizes or any(int(b) < 1 for b in batch_sizes):
         raise ValueError(f"batch sizes {list(batch_sizes)} are invalid; allowed: integers >= 1")
-    loaded = [load_update(u) for u in updates]
+    loaded = [load_update(u) for u in (updates or builtins_of(flow_kind(cfg).kind))]
     out = []
     for batch in batch_sizes:
         c = cfg.replace(num_requests=int(batch))

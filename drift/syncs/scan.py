@@ -19,7 +19,7 @@ from ..config import Config
 from ..devices import resolve_device
 from ..errors import DriftError, UpdateRaised
 from ..plug.loader import Update, load_update
-from ..plug.updates import DEFAULT_UPDATE
+from ..sim.flows import flow_kind, state_flow
 from ..sim.pool import Harness, StatePool
 from ..sim.stream import InputStream
 from .detector import VIRTUAL_DEVICE, SyncDetector, SyncEvent, SyncReport, VirtualTensor, npu_present, to_virtual
@@ -32,19 +32,31 @@ def virtual_pool(cfg: Config, shape_only: bool = False) -> StatePool:
     (built on the CPU, then wrapped; views keep sharing storage). ``shape_only``: the
     floating-point states (temporal, intermediate_ssm, conv) hold no data, the integer slot
     tables stay real -- enough for an update whose control flow reads only indices."""
-    pool = StatePool(cfg.replace(device="cpu"), _HOST)
-    for name, value in list(vars(pool).items()):
+    return _virtual_flow(cfg, shape_only).pool
+
+
+def _virtualise(obj, shape_only: bool) -> None:
+    for name, value in list(vars(obj).items()):
         if isinstance(value, torch.Tensor):
             if shape_only and value.is_floating_point():
                 value = value.to(VIRTUAL_DEVICE)  # keeps the strides of a transposed view
-            setattr(pool, name, VirtualTensor(value))
-    pool.device = VIRTUAL_DEVICE
-    return pool
+            setattr(obj, name, VirtualTensor(value))
 
 
-def virtual_harness(cfg: Config, shape_only: bool = False) -> Harness:
-    """The backend ``self`` the update receives, over a :func:`virtual_pool`."""
-    return Harness(virtual_pool(cfg, shape_only))
+def _virtual_flow(cfg: Config, shape_only: bool):
+    flow = state_flow(cfg.replace(device="cpu"), _HOST)
+    _virtualise(flow.pool, shape_only)
+    flow.pool.device = VIRTUAL_DEVICE
+    if type(flow.harness) is Harness:  # SGLang's backend objects, rebuilt over the virtual pool
+        flow.harness = Harness(flow.pool)
+    else:  # a harness holding tensors of its own (the vllm flow's bookkeeping buffers)
+        _virtualise(flow.harness, False)
+    return flow
+
+
+def virtual_harness(cfg: Config, shape_only: bool = False):
+    """The ``self`` the update receives in ``cfg``'s state flow, over a :func:`virtual_pool`."""
+    return _virtual_flow(cfg, shape_only).harness
 
 
 def update_calls(cfg: Config, harness: Harness, last: torch.Tensor, trk: torch.Tensor,
@@ -151,13 +163,13 @@ def _device_pass(cfg: Config, device: Optional[str]) -> Optional[str]:
     return "npu" if npu_present() else None
 
 
-def scan_update(cfg: Config, update: str | Update | Callable = DEFAULT_UPDATE, steps: int = 4,
+def scan_update(cfg: Config, update: str | Update | Callable | None = None, steps: int = 4,
                 device: Optional[str] = "auto", sample: int = 0) -> UpdateScan:
     """Run ``update`` for :func:`representative_steps` (and ``sample`` more :func:`sampled_steps`
     of the run's horizon) on the virtual device and, when there is an accelerator
     (:func:`_device_pass`), again on it with its sync debug mode armed; padded rows and tracking
     as configured (``track_interval = 0`` passes ``None`` as the simulation does)."""
-    upd = update if isinstance(update, Update) else load_update(update)
+    upd = update if isinstance(update, Update) else load_update(update or flow_kind(cfg).default_update)
     chosen, last, trk = representative_steps(cfg, steps)
     more, last2, trk2 = sampled_steps(cfg, sample, chosen)
     if more:
@@ -174,7 +186,7 @@ def scan_update(cfg: Config, update: str | Update | Callable = DEFAULT_UPDATE, s
             harness, wrap = virtual_harness(cfg), to_virtual
             det = SyncDetector(device_debug=False)  # CPU data: the debug modes would see nothing
         else:
-            harness, wrap = Harness(StatePool(cfg.replace(device=name), dev)), (lambda t, d=dev: t.to(d))
+            harness, wrap = state_flow(cfg.replace(device=name), dev).harness, (lambda t, d=dev: t.to(d))
             det = SyncDetector(device_debug=True)
         for s, call in zip(chosen, update_calls(cfg, harness, last, trk, wrap)):
             det.label = f"step {s}"
@@ -190,7 +202,7 @@ def scan_update(cfg: Config, update: str | Update | Callable = DEFAULT_UPDATE, s
     return UpdateScan(upd.name, chosen, tracking, cfg.num_padded, cfg.track_interval > 0, passes, len(more))
 
 
-def sync_check(cfg: Config, update: str | Update | Callable = DEFAULT_UPDATE, steps: int = 4,
+def sync_check(cfg: Config, update: str | Update | Callable | None = None, steps: int = 4,
                device: Optional[str] = "auto", sample: int = 0) -> CheckResult:
     """The "host syncs" check of ``drift run``: passed iff the update causes no host-device
     sync in :func:`scan_update`'s steps (virtual device, plus the accelerator pass when there

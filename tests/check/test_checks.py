@@ -144,13 +144,16 @@ def _chunk(count=2, R=1, **over):
     return MetricsChunk(0, count, arrays)
 
 
-class _Comparison:  # what Check.start reads: comparison.sim.cfg / .mode
+class _Comparison:  # what Check.start reads: comparison.sim.cfg / .mode / .flow
     class sim:
         class cfg:
             head_v_dim = 16
             track_interval = 16
             trace, trace_loop = "", False
         mode = "mtp"
+
+        class flow:
+            tracks = True  # a copy-commit flow: prefix-cache tracking modelled
 
 
 def test_a_check_that_saw_nothing_fails():
@@ -182,10 +185,9 @@ def test_track_check_on_a_trace_that_cannot_reach_a_boundary_is_not_exercised(lo
     """A trace replayed to its end cannot be lengthened: no boundary there is n/a, not a FAIL; a looped
     trace can run longer, so there it still fails (lengthen the run)."""
     class comparison:
-        class sim:
+        class sim(_Comparison.sim):
             class cfg(_Comparison.sim.cfg):
                 trace, trace_loop = "t.npz", loop
-            mode = "mtp"
 
     c = TrackCheck()
     c.start(comparison)

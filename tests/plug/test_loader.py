@@ -4,6 +4,8 @@ errors that name the spec and what was expected."""
 
 from __future__ import annotations
 
+import re
+
 import importlib
 import sys
 import textwrap
@@ -16,7 +18,7 @@ from drift.errors import LoadError
 from drift.plug.loader import load_update
 from drift.plug.shim import SHIM_MODULE, kernels_in_use, sgl_kernels
 from drift.sim.pool import Harness
-from drift.plug.updates import BUILTINS
+from drift.plug.updates import BUILTIN_KINDS, BUILTINS
 
 SHIM_NAMES = ("sgl_kernel_npu", "sgl_kernel_npu.mamba", SHIM_MODULE)
 
@@ -98,7 +100,9 @@ def _run_and_check_calls(spec):
 def test_builtins_by_name():
     for name, fn in BUILTINS.items():
         upd = load_update(name)
-        assert upd.fn is fn and upd.name == name and upd.extra == ("model", "req_pool_indices")
+        assert upd.fn is fn and upd.name == name
+        # SGLang's method takes model and req_pool_indices; vLLM's bookkeeping nothing more
+        assert upd.extra == (("model", "req_pool_indices") if BUILTIN_KINDS[name] == "copy-commit" else ()), name
 
 
 def test_load_by_file_path(plugin_file):
@@ -204,7 +208,7 @@ def test_load_errors_name_the_spec_and_what_was_expected(plugin_file, qualname, 
 @pytest.mark.parametrize("spec, expected", [
     ("/nonexistent/dir/upd.py:fn", r"file '/nonexistent/dir/upd.py' not found .*expected path/to/file.py:qualname"),
     ("no_such_module_for_drift:fn", r"importing module 'no_such_module_for_drift' raised ModuleNotFoundError"),
-    ("sglang-0.5.2", r"not a built-in \(sglang-31659, sglang-32130, sglang-0.5.23\).*expected "
+    ("sglang-0.5.2", r"not a built-in \(" + re.escape(", ".join(BUILTINS)) + r"\).*expected "
                      r"package.module:qualname or path/to/file.py:qualname"),
     ("sync_free", r"'sync_free' was renamed: use 'sglang-32130'"),
     ("drift.plug.updates:", r"expected module:qualname or file.py:qualname"),

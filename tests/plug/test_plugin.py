@@ -189,7 +189,17 @@ def test_the_stand_in_loses_writes_to_a_non_contiguous_intermediate():
     assert not torch.equal(as_bits(contiguous), as_bits(args.intermediate_state[0]))  # control
 
 
-@pytest.mark.parametrize("flow", FLOWS.names())
+COPY_COMMIT = [f for f in FLOWS if FLOWS[f].kind == "copy-commit"]  # the NPU op's argument rule
+
+
+def test_the_npu_adapter_is_refused_where_the_flow_reads_arguments_another_way():
+    # vLLM's flow hands the op vLLM's block rule, which the NPU op does not implement: exit 2, not a misread
+    vllm_like = [f for f in FLOWS if FLOWS[f].kind == "in-place"]
+    with pytest.raises(LoadError, match="needs 'blocks'"):
+        run_checked(preset("ci-small", flow=vllm_like[0]), steps=1, verify_kernel=load_kernel(FAKE_OP), sync_scan=False)
+
+
+@pytest.mark.parametrize("flow", COPY_COMMIT)
 def test_simulation_through_the_npu_adapter(flow):
     """Every check passes through the adapter with the stand-in op, in both flows (a wrong argument
     shows within the first track intervals: WIRING_STEPS)."""

@@ -221,11 +221,12 @@ def test_vllm_triton_kernel_matches_drifts_op_and_runs_the_checks():
         o_ulp = 2.0 ** (torch.floor(torch.log2(o_b.float().abs().clamp_min(1e-30))) - 7)
         print(flow, (x == y).float().mean().item(), ((x - y).abs() / ulp).max().item(),
               (x == z).float().mean().item(), ((o_a.float() - o_b.float()).abs() / o_ulp).max().item())
-    cfg = preset("ci-small", steps=4, store_rounding="truncate")
-    got = run_checked(cfg, verify_kernel=k, sync_scan=False)
-    ref = run_checked(cfg, sync_scan=False)  # drift's op storing by truncation, as the interpreter does
-    same = [(c.key, c.passed, c.worst) for c in got.checks] == [(c.key, c.passed, c.worst) for c in ref.checks]
-    print("run", same, sorted(c.key for c in got.checks if c.failed))
+    for flow in ("sglang", "vllm"):  # through the adapter, and in vLLM's own flow with vLLM's own arguments
+        cfg = preset("ci-small", steps=4, store_rounding="truncate", flow=flow)
+        got = run_checked(cfg, verify_kernel=k, sync_scan=False)
+        ref = run_checked(cfg, sync_scan=False)  # drift's op storing by truncation, as the interpreter does
+        same = [(c.key, c.passed, c.worst) for c in got.checks] == [(c.key, c.passed, c.worst) for c in ref.checks]
+        print("run", same, sorted(c.key for c in got.checks if c.failed))
     """.replace("{tests!r}", repr(str(Path(__file__).resolve().parents[1]))))  # tests/: helpers.py
     lines = out.strip().splitlines()
     for line in lines[:2]:
@@ -234,4 +235,5 @@ def test_vllm_triton_kernel_matches_drifts_op_and_runs_the_checks():
         # at most one bf16 ulp, on a tiny fraction of elements; 0.995 leaves a wide margin.
         assert float(equal) >= 0.995 and float(worst) <= 1.0 and float(o_worst) <= 1.0, line
         assert float(equal_rne) < 0.8, line  # truncation vs round to nearest: about half differ
-    assert lines[2] == "run True ['drift_bound', 'output_bound']", out
+    assert lines[2] == "run True ['drift_bound', 'output_bound']", out  # the sglang flow
+    assert lines[3] == "run True ['drift_bound', 'output_bound']", out  # the vllm flow, natively

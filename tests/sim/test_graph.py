@@ -60,7 +60,7 @@ class FakeApi:
         step writes are restored when the body raises."""
         self.log.append("capture")
         sim = _BODY[0].__self__
-        written = [sim.pool.temporal, sim.pool.conv, sim.pool.intermediate_ssm, sim.verify_args.prev_accept,
+        written = [sim.pool.temporal, sim.pool.conv, sim.pool.intermediate_ssm, *sim.flow.buffers(),
                    sim._static["idx"]] + ([sim.guard.violations] if sim.guard is not None else [])
         saved = [t.clone() for t in written]
         self.capturing = True
@@ -147,7 +147,7 @@ class OutputTap:
         pass
 
 
-def run(cfg, graph, update="sglang-0.5.23", steps=40):
+def run(cfg, graph, update=None, steps=40):  # None: the flow's own update
     tap = OutputTap()
     sim = Simulation(cfg, update, observers=[tap], graph=graph)
     sim.stream.chunk_steps = 16  # several chunks in a short run (the guard's buffer is larger)

@@ -1,0 +1,294 @@
+"""State flows: how an engine keeps MTP state from one verify step to the next (docs/semantics.md §6).
+
+Each entry of :data:`drift.config.FLOWS` names its ``kind``; this module holds one class per kind,
+which owns everything the kind decides: the state pool, the object the update under test gets as
+``self`` (the harness), the verify op's arguments, the conv step, which state is "committed" (the
+state the next step reads) and which slots the update may write.
+
+* ``copy-commit`` (SGLang 0.5.23; the ``sglang`` and ``npu-accepted`` flows): the verify writes
+  every token's state into a scratch buffer and ``update_mamba_state_after_mtp_verify`` copies
+  the accepted one into the committed pool and rolls the conv window back
+  (:class:`~drift.sim.pool.StatePool`, :class:`~drift.sim.pool.Harness`,
+  :class:`~drift.sim.backend.VerifyArgsBuilder`).
+* ``in-place`` (vLLM 0.33.0; the ``vllm`` flow): one state cache of blocks, each request owning
+  D of them; the verify writes token t's state in place into block ``idx[b, t]`` and the next step
+  starts from ``idx[b, n - 1]``, n the previous step's accept count; there is no commit copy, and
+  the conv window is read at offset ``n - 1`` (a lazy rollback). The code under test is the
+  per-step bookkeeping that sets ``num_accepted_tokens`` and the state indices
+  (:class:`BlockPool`, :class:`BlockHarness`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..config import FLOWS, Config
+from ..layouts import LAYOUTS
+from . import kernels
+from .backend import VerifyArgsBuilder
+from ..fileio import check_memory
+from .pool import STALE, Harness, StatePool
+
+I32 = torch.int32
+NULL_BLOCK_ID = 0  # vllm/v1/core/kv_cache_utils.py (0.33.0): block 0 is never allocated; kernels skip it
+
+
+class CopyCommitFlow:
+    """SGLang's copy-commit flow (the ``sglang`` and ``npu-accepted`` entries)."""
+
+    kind = "copy-commit"
+    start_rule = "npu"  # how the verify op reads its arguments (drift.sim.kernels.START_RULES)
+    tracks = True  # prefix-cache tracking copies (docs/semantics.md §7)
+    default_update = "sglang-0.5.23"
+
+    def __init__(self, cfg: Config, device: torch.device):
+        self.cfg = cfg
+        self.pool = StatePool(cfg, device)
+        self.harness = Harness(self.pool)
+        self.args = VerifyArgsBuilder(cfg, self.pool)
+
+    def verify_args(self, mix, beta, g, rounding: str, key: int) -> kernels.VerifyArgs:
+        return self.args.build(mix, beta, g, rounding, key)
+
+    def after_verify(self, last: torch.Tensor) -> None:
+        self.args.accepted(last)
+
+    def conv_verify(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return kernels.conv_verify(self.pool.conv, self.pool.row_slots, x, weight)
+
+    def load_start(self, stored: torch.Tensor, window: torch.Tensor) -> None:
+        """The starting state as prefill leaves it: stored once in the state dtype, the conv
+        window at the end of the buffer, the first D-1 rows stale (NaN: a read of them shows)."""
+        cfg, pool = self.cfg, self.pool
+        slots = pool.active_slots
+        pool.states[:, slots] = stored
+        W, Km1 = cfg.conv_window, cfg.conv_kernel - 1
+        buf = torch.full((cfg.num_layers, cfg.num_requests, W, cfg.conv_channels), STALE,
+                         dtype=pool.conv.dtype, device=pool.device)
+        buf[:, :, W - Km1:] = window.to(pool.device, pool.conv.dtype)
+        pool.conv[:, slots] = buf
+        pool.temporal[:, pool.row_track_slots[: cfg.num_requests]] = STALE
+        pool.conv[:, pool.row_track_slots[: cfg.num_requests]] = STALE
+
+    def touched(self, track_host: np.ndarray) -> np.ndarray:
+        """``[count, S]`` bool: the slots the update may write at each step (the request slots,
+        and the track slot of a row tracked that step)."""
+        pool = self.pool
+        t = np.zeros((track_host.shape[0], self.pool.temporal.shape[1]), dtype=bool)
+        t[:, pool.request_slots] = True
+        rows, idx = np.nonzero(track_host >= 0)
+        t[rows, pool.track_slots[idx]] = True
+        return t
+
+    def committed_states(self) -> torch.Tensor:
+        """``[L, R, HV, V, K]``: the state each request's next verify starts from (a view or a gather)."""
+        return self.pool.states[:, self.pool.active_slots]
+
+    def committed_windows(self) -> torch.Tensor:
+        """``[L, R, Kc-1, C]``: the conv inputs each request's next verify reads."""
+        cfg, pool = self.cfg, self.pool
+        return pool.conv[:, pool.active_slots, cfg.conv_window - (cfg.conv_kernel - 1):]
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The persistent tensors a decode step writes besides the pool's (a captured step replays them)."""
+        return [self.args.prev_accept]
+
+    def state_dict(self) -> dict:
+        return {"verify_args": self.args.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.args.load_state_dict(state.get("verify_args"))
+
+
+class BlockPool(StatePool):
+    """vLLM's state cache (docs/semantics.md §6, vLLM 0.33.0): ``temporal`` is the cache of blocks
+    ``[L, blocks, HV, V, K]`` and ``conv`` its conv cache ``[L, blocks, W, C]`` (indexed by a request's
+    first block); block 0 is the NULL block (NaN: a read of it shows). Each request owns D blocks, a
+    seeded permutation of the rest (``block_table [N, D]``; padded rows all NULL); spare blocks hold
+    a fixed finite pattern. ``intermediate_ssm`` is the same cache as ``[L, blocks, 1, HV, V, K]``:
+    the verify op's scratch is the cache itself."""
+
+    def __init__(self, cfg: Config, device: torch.device):
+        self.cfg, self.device = cfg, device
+        L, R, N, D = cfg.num_layers, cfg.num_requests, cfg.num_rows, cfg.num_draft_tokens
+        HV, K, V = cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
+        nblocks = 1 + R * D + max(1, cfg.spare_slots)
+        item = torch.empty(0, dtype=cfg.torch_ssm_dtype).element_size()
+        check_memory(L * nblocks * (HV * V * K * item + cfg.conv_window * cfg.conv_channels * 4)
+                     + L * R * HV * V * K * 8, f"the state cache of {cfg.name} ({L} layers, {nblocks} blocks)")
+        layout = LAYOUTS[cfg.layout]
+        self.temporal = layout.state((L, nblocks, HV), V, K, cfg.torch_ssm_dtype, device)
+        self.intermediate_ssm = self.temporal.unsqueeze(2)
+        self.conv = layout.conv((L, nblocks), cfg.conv_window, cfg.conv_channels, cfg.torch_conv_dtype, device)
+        rng = np.random.default_rng([cfg.seed, 0x5107])
+        perm = 1 + rng.permutation(nblocks - 1)
+        table = np.zeros((N, D), np.int64)
+        table[:R] = perm[:R * D].reshape(R, D)
+        self.block_table_host = table
+        self.block_table = torch.from_numpy(table).to(device)
+        self.request_slots = table[:R].reshape(-1)  # every block a request owns
+        self.track_slots = np.zeros(0, np.int64)
+        self.spare_slots = perm[R * D:].astype(np.int64)
+        self.row_slots = self.block_table[:, 0].clone()  # conv_state_indices: the first block
+        self.row_track_slots = torch.zeros(N, dtype=torch.int64, device=device)
+        self.active_slots = self.row_slots[:R]
+        self.num_blocks = nblocks
+        self._fill_sentinels()
+
+    def _fill_sentinels(self) -> None:
+        """NULL block 0 holds NaN; spare blocks a fixed finite pattern."""
+        self.temporal[:, NULL_BLOCK_ID] = STALE
+        self.conv[:, NULL_BLOCK_ID] = STALE
+        for s in self.spare_slots.tolist():
+            self.temporal[:, s] = 3.0 + s
+            self.conv[:, s] = -3.0 - s
+
+    def slot_role(self, slot: int) -> str:
+        if slot == NULL_BLOCK_ID:
+            return "NULL block 0"
+        hit = np.argwhere(self.block_table_host == slot)
+        if len(hit):
+            return f"block {int(hit[0][1])} of row {int(hit[0][0])}"
+        return "spare block"
+
+
+class BlockHarness:
+    """What vLLM 0.33.0's per-step bookkeeping works on, for the update under test as ``self``:
+
+    * ``num_accepted_tokens`` int32 ``[N]``: ``gpu_model_runner.num_accepted_tokens.gpu`` (what
+      ``_update_states_after_model_execute`` sets from the sampled tokens) as the builder passes it
+      on (``GDNAttentionMetadataBuilder.build``: padded rows 1);
+    * ``spec_state_indices_tensor`` int32 ``[N, D]``: the builder's persistent buffer
+      (``block_table[:, :num_spec + 1]``, padded rows ``NULL_BLOCK_ID``);
+    * ``block_table`` int32 ``[N, D]``: each row's blocks (padded rows NULL);
+    * ``num_spec_decodes``: the rows that decode speculatively (host int; padded rows follow them).
+    """
+
+    ATTRIBUTES = ("num_accepted_tokens", "spec_state_indices_tensor", "block_table", "num_spec_decodes")
+    PROVIDED = (", ".join(f"self.{a}" for a in ATTRIBUTES) + " (vLLM's bookkeeping of the vllm flow, "
+                "docs/semantics.md §6; an SGLang update runs under --flow sglang or npu-accepted)")
+    HOW_TO_PROVIDE = "extend drift.sim.flows.BlockHarness"
+
+    def __init__(self, pool: BlockPool):
+        self._drift_pool = pool
+        cfg = pool.cfg
+        self.block_table = pool.block_table.to(I32)
+        self.num_spec_decodes = cfg.num_requests
+        # gpu_model_runner: num_accepted_tokens.np.fill(1) before the first decode; the prefill state
+        # sits in each request's first block (non_spec_state_indices = block_table[:, 0]).
+        self.num_accepted_tokens = torch.ones(cfg.num_rows, dtype=I32, device=pool.device)
+        self.spec_state_indices_tensor = self.block_table.clone()
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(f"the update under test read self.{name}, which drift's vLLM harness does not "
+                             f"provide; it provides {self.PROVIDED}. To provide it: {self.HOW_TO_PROVIDE}.",
+                             name=name, obj=self)
+
+    def objects(self) -> tuple:
+        return (self,)
+
+
+class InPlaceBlockFlow(CopyCommitFlow):
+    """vLLM's in-place block flow (the ``vllm`` entry; module docstring)."""
+
+    kind = "in-place"
+    start_rule = "blocks"
+    tracks = False  # prefix caching's align copy is not modelled yet: tracked snapshots are n/a
+    default_update = "vllm-0.33.0"
+
+    def __init__(self, cfg: Config, device: torch.device):
+        self.cfg = cfg
+        self.pool = BlockPool(cfg, device)
+        self.harness = BlockHarness(self.pool)
+        N, D = cfg.num_rows, cfg.num_draft_tokens
+        self.actual_seq_lengths = torch.full((N,), D, dtype=I32, device=device)
+        self.scale = cfg.head_k_dim ** -0.5
+        valid = np.nonzero(self.pool.block_table_host[:, 0] != NULL_BLOCK_ID)[0]
+        self._valid_rows = torch.from_numpy(valid).to(device)  # fixed by the pool: no device read
+
+    def verify_args(self, mix, beta, g, rounding: str, key: int) -> kernels.VerifyArgs:
+        """vLLM's call (model_executor/layers/mamba/gdn: fused_recurrent_gated_delta_rule with
+        initial_state = the cache, inplace_final_state=True, ssm_state_indices, num_accepted_tokens)."""
+        cfg, pool, h = self.cfg, self.pool, self.harness
+        return kernels.VerifyArgs(mix, beta, g, pool.temporal, pool.intermediate_ssm, pool.row_slots.to(I32),
+                                  h.spec_state_indices_tensor, h.num_accepted_tokens, self.actual_seq_lengths,
+                                  cfg.num_k_heads, cfg.num_v_heads, self.scale, rounding, key, start_rule="blocks")
+
+    def after_verify(self, last: torch.Tensor) -> None:
+        pass  # the accept count is the update's business here
+
+    def conv_verify(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """vLLM's causal_conv1d_update with num_accepted_tokens (docs/semantics.md §6): read at offset
+        ``n - 1`` of the conv cache of each row's first block; rows on the NULL block are skipped."""
+        h = self.harness
+        slots = h.spec_state_indices_tensor[:, 0].to(torch.int64)
+        offset = (h.num_accepted_tokens.to(torch.int64) - 1).clamp(min=0)
+        return kernels.conv_verify_at(self.pool.conv, slots, offset, x, weight, self._valid_rows)
+
+    def load_start(self, stored: torch.Tensor, window: torch.Tensor) -> None:
+        """Prefill leaves the state in each request's first block (non_spec_state_indices =
+        block_table[:, 0]) and the last Kc-1 inputs in the first Kc-1 columns of its conv cache
+        (causal_conv1d_fn's state_len = width - 1); the other columns stay NaN (a read shows)."""
+        cfg, pool = self.cfg, self.pool
+        first = pool.block_table[: cfg.num_requests, 0]
+        pool.states[:, first] = stored
+        Km1 = cfg.conv_kernel - 1
+        buf = torch.full((cfg.num_layers, cfg.num_requests, cfg.conv_window, cfg.conv_channels), STALE,
+                         dtype=pool.conv.dtype, device=pool.device)
+        buf[:, :, :Km1] = window.to(pool.device, pool.conv.dtype)
+        pool.conv[:, first] = buf
+
+    def touched(self, track_host: np.ndarray) -> np.ndarray:
+        """The bookkeeping writes no state: every block must stay as the verify left it."""
+        return np.zeros((track_host.shape[0], self.pool.num_blocks), dtype=bool)
+
+    def _next_start(self) -> tuple[torch.Tensor, torch.Tensor]:
+        R, h = self.cfg.num_requests, self.harness
+        n = h.num_accepted_tokens[:R].to(torch.int64)
+        idx = h.spec_state_indices_tensor[:R].to(torch.int64)
+        return idx, (n - 1).clamp(min=0)
+
+    def committed_states(self) -> torch.Tensor:
+        """The block each request's next verify starts from: ``idx[r, n_r - 1]`` as the update left them."""
+        idx, j = self._next_start()
+        return self.pool.states[:, idx.gather(1, j[:, None]).squeeze(1)]
+
+    def committed_windows(self) -> torch.Tensor:
+        """The Kc-1 conv inputs the next verify reads: columns ``n - 1 .. n + Kc - 3`` of the conv cache
+        of each request's first block."""
+        cfg = self.cfg
+        idx, j = self._next_start()
+        Km1 = cfg.conv_kernel - 1
+        cols = j[:, None] + torch.arange(Km1, device=j.device)  # [R, Kc-1]
+        win = self.pool.conv[:, idx[:, 0]]  # [L, R, W, C]
+        return win.gather(2, cols[None, :, :, None].expand(win.shape[0], -1, -1, win.shape[3]))
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [self.harness.num_accepted_tokens, self.harness.spec_state_indices_tensor]
+
+    def state_dict(self) -> dict:
+        h = self.harness
+        return {"num_accepted_tokens": h.num_accepted_tokens.cpu().clone(),
+                "spec_state_indices": h.spec_state_indices_tensor.cpu().clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.harness.num_accepted_tokens.copy_(state["num_accepted_tokens"])
+        self.harness.spec_state_indices_tensor.copy_(state["spec_state_indices"])
+
+
+FLOW_KINDS = {"copy-commit": CopyCommitFlow, "in-place": InPlaceBlockFlow}
+
+
+def state_flow(cfg: Config, device: torch.device, mode: str = "mtp") -> CopyCommitFlow:
+    """The state flow ``cfg.flow`` on ``device``: its pool, harness and verify arguments. Sequential
+    decode (no drafts) keeps one state per request however the engine keeps MTP state: a plain pool."""
+    if mode != "mtp":
+        return CopyCommitFlow(cfg, device)
+    return FLOW_KINDS[FLOWS[cfg.flow].kind](cfg, device)
+
+
+def flow_kind(cfg: Config) -> type:
+    return FLOW_KINDS[FLOWS[cfg.flow].kind]

@@ -1,0 +1,139 @@
+"""drift.sim.flows: the state flows, and vLLM's in-place block flow in particular (docs/semantics.md §6).
+
+The vllm flow keeps no commit copy, yet its numerics are the copy-commit flow's: each step starts
+from the stored (rounded once) state after the last accepted token, whichever buffer holds it. So
+a run through it must reproduce the sglang flow's figures bit for bit -- a strong test of the
+bookkeeping (a wrong start block, a NULL row read, a stale conv offset all move them)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from helpers import same_bits
+from drift.check.registry import find_result
+from drift.config import FLOWS, preset
+from drift.errors import HarnessLacks
+from drift.runner import run_checked
+from drift.sim import kernels
+from drift.sim.flows import NULL_BLOCK_ID, InPlaceBlockFlow, state_flow
+
+IN_PLACE = [f for f in FLOWS if FLOWS[f].kind == "in-place"]
+COPY_COMMIT = [f for f in FLOWS if FLOWS[f].kind == "copy-commit"]
+CPU = torch.device("cpu")
+
+
+def test_every_flow_names_its_engine_files_and_kind():
+    for name in FLOWS:
+        f = FLOWS[name]
+        assert f.engine and f.files and f.kind in ("copy-commit", "in-place"), name
+        assert type(state_flow(preset("ci-small", flow=name), CPU)).kind == f.kind
+
+
+@pytest.mark.parametrize("flow", IN_PLACE)
+def test_the_block_flow_reproduces_the_copy_commit_figures_bit_for_bit(flow):
+    cfg = preset("ci-small", steps=96)
+    ours = {c.key: c for c in run_checked(cfg.replace(flow=flow), sync_scan=False).checks}
+    theirs = {c.key: c for c in run_checked(cfg, sync_scan=False).checks}
+    shared = [k for k in theirs if k != "tracked_snapshots"]  # the align copy is not modelled in the block flow
+    assert len(shared) >= 8
+    for key in shared:
+        a, b = ours[key], theirs[key]
+        assert (a.passed, a.worst, a.where) == (b.passed, b.worst, b.where), key
+    assert all(ours[k].passed for k in shared), {k: ours[k].detail for k in shared if ours[k].failed}
+
+
+@pytest.mark.parametrize("flow", IN_PLACE)
+def test_the_block_flow_passes_ci_small_with_its_own_update_and_says_what_it_does_not_model(flow):
+    rep = run_checked(preset("ci-small", steps=64, flow=flow))
+    assert rep.passed, [c.to_dict() for c in rep.checks if c.failed]
+    assert rep.info.update == "vllm-0.33.0"
+    tracked = find_result(rep.checks, "tracked_snapshots")
+    assert tracked.verdict == "n/a" and "align" in tracked.detail  # said, not silently skipped
+
+
+@pytest.mark.parametrize("flow", IN_PLACE)
+def test_an_update_written_for_another_flow_is_refused_with_what_the_harness_has(flow):
+    with pytest.raises(HarnessLacks, match="num_accepted_tokens.*--flow sglang"):
+        run_checked(preset("ci-small", steps=4, flow=flow), "sglang-0.5.23", sync_scan=False)
+    with pytest.raises(HarnessLacks, match="linear_attn_backend"):  # and the other way round
+        run_checked(preset("ci-small", steps=4, flow=COPY_COMMIT[0]), "vllm-0.33.0", sync_scan=False)
+
+
+def test_the_block_pool_gives_each_request_its_own_blocks_and_padded_rows_the_null_block():
+    cfg = preset("ci-small")
+    pool = InPlaceBlockFlow(cfg, CPU).pool
+    R, D = cfg.num_requests, cfg.num_draft_tokens
+    owned = pool.block_table_host[:R].reshape(-1)
+    assert len(set(owned.tolist())) == R * D and NULL_BLOCK_ID not in owned
+    assert (pool.block_table_host[R:] == NULL_BLOCK_ID).all()
+    assert torch.isnan(pool.states[:, NULL_BLOCK_ID].float()).all()  # a read of the NULL block shows
+
+
+def _blocks_case(seed=5, L=2, B=3, S=4, HK=1, HV=2, K=16, V=16, blocks=16):
+    """VerifyArgs by vLLM's rule: one cache of blocks (recurrent and scratch the same storage), row 2 NULL."""
+    g = torch.Generator().manual_seed(seed)
+    C = 2 * HK * K + HV * V
+    cache = torch.randn(L, blocks, HV, V, K, generator=g).to(torch.bfloat16)
+    idx = torch.tensor([[3, 7, 1, 9], [12, 4, 15, 2], [0, 0, 0, 0]], dtype=torch.int32)
+    return kernels.VerifyArgs(torch.randn(L, B, S, C, generator=g).to(torch.bfloat16),
+                              torch.randn(L, B, S, HV, generator=g).to(torch.bfloat16), -torch.rand(L, B, S, HV, generator=g),
+                              cache, cache.unsqueeze(2), idx[:, 0].clone(), idx, torch.tensor([2, 4, 1], dtype=torch.int32),
+                              torch.full((B,), S, dtype=torch.int32), HK, HV, K ** -0.5, start_rule="blocks")
+
+
+def _clone(args):
+    cache = args.recurrent_state.clone()
+    return replace(args, recurrent_state=cache, intermediate_state=cache.unsqueeze(2))
+
+
+def _blocks_reference(args):
+    """vLLM's fused_recurrent_gated_delta_rule by hand, row by row: a live row starts from block
+    ``idx[b, n - 1]`` of the cache and stores the state after token t (round to nearest) in place into
+    block ``idx[b, t]``; a row whose start index is <= 0 is skipped. Returns (cache, outputs fp32)."""
+    cache = args.recurrent_state.clone()
+    L, B, S, HV, V, K = args.dims
+    q, k, v, decay, beta = args.inputs()
+    out = torch.zeros(L, B, S, HV, V)
+    for b in range(B):
+        start = int(args.ssm_state_indices[b, int(args.num_accepted_tokens[b]) - 1])
+        if start <= 0:
+            continue
+        h = cache[:, start].float().reshape(L * HV, V, K)
+        for t in range(S):
+            o = torch.empty(L * HV, V)
+            kernels._gdn_token(h, q[:, b, t].reshape(-1, K), k[:, b, t].reshape(-1, K), v[:, b, t].reshape(-1, V),
+                               decay[:, b, t].reshape(-1), beta[:, b, t].reshape(-1), o)
+            out[:, b, t] = o.view(L, HV, V)
+            dst = int(args.ssm_state_indices[b, t])
+            if dst > 0:
+                cache[:, dst] = h.view(L, HV, V, K).to(cache.dtype)
+    return cache, out
+
+
+@pytest.mark.parametrize("path", ["native", "torch", "device"])
+def test_the_block_rule_starts_at_the_accepted_block_skips_null_rows_and_writes_in_place(monkeypatch, path):
+    args = _blocks_case()
+    if path == "device":  # the gather/scatter path an accelerator takes
+        monkeypatch.setattr(kernels, "HOST_INDEX_PATHS", False)
+    run = kernels.recurrent_gated_delta_rule if path == "native" else kernels.recurrent_gated_delta_rule_torch
+    got = _clone(args)
+    out = run(got)
+    ref, ref_out = _blocks_reference(args)
+    if path == "native":  # the C kernel sums in another order: within float32 noise, a bf16 ulp at most
+        torch.testing.assert_close(got.recurrent_state.float(), ref.float(), rtol=2 ** -7, atol=0)
+    else:  # the same torch ops in the same order: bit for bit
+        assert same_bits(got.recurrent_state, ref) and torch.equal(out, ref_out.to(torch.bfloat16))
+    assert same_bits(got.recurrent_state[:, NULL_BLOCK_ID], args.recurrent_state[:, NULL_BLOCK_ID])  # never written
+    assert (out[:, 2] == 0).all()  # the NULL row: skipped
+    # Negative control: the npu rule on the same arguments starts row 0 elsewhere and writes the NULL block.
+    npu = _clone(args)
+    kernels.recurrent_gated_delta_rule_torch(replace(npu, start_rule="npu"))
+    assert not same_bits(npu.recurrent_state, ref)
+
+
+def test_an_unknown_start_rule_is_refused():
+    with pytest.raises(ValueError, match="start_rule 'ring' is not one of"):
+        kernels.recurrent_gated_delta_rule(replace(_blocks_case(), start_rule="ring"))
