@@ -24,7 +24,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..config import Config
+from ..config import FLOWS, Config
 from ..errors import ConfigError
 from ..plug.updates import DEFAULT_UPDATE
 from ..sim import kernels, naive, native
@@ -168,6 +168,10 @@ def bench(cfg: Config, layers: Optional[int] = None, steps: int = 20, naive_step
     (copy_bandwidth_GBps * 1e9)`` and the ``verdict`` on :data:`TARGETS`.
     ``progress(done, total, what)`` after each timed part (probe, block, naive step, profile).
     """
+    if FLOWS[cfg.flow].kind != "copy-commit":
+        raise ConfigError(f"drift bench times the copy-commit flows (its naive loop mirrors SGLang's update); "
+                          f"--flow {cfg.flow} is not benchmarked yet: pass --flow "
+                          f"{', '.join(f for f in FLOWS if FLOWS[f].kind == 'copy-commit')}")
     for name, value in (("steps", steps), ("naive_steps", naive_steps), ("repeats", repeats),
                         ("copy_bytes", copy_bytes)):
         _positive(name, value)

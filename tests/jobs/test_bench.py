@@ -230,3 +230,13 @@ def test_naive_step_does_the_vectorised_step():
     # value across a bf16 rounding boundary at most: one bf16 ulp (<= 2^-7 |o|) apart.
     o_vec, o_nai = o_vec.float(), o_nai.to(torch.bfloat16).float()
     assert torch.allclose(o_vec, o_nai, rtol=2.0 ** -7, atol=1e-5 * float(o_vec.abs().max()))
+
+
+def test_bench_refuses_a_flow_its_naive_loop_does_not_mirror():
+    # the naive loop is SGLang's copy-commit step: timing the vllm flow against it would compare unlike work
+    from drift.config import FLOWS
+    from drift.errors import ConfigError
+    from drift.jobs.bench import bench
+    other = [f for f in FLOWS if FLOWS[f].kind != "copy-commit"]
+    with pytest.raises(ConfigError, match="not benchmarked yet"):
+        bench(preset("ci-small", flow=other[0]), steps=1, naive_steps=1, repeats=1)
