@@ -27,6 +27,9 @@ from .registry import Registry
 
 ROUNDINGS = ("rne", "stochastic", "truncate")
 PATTERNS = ("model", "all-1", "all-D", "mixed")
+# Draft tokens per row and step: "full" -- every row verifies all D (SGLang's fixed draft_token_num);
+# "ragged" -- a seeded count 1..D per row and step, as vLLM's varlen verify takes them (cu_seqlens).
+DRAFTS = ("full", "ragged")
 DEVICES = ("cpu", "cuda", "npu")
 
 
@@ -43,6 +46,7 @@ class Flow:
     engine: str
     files: tuple[str, ...]
     kind: str = "copy-commit"
+    ragged: bool = False  # whether the engine verifies rows with fewer than D drafts (--drafts ragged)
 
 
 # State flows (docs/semantics.md §6).
@@ -67,7 +71,7 @@ FLOWS.register("vllm", Flow(
     ("vllm/v1/attention/backends/gdn_attn.py: GDNAttentionMetadataBuilder.build",
      "vllm/v1/worker/gpu_model_runner.py: _update_states_after_model_execute",
      "vllm/third_party/flash_linear_attention/ops/fused_recurrent.py",
-     "vllm/model_executor/layers/mamba/ops/causal_conv1d.py: causal_conv1d_update"), kind="in-place"))
+     "vllm/model_executor/layers/mamba/ops/causal_conv1d.py: causal_conv1d_update"), kind="in-place", ragged=True))
 
 
 @dataclass(frozen=True)
@@ -150,6 +154,7 @@ class Config:
     # Marginal acceptance rate of draft positions 1..D-1 (non-increasing).
     acceptance: tuple[float, ...] = (0.85, 0.46, 0.19)
     pattern: str = "mixed"  # acceptance pattern, see drift.sim.stream
+    drafts: str = "full"  # draft tokens per row: DRAFTS
     # Median per-token decay exp(g) of each value head (same for every layer).
     decays: tuple[float, ...] = (0.5, 0.9, 0.98, 0.995)
     key_rank: int = 0  # 0: keys span all K dims; r > 0: keys in r coordinates
@@ -329,8 +334,15 @@ def _validate(cfg: Config) -> None:
                           f"allowed: 0 (full rank) .. {cfg.head_k_dim}")
     for name, allowed in (("ssm_dtype", STORE_DTYPES.names()), ("conv_dtype", STORE_DTYPES.names()),
                           ("store_rounding", ROUNDINGS), ("layout", LAYOUTS.names()), ("flow", FLOWS.names()),
-                          ("pattern", PATTERNS), ("device", DEVICES)):
+                          ("pattern", PATTERNS), ("drafts", DRAFTS), ("device", DEVICES)):
         _choice(cfg, name, allowed)
+    if cfg.drafts == "ragged" and not FLOWS[cfg.flow].ragged:
+        raise ConfigError(f"drafts='ragged' under flow={cfg.flow!r}: {FLOWS[cfg.flow].engine} verifies every row's "
+                          f"D draft tokens; allowed with ragged drafts: "
+                          f"{', '.join(f for f in FLOWS if FLOWS[f].ragged)}")
+    if cfg.drafts == "ragged" and cfg.trace:
+        raise ConfigError("drafts='ragged' with a trace: a trace replays the accept lengths it recorded; "
+                          "allowed with a trace: drafts='full'")
     if not isinstance(cfg.graph_mode, bool):
         raise ConfigError(f"graph_mode={cfg.graph_mode!r} is invalid; allowed: True or False")
     if cfg.store_rounding != "rne" and cfg.ssm_dtype != "bfloat16":

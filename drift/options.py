@@ -9,9 +9,10 @@ command (``--update``), ``"drift-"`` for pytest (``--drift-update``) -- pytest-b
   --seed S        the stream's seed         --device D     cpu, cuda or npu
   --profile P     state-store profile       --rounding R   store rounding of the state
   --pattern P     acceptance pattern        --mode M       mtp or sequential decode
+  --drafts K      full or ragged drafts
   --update SPEC   the update under test     --kernel SPEC  the verify kernel under test
   --trace FILE    replay a captured trace   --loop         wrap positions past the trace's end
-  --flow F        verify flow (sglang, accepted)  --no-graph  eager steps (no capture)
+  --flow F        state flow (FLOWS)        --no-graph     eager steps (no capture)
 
 Values are checked by the type functions below, so a bad one is a usage error (exit 2) before
 any work starts.
@@ -23,7 +24,7 @@ import argparse
 import re
 from typing import Callable, Iterable, Optional
 
-from .config import DEFAULT_PRESET, FLOWS, PATTERNS, PRESETS, PROFILES, ROUNDINGS, SEED_MAX
+from .config import DEFAULT_PRESET, DRAFTS, FLOWS, PATTERNS, PRESETS, PROFILES, ROUNDINGS, SEED_MAX
 from .plug.loader import KERNELS
 from .plug.updates import BUILTINS
 from .simulate import MODES
@@ -84,6 +85,9 @@ SPECS: dict[str, dict] = {
                      help=f"store rounding of the state: {', '.join(ROUNDINGS)}"),
     "pattern": dict(type=_choice(PATTERNS, "pattern"), metavar="P",
                     help=f"acceptance pattern: {', '.join(PATTERNS)}"),
+    "drafts": dict(type=_choice(DRAFTS, "drafts"), metavar="K",
+                   help="draft tokens per row: full (all D) or ragged (a seeded 1..D per row and step; "
+                        "flows whose engine verifies varlen: " + ", ".join(f for f in FLOWS if FLOWS[f].ragged) + ")"),
     "mode": dict(type=_choice(MODES, "mode"), metavar="M", help="mtp or sequential (non-MTP) decode"),
     "update": dict(metavar="SPEC", help=f"update under test: a built-in ({', '.join(BUILTINS)}), "
                    "mutant:<name>, package.module:qualname or path/to/file.py:qualname (default: the flow's "
@@ -108,7 +112,7 @@ SPECS: dict[str, dict] = {
 }
 # The shared options (every entry point that runs a simulation has them; docs/extending.md): the
 # options that make a Config, and those plus what is under test.
-CONFIG_OPTIONS = ("preset", "steps", "seed", "device", "profile", "rounding", "pattern", "flow")
+CONFIG_OPTIONS = ("preset", "steps", "seed", "device", "profile", "rounding", "pattern", "drafts", "flow")
 RUN_OPTIONS = CONFIG_OPTIONS + ("update", "kernel", "mode", "trace", "loop", "no-graph")
 DEFAULTS: dict[str, object] = {"preset": DEFAULT_PRESET, "device": "cpu", "update": None,
                                "kernel": "portable", "mode": "mtp", "loop": False}

@@ -1,7 +1,7 @@
 """One run spec: what a checked run is asked to do, assembled once for every entry point.
 
 The ``drift`` command, the pytest plugin and the nightly each read the shared options
-(drift/options.py: ``--preset --steps --seed --device --profile --rounding --pattern --flow
+(drift/options.py: ``--preset --steps --seed --device --profile --rounding --pattern --drafts --flow
 --update --kernel --mode --trace --loop --no-graph``; ``--drift-`` prefixed in pytest) into a
 :class:`RunSpec`, and :meth:`RunSpec.config` turns it into the validated :class:`Config`. Every
 rule that ties options together (``--loop`` needs ``--trace``; a trace fixes the model) is
@@ -20,7 +20,7 @@ from .errors import ConfigError
 
 # Spec field -> the Config field it sets (None: not a Config field).
 CONFIG_FIELDS = {"steps": "steps", "seed": "seed", "device": "device", "rounding": "store_rounding",
-                 "pattern": "pattern", "flow": "flow"}
+                 "pattern": "pattern", "drafts": "drafts", "flow": "flow"}
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ class RunSpec:
     profile: Optional[str] = None
     rounding: Optional[str] = None
     pattern: Optional[str] = None
+    drafts: Optional[str] = None
     flow: Optional[str] = None
     update: Optional[str] = None
     kernel: Optional[str] = None

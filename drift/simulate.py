@@ -337,7 +337,7 @@ class Simulation:
         cfg = self.cfg
         args = self.flow.verify_args(torch.empty(cfg.num_layers, cfg.num_rows, cfg.num_draft_tokens, cfg.conv_channels,
                                                  device="meta"), None, None, cfg.store_rounding, 0)
-        if kernels.uses_native(args):
+        if kernels.uses_native(args) and cfg.drafts != "ragged":  # a ragged step runs the torch ops
             return "portable, native C kernel (CPU)"
         return "portable, torch ops"
 
@@ -399,7 +399,7 @@ class Simulation:
             out = self._graph_step(chunk, s, touched)
         else:
             out = self._compute(chunk.x[s], chunk.a[s], chunk.b[s], chunk.last_steps[s], chunk.track_steps[s],
-                                s, touched[s] if touched is not None else None)
+                                s, touched[s] if touched is not None else None, chunk.drafts[s])
         view = StepView(step=self.step, index=s, x=chunk.x[s], a=chunk.a[s], b=chunk.b[s],
                         last_steps=chunk.last_steps[s], track_steps=chunk.track_steps[s], out=out,
                         pre=chunk.pre[s], accept=chunk.accept[s], track=chunk.track_host[s])
@@ -428,7 +428,8 @@ class Simulation:
         return st["out"]
 
     def _chunk_inputs(self, chunk, touched: Optional[torch.Tensor]) -> dict:
-        inputs = {"x": chunk.x, "a": chunk.a, "b": chunk.b, "last": chunk.last_steps, "trk": chunk.track_steps}
+        inputs = {"x": chunk.x, "a": chunk.a, "b": chunk.b, "last": chunk.last_steps, "trk": chunk.track_steps,
+                  "drafts": chunk.drafts}
         if touched is not None:
             inputs["touched"] = touched
         return inputs
@@ -437,9 +438,10 @@ class Simulation:
         """One decode step on the persistent inputs at ``idx``; the output lands in ``out``."""
         st = self._static
         i = st["idx"]
-        pick = {name: st[name].index_select(0, i)[0] for name in ("x", "a", "b", "last", "trk", "touched")
+        pick = {name: st[name].index_select(0, i)[0] for name in ("x", "a", "b", "last", "trk", "touched", "drafts")
                 if name in st}
-        out = self._compute(pick["x"], pick["a"], pick["b"], pick["last"], pick["trk"], i, pick.get("touched"))
+        out = self._compute(pick["x"], pick["a"], pick["b"], pick["last"], pick["trk"], i, pick.get("touched"),
+                            pick["drafts"])
         if st["out"] is None:  # the warm-up call (eager) allocates the persistent output
             st["out"] = torch.empty_like(out)
         st["out"].copy_(out)
@@ -466,16 +468,17 @@ class Simulation:
             raise UpdateRaised(f"{name} {problem} at decode step {self.step} (one call for all {L} layers)")
         return out
 
-    def _compute(self, x, a, b, last, trk, s, touched) -> torch.Tensor:
+    def _compute(self, x, a, b, last, trk, s, touched, drafts) -> torch.Tensor:
         """The step proper: conv verify, gating, verify op, the update (or sequential decode), the
-        slot guard. s: the step's index in the chunk (host int, or device tensor when captured)."""
+        slot guard. s: the step's index in the chunk (host int, or device tensor when captured);
+        drafts ``[N]``: the tokens each row verifies (all D unless the stream is ragged)."""
         cfg, pool, prm = self.cfg, self.pool, self.params
-        mix = self.flow.conv_verify(x, prm.conv_weight)  # bf16 [L, N, D, C]
+        mix = self.flow.conv_verify(x, prm.conv_weight, drafts)  # bf16 [L, N, D, C]
         g = kernels.gdn_gating(a, prm.A_log, prm.dt_bias)  # fp32 [L, N, D, HV]
         beta = b.to(torch.bfloat16)  # the beta logit, on the bf16 grid already
         self._lap("conv verify, gating")
         if self.mode == "mtp":
-            out = self._verify(self.flow.verify_args(mix, beta, g, cfg.store_rounding, self.step))
+            out = self._verify(self.flow.verify_args(mix, beta, g, cfg.store_rounding, self.step, drafts))
             self.flow.after_verify(last)
             self._lap("verify op")
             if self.guard is not None:

@@ -48,13 +48,14 @@ class CopyCommitFlow:
         self.harness = Harness(self.pool)
         self.args = VerifyArgsBuilder(cfg, self.pool)
 
-    def verify_args(self, mix, beta, g, rounding: str, key: int) -> kernels.VerifyArgs:
+    def verify_args(self, mix, beta, g, rounding: str, key: int, drafts=None) -> kernels.VerifyArgs:
+        """The verify op's arguments (drafts: every row verifies D tokens in these flows)."""
         return self.args.build(mix, beta, g, rounding, key)
 
     def after_verify(self, last: torch.Tensor) -> None:
         self.args.accepted(last)
 
-    def conv_verify(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def conv_verify(self, x: torch.Tensor, weight: torch.Tensor, drafts=None) -> torch.Tensor:
         return kernels.conv_verify(self.pool.conv, self.pool.row_slots, x, weight)
 
     def load_start(self, stored: torch.Tensor, window: torch.Tensor) -> None:
@@ -209,24 +210,27 @@ class InPlaceBlockFlow(CopyCommitFlow):
         valid = np.nonzero(self.pool.block_table_host[:, 0] != NULL_BLOCK_ID)[0]
         self._valid_rows = torch.from_numpy(valid).to(device)  # fixed by the pool: no device read
 
-    def verify_args(self, mix, beta, g, rounding: str, key: int) -> kernels.VerifyArgs:
+    def verify_args(self, mix, beta, g, rounding: str, key: int, drafts=None) -> kernels.VerifyArgs:
         """vLLM's call (model_executor/layers/mamba/gdn: fused_recurrent_gated_delta_rule with
-        initial_state = the cache, inplace_final_state=True, ssm_state_indices, num_accepted_tokens)."""
+        initial_state = the cache, inplace_final_state=True, ssm_state_indices, num_accepted_tokens;
+        each row's token count from cu_seqlens, here ``drafts [N]``)."""
         cfg, pool, h = self.cfg, self.pool, self.harness
+        lengths = self.actual_seq_lengths if drafts is None else drafts.to(I32)
         return kernels.VerifyArgs(mix, beta, g, pool.temporal, pool.intermediate_ssm, pool.row_slots.to(I32),
-                                  h.spec_state_indices_tensor, h.num_accepted_tokens, self.actual_seq_lengths,
+                                  h.spec_state_indices_tensor, h.num_accepted_tokens, lengths,
                                   cfg.num_k_heads, cfg.num_v_heads, self.scale, rounding, key, start_rule="blocks")
 
     def after_verify(self, last: torch.Tensor) -> None:
         pass  # the accept count is the update's business here
 
-    def conv_verify(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def conv_verify(self, x: torch.Tensor, weight: torch.Tensor, drafts=None) -> torch.Tensor:
         """vLLM's causal_conv1d_update with num_accepted_tokens (docs/semantics.md §6): read at offset
-        ``n - 1`` of the conv cache of each row's first block; rows on the NULL block are skipped."""
+        ``n - 1`` of the conv cache of each row's first block; rows on the NULL block are skipped;
+        a row verifying fewer than D tokens (``drafts``) writes that many."""
         h = self.harness
         slots = h.spec_state_indices_tensor[:, 0].to(torch.int64)
         offset = (h.num_accepted_tokens.to(torch.int64) - 1).clamp(min=0)
-        return kernels.conv_verify_at(self.pool.conv, slots, offset, x, weight, self._valid_rows)
+        return kernels.conv_verify_at(self.pool.conv, slots, offset, x, weight, self._valid_rows, drafts)
 
     def load_start(self, stored: torch.Tensor, window: torch.Tensor) -> None:
         """Prefill leaves the state in each request's first block (non_spec_state_indices =

@@ -156,7 +156,7 @@ def conv_verify(conv_states: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
 
 
 def conv_verify_at(conv_states: torch.Tensor, slots: torch.Tensor, offset: torch.Tensor, x: torch.Tensor,
-                   weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+                   weight: torch.Tensor, rows: torch.Tensor, lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
     """vLLM 0.33.0's speculative conv update (``causal_conv1d_update`` with ``num_accepted_tokens``,
     model_executor/layers/mamba/ops/causal_conv1d.py), for the batch rows ``rows`` (the others,
     on the NULL block, are skipped: their output is zero). Row b reads the ``Kc-1`` inputs at
@@ -164,7 +164,9 @@ def conv_verify_at(conv_states: torch.Tensor, slots: torch.Tensor, offset: torch
     cache's state_len), returns ``mix_qkv`` bf16 ``[L, N, D, C]`` (:func:`conv_mix`) and leaves the
     buffer ``[old[offset + 1 : offset + Kc-1], x_0 .. x_{D-1}]``: the next step reads at its own
     accept count (a lazy rollback: nothing is rolled back after the step). slots / offset int64
-    ``[N]``; rows int64 ``[n]``, fixed by the pool (no device read)."""
+    ``[N]``; rows int64 ``[n]``, fixed by the pool (no device read). lengths ``[N]``: tokens each row
+    verifies (varlen: the kernel's state_len shrinks by ``D - length``, so only the first
+    ``Kc-2 + length`` columns are written); None: all D."""
     L, S, W, C = conv_states.shape
     N, D, Kc = x.shape[1], x.shape[2], weight.shape[-1]
     slot = slots.index_select(0, rows)
@@ -176,7 +178,11 @@ def conv_verify_at(conv_states: torch.Tensor, slots: torch.Tensor, offset: torch
     out = torch.zeros(L, N, D, C, dtype=BF16, device=x.device)
     out.index_copy_(1, rows, conv_mix(shifted[:, :, :Kc - 1], x.index_select(1, rows), weight))
     kept = shifted[:, :, 1:Kc - 1]  # old[off + 1 .. off + Kc - 2]
-    conv_states.index_copy_(1, slot, torch.cat([kept, x.index_select(1, rows).to(conv_states.dtype)], dim=2))
+    new = torch.cat([kept, x.index_select(1, rows).to(conv_states.dtype)], dim=2)
+    if lengths is not None:  # columns past Kc-2 + length keep what they held
+        written = torch.arange(W, device=off.device)[None, :] < (Kc - 2) + lengths.index_select(0, rows).to(torch.int64)[:, None]
+        new = torch.where(written[None, :, :, None], new, buf)
+    conv_states.index_copy_(1, slot, new)
     return out
 
 
@@ -431,8 +437,8 @@ def recurrent_gated_delta_rule(args: VerifyArgs, compute_dtype: torch.dtype = F3
     On plain CPU tensors the C kernel of :mod:`drift.sim.native` runs when it applies
     (:func:`uses_native`); everywhere else :func:`recurrent_gated_delta_rule_torch`.
     """
-    if not (_plain(args) and uses_native(args, compute_dtype)):
-        return recurrent_gated_delta_rule_torch(args, compute_dtype)
+    if not (_plain(args) and uses_native(args, compute_dtype)) or (_plain(args) and _ragged(args)):
+        return recurrent_gated_delta_rule_torch(args, compute_dtype)  # the C kernel runs all S tokens
     L, B, S, HV, V, K = args.dims
     q, k, v, decay, beta = args.inputs(compute_dtype)
     check_lengths(args)
@@ -466,14 +472,21 @@ def _plain(args: VerifyArgs) -> bool:
 
 
 def check_lengths(args: VerifyArgs) -> None:
-    """ValueError unless every row runs all S tokens (drift's verify does), when ``args`` are plain
-    CPU tensors; elsewhere reading the lengths would be a host sync, and nothing is checked."""
+    """ValueError unless every row runs all S tokens (the npu rule: SGLang's verify does) or 1..S
+    tokens (the blocks rule: vLLM's varlen verify), when ``args`` are plain CPU tensors; elsewhere
+    reading the lengths would be a host sync, and nothing is checked."""
     if not _plain(args):
         return
     S = args.mix_qkv.shape[2]
     host_len = args.actual_seq_lengths.to(torch.int64).tolist()
-    if any(n != S for n in host_len) or not all(0 < n <= S for n in host_len):
-        raise ValueError(f"actual_seq_lengths {host_len}: drift's verify runs every row's S = {S} tokens")
+    if not all(0 < n <= S for n in host_len) or (args.start_rule != "blocks" and any(n != S for n in host_len)):
+        raise ValueError(f"actual_seq_lengths {host_len}: drift's verify runs every row's S = {S} tokens"
+                         + (" (1..S by the blocks rule)" if args.start_rule == "blocks" else ""))
+
+
+def _ragged(args: VerifyArgs) -> bool:
+    """Whether some row verifies fewer than S tokens (the blocks rule only; read on the host: plain args)."""
+    return args.start_rule == "blocks" and bool((args.actual_seq_lengths < args.mix_qkv.shape[2]).any())
 
 
 def recurrent_gated_delta_rule_torch(args: VerifyArgs, compute_dtype: torch.dtype = F32) -> torch.Tensor:
@@ -495,14 +508,16 @@ def recurrent_gated_delta_rule_torch(args: VerifyArgs, compute_dtype: torch.dtyp
     step = _layer_chunk((B, HV, V, K), torch.finfo(cd).bits // 8)
     h_buf = torch.empty(min(step, L) * B * HV, V, K, dtype=cd, device=q.device)
     dst_idx = args.ssm_state_indices.to(device=inter.device, dtype=torch.int64)
-    host = (start.tolist(), from_rec.tolist(), args.cache_indices.tolist(), dst_idx.tolist()) if plain else None
+    host = (start.tolist(), from_rec.tolist(), args.cache_indices.tolist(), dst_idx.tolist(),
+            args.actual_seq_lengths.tolist()) if plain else None
     blocks_rule = args.start_rule == "blocks"  # skip NULL rows and NULL stores (START_RULES)
     if not plain:
         slots = args.cache_indices.to(device=rec.device, dtype=torch.int64)
         start_d, from_d = start.to(rec.device), from_rec.to(rec.device)
         if blocks_rule:
             live = (start_d > 0)[None, :, None, None, None]
-            stores = dst_idx > 0  # [B, S]
+            stores = (dst_idx > 0) & (torch.arange(S, device=dst_idx.device)[None, :]
+                                      < args.actual_seq_lengths.to(device=dst_idx.device, dtype=torch.int64)[:, None])
     for l0 in range(0, L, step):
         l1 = min(L, l0 + step)
         nb = (l1 - l0) * B * HV
@@ -527,15 +542,17 @@ def recurrent_gated_delta_rule_torch(args: VerifyArgs, compute_dtype: torch.dtyp
             store_state(stored, hv, args.rounding, store_key(args.key, t), offset=l0 * B * HV * V * K)
             if host is not None:
                 for b in range(B):
-                    if not (blocks_rule and (host[0][b] <= 0 or host[3][b][t] <= 0)):
+                    if not (blocks_rule and (host[0][b] <= 0 or host[3][b][t] <= 0 or t >= host[4][b])):
                         inter[l0:l1, host[3][b][t]].copy_(stored[:, b])
             else:
                 if blocks_rule:  # a skipped store writes back what the block holds
                     keep = (stores[:, t] & (start_d > 0))[None, :, None, None, None]
                     stored = torch.where(keep, stored, inter[l0:l1].index_select(1, dst_idx[:, t]))
                 inter[l0:l1].index_copy_(1, dst_idx[:, t], stored)
-    if blocks_rule:  # a skipped row computes nothing: its outputs stay zero
-        out = torch.where((start.to(out.device) > 0)[None, None, :, None, None], out, torch.zeros_like(out))
+    if blocks_rule:  # a skipped row computes nothing, a short row its own tokens: the rest stays zero
+        ran = (torch.arange(S, device=out.device)[:, None] < args.actual_seq_lengths.to(out.device)[None, :]) \
+            & (start.to(out.device) > 0)[None, :]  # [S, B]
+        out = torch.where(ran[:, None, :, None, None], out, torch.zeros_like(out))
     return out.permute(1, 2, 0, 3, 4).to(BF16)
 
 

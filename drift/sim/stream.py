@@ -266,8 +266,29 @@ def _phase(step: int) -> str:
     raise AssertionError("unreachable")
 
 
+def draft_counts(cfg: Config, step0: int, count: int) -> np.ndarray:
+    """Tokens each active row verifies at steps ``step0 .. step0+count-1``: int64 ``[count, R]``; all D
+    unless ``cfg.drafts`` is "ragged", then a seeded count uniform in 1..D per row and step (the
+    root token and up to D-1 drafts, as vLLM's varlen verify takes them)."""
+    D, R = cfg.num_draft_tokens, cfg.num_requests
+    if cfg.drafts != "ragged":
+        return np.full((count, R), D, np.int64)
+    out = np.empty((count, R), dtype=np.int64)
+    for blk in range(step0 // SCHEDULE_BLOCK, (step0 + count - 1) // SCHEDULE_BLOCK + 1):
+        d = _rng(cfg.seed, 0xD4AF, blk).integers(1, D + 1, size=(SCHEDULE_BLOCK, R))
+        lo, hi = max(step0, blk * SCHEDULE_BLOCK), min(step0 + count, (blk + 1) * SCHEDULE_BLOCK)
+        out[lo - step0:hi - step0] = d[lo - blk * SCHEDULE_BLOCK:hi - blk * SCHEDULE_BLOCK]
+    return out
+
+
 def accept_lengths(cfg: Config, step0: int, count: int) -> np.ndarray:
-    """``accept_len`` (1..D) for steps ``step0 .. step0+count-1`` and every active row: int64 ``[count, R]``."""
+    """``accept_len`` (1..D) for steps ``step0 .. step0+count-1`` and every active row: int64 ``[count, R]``;
+    at most the row's :func:`draft_counts` (a draft that was not verified cannot be accepted)."""
+    acc = _accept_lengths(cfg, step0, count)
+    return acc if cfg.drafts != "ragged" else np.minimum(acc, draft_counts(cfg, step0, count))
+
+
+def _accept_lengths(cfg: Config, step0: int, count: int) -> np.ndarray:
     D, R = cfg.num_draft_tokens, cfg.num_requests
     out = np.empty((count, R), dtype=np.int64)
     # Conditional probability that draft j is accepted given j-1 was.
@@ -326,7 +347,8 @@ class StepChunk:
     Device tensors (all rows = active + padded, ``N``):
       x ``[S, L, N, D, C]`` bfloat16 (the verify windows), a, b ``[S, L, N, D, HV]`` float32,
       last_steps ``[S, N]`` int64 (accept_len - 1; -1 for padded rows),
-      track_steps ``[S, N]`` int64 (-1 when not tracked).
+      track_steps ``[S, N]`` int64 (-1 when not tracked),
+      drafts ``[S, N]`` int32 (tokens each row verifies: D, or 1..D with ragged drafts; D for padded rows).
     Host arrays (active rows ``R``): pre ``[S, R]`` seq_len before each step, accept ``[S, R]``.
     """
 
@@ -337,6 +359,7 @@ class StepChunk:
     b: torch.Tensor
     last_steps: torch.Tensor
     track_steps: torch.Tensor
+    drafts: torch.Tensor
     pre: np.ndarray
     accept: np.ndarray
     track_host: np.ndarray
@@ -387,13 +410,15 @@ class InputStream:
         last[:, :R] = acc - 1
         trk = np.full((count, N), -1, np.int64)
         trk[:, :R] = track_steps(pre, acc, cfg.track_interval)
+        drafts = np.full((count, N), D, np.int32)
+        drafts[:, :R] = draft_counts(cfg, self.step, count)
         dev = self.device
         out = StepChunk(
             step0=self.step, count=count,
             x=torch.from_numpy(x).view(torch.bfloat16).to(dev),
             a=torch.from_numpy(a).to(dev), b=torch.from_numpy(b).to(dev),
             last_steps=torch.from_numpy(last).to(dev), track_steps=torch.from_numpy(trk).to(dev),
-            pre=pre, accept=acc, track_host=trk[:, :R],
+            drafts=torch.from_numpy(drafts).to(dev), pre=pre, accept=acc, track_host=trk[:, :R],
         )
         self.pos = pre[-1] + acc[-1]
         self.step += count

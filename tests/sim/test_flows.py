@@ -89,7 +89,7 @@ def _clone(args):
     return replace(args, recurrent_state=cache, intermediate_state=cache.unsqueeze(2))
 
 
-def _blocks_reference(args):
+def _blocks_reference(args):  # noqa: C901
     """vLLM's fused_recurrent_gated_delta_rule by hand, row by row: a live row starts from block
     ``idx[b, n - 1]`` of the cache and stores the state after token t (round to nearest) in place into
     block ``idx[b, t]``; a row whose start index is <= 0 is skipped. Returns (cache, outputs fp32)."""
@@ -102,7 +102,7 @@ def _blocks_reference(args):
         if start <= 0:
             continue
         h = cache[:, start].float().reshape(L * HV, V, K)
-        for t in range(S):
+        for t in range(int(args.actual_seq_lengths[b])):  # a short row (ragged drafts) runs its own tokens
             o = torch.empty(L * HV, V)
             kernels._gdn_token(h, q[:, b, t].reshape(-1, K), k[:, b, t].reshape(-1, K), v[:, b, t].reshape(-1, V),
                                decay[:, b, t].reshape(-1), beta[:, b, t].reshape(-1), o)
@@ -137,3 +137,62 @@ def test_the_block_rule_starts_at_the_accepted_block_skips_null_rows_and_writes_
 def test_an_unknown_start_rule_is_refused():
     with pytest.raises(ValueError, match="start_rule 'ring' is not one of"):
         kernels.recurrent_gated_delta_rule(replace(_blocks_case(), start_rule="ring"))
+
+
+@pytest.mark.parametrize("path", ["native", "torch", "device"])
+def test_a_short_row_runs_and_stores_only_its_own_tokens(monkeypatch, path):
+    args = replace(_blocks_case(), actual_seq_lengths=torch.tensor([2, 4, 4], dtype=torch.int32))
+    if path == "device":
+        monkeypatch.setattr(kernels, "HOST_INDEX_PATHS", False)
+    run = kernels.recurrent_gated_delta_rule if path == "native" else kernels.recurrent_gated_delta_rule_torch
+    got = _clone(args)
+    out = run(got)  # the C kernel runs all S tokens: a ragged call takes the torch ops, bit for bit
+    ref, ref_out = _blocks_reference(args)
+    assert same_bits(got.recurrent_state, ref) and torch.equal(out, ref_out.to(torch.bfloat16))
+    assert same_bits(got.recurrent_state[:, [1, 9]], args.recurrent_state[:, [1, 9]])  # row 0's tokens 2, 3: untouched
+    # Negative control: the full-length call writes those blocks.
+    full = _clone(args)
+    kernels.recurrent_gated_delta_rule_torch(replace(full, actual_seq_lengths=torch.full((3,), 4, dtype=torch.int32)))
+    assert not same_bits(full.recurrent_state[:, [1, 9]], args.recurrent_state[:, [1, 9]])
+
+
+def test_the_conv_of_a_short_row_writes_only_its_own_columns():
+    g = torch.Generator().manual_seed(2)
+    L, N, D, C, Kc = 1, 2, 4, 6, 4
+    W = Kc - 1 + D - 1
+    conv = torch.randn(L, 3, W, C, generator=g).to(torch.bfloat16)
+    x = torch.randn(L, N, D, C, generator=g).to(torch.bfloat16)
+    w = torch.randn(L, C, Kc, generator=g)
+    slots, offset, rows = torch.tensor([1, 2]), torch.tensor([1, 0]), torch.tensor([0, 1])
+    got = conv.clone()
+    kernels.conv_verify_at(got, slots, offset, x, w, rows, torch.tensor([1, 4]))
+    full = conv.clone()
+    kernels.conv_verify_at(full, slots, offset, x, w, rows)
+    # row 0 verified 1 token: state_len shrinks to Kc-2+1 columns; the rest keep their old values
+    assert same_bits(got[:, 1, :Kc - 1], full[:, 1, :Kc - 1]) and same_bits(got[:, 1, Kc - 1:], conv[:, 1, Kc - 1:])
+    assert same_bits(got[:, 2], full[:, 2])  # row 1 verified all D
+    assert not same_bits(full[:, 1, Kc - 1:], conv[:, 1, Kc - 1:])  # control: the full write moves them
+
+
+@pytest.mark.parametrize("flow", [f for f in FLOWS if FLOWS[f].ragged])
+def test_a_ragged_draft_stream_passes_and_a_kernel_that_runs_too_few_tokens_fails(flow):
+    from drift.sim.stream import accept_lengths, draft_counts
+    cfg = preset("ci-small", steps=96, flow=flow, drafts="ragged")
+    d, acc = draft_counts(cfg, 0, 96), accept_lengths(cfg, 0, 96)
+    assert (acc <= d).all() and (d < cfg.num_draft_tokens).mean() > 0.5 and (d == cfg.num_draft_tokens).any()
+    rep = run_checked(cfg)
+    assert rep.passed, [c.to_dict() for c in rep.checks if c.failed]
+
+    def first_token_only(args):  # ignores the rows' lengths the other way: runs one token per row
+        return kernels.recurrent_gated_delta_rule(replace(args, actual_seq_lengths=torch.ones_like(args.actual_seq_lengths)))
+
+    bad = run_checked(cfg, verify_kernel=first_token_only, sync_scan=False)
+    assert find_result(bad.checks, "committed_state").failed
+
+
+def test_ragged_drafts_are_refused_where_the_engine_verifies_all_d():
+    from drift.errors import ConfigError
+    for flow in [f for f in FLOWS if not FLOWS[f].ragged]:
+        allowed = ", ".join(f for f in FLOWS if FLOWS[f].ragged)
+        with pytest.raises(ConfigError, match=f"verifies every row's D draft tokens; allowed with ragged drafts: {allowed}"):
+            preset("ci-small", flow=flow, drafts="ragged")
