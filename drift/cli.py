@@ -178,7 +178,7 @@ def add_nightly(p: argparse.ArgumentParser) -> None:
                                DEFAULT_UPDATES, TREND_FACTOR, VARIANTS)
 
     add_options(p.add_argument, ("preset", "seed", "update"), repeat=("preset", "seed", "update"))
-    add_options(p.add_argument, ("steps", "device", "trace", "loop", "no-graph"), defaults={"steps": None},
+    add_options(p.add_argument, ("steps", "device", "flow", "trace", "loop", "no-graph"), defaults={"steps": None},
                 default_text={"steps": f"{DEFAULT_STEPS}; with --trace the whole trace"})
     p.add_argument("--variant", action="append", default=[], choices=VARIANTS,
                    help=f"store variant (repeatable; default: all of {', '.join(VARIANTS)})")
@@ -209,12 +209,18 @@ def cmd_nightly(args: argparse.Namespace) -> int:
     presets, updates = args.nightly_defaults
     resolve_device(args.device)
     layers = layers_for(args.device, args.layers)
+    if args.flow and not args.update:  # that flow's own built-in, not the copy-commit default
+        from .sim.flows import FLOW_KINDS
+        from .config import FLOWS
+
+        updates = [FLOW_KINDS[FLOWS[args.flow].kind].default_update]
     updates = args.update or list(updates)
     for spec in updates:
         load_update(spec)  # a bad spec is an error now, not after hours
     steps = args.steps if (args.steps is not None or args.trace) else DEFAULT_STEPS
     entries = build_matrix(args.preset or presets, args.seed or [0], updates, args.variant or VARIANTS,
-                           steps, layers, trace=args.trace or "", loop=args.loop, graph=not args.no_graph)
+                           steps, layers, trace=args.trace or "", loop=args.loop, graph=not args.no_graph,
+                           flow=args.flow or "")
     from .sim.pool import check_fits
 
     for e in entries:  # a bad trace, option, steps past a trace's end or states too large: an error now

@@ -81,10 +81,13 @@ class Entry:
     trace: str = ""
     loop: bool = False
     graph: bool = True  # False: eager steps and eager verify arguments (--no-graph)
+    flow: str = ""  # the state flow (drift.config.FLOWS); "": the preset's
 
     @property
     def key(self) -> str:
         update = re.sub(r"[^A-Za-z0-9_.-]+", "_", self.update)
+        if self.flow:  # a flow of its own names it; the preset's flow keeps the keys earlier reports have
+            update = f"{self.flow}.{update}"
         if self.trace:
             stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(self.trace).name.removesuffix(".npz"))
             return f"{self.preset}.trace-{stem}{'-loop' if self.loop else ''}.seed{self.seed}.{update}.{self.variant}"
@@ -92,7 +95,7 @@ class Entry:
 
     def config(self, device: str) -> Config:
         """The entry's run (drift/runspec.py): the variant picks the rounding or the fp32 profile."""
-        return RunSpec(preset=self.preset, seed=self.seed, steps=self.steps, device=device,
+        return RunSpec(preset=self.preset, seed=self.seed, steps=self.steps, device=device, flow=self.flow or None,
                        trace=self.trace or None, loop=self.loop, no_graph=not self.graph, layers=self.layers,
                        profile=FP32_PROFILE if self.variant == "fp32" else None,
                        rounding=None if self.variant == "fp32" else
@@ -101,7 +104,7 @@ class Entry:
 
 def build_matrix(presets: Sequence[str], seeds: Sequence[int], updates: Sequence[str], variants: Sequence[str],
                  steps: Optional[int], layers: Optional[int], trace: str = "", loop: bool = False,
-                 graph: bool = True) -> list[Entry]:
+                 graph: bool = True, flow: str = "") -> list[Entry]:
     if steps is None and not trace:
         raise ConfigError("steps=None is only allowed with a trace (the whole trace)")
     out = []
@@ -113,7 +116,7 @@ def build_matrix(presets: Sequence[str], seeds: Sequence[int], updates: Sequence
                 if v not in VARIANTS:
                     raise ConfigError(f"variant={v!r} is not known; allowed: {', '.join(VARIANTS)}")
                 for update in (["-"] if v == "sequential" else updates):
-                    out.append(Entry(p, s, update, v, steps, layers, trace, loop, graph))
+                    out.append(Entry(p, s, update, v, steps, layers, trace, loop, graph, flow))
     return out
 
 

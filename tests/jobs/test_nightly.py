@@ -181,3 +181,16 @@ def test_resume_over_a_damaged_checkpoint_falls_back_and_says_so(tmp_path, capsy
     assert f"checkpoint {newest} cannot be read" in err and "set it aside" in err
     assert (ckpts / (newest.name + ".damaged")).exists()
     assert deterministic(ran) == uninterrupted[1]
+
+
+def test_a_flow_of_its_own_runs_its_engines_update_and_names_the_flow_in_its_key(tmp_path):
+    from drift.config import FLOWS
+    other = [f for f in FLOWS if FLOWS[f].kind != "copy-commit"][0]
+    out = tmp_path / "flow"
+    assert main(["nightly", "--preset", "ci-small", "--flow", other, "--steps", "64", "--variant", "rne",
+                 "--quiet", "--report", str(out)]) == 0
+    entries = json.loads((out / "report.json").read_text())["entries"]
+    assert list(entries) == [f"ci-small.seed0.{other}.vllm-0.33.0.rne"]
+    assert entries[f"ci-small.seed0.{other}.vllm-0.33.0.rne"]["config"]["flow"] == other
+    # Negative control: without --flow the key keeps the form earlier reports have (no flow in it).
+    assert nightly.Entry("ci-small", 0, "sglang-0.5.23", "rne", 64).key == "ci-small.seed0.sglang-0.5.23.rne"
