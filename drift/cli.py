@@ -28,7 +28,8 @@ from typing import Callable, Optional, Sequence
 
 from .config import Config, preset
 from .devices import resolve_device
-from .errors import EXIT_FAIL, EXIT_PASS, ConfigError, DriftError, UpdateRaised
+from .errors import (EXIT_FAIL, EXIT_PASS, ConfigError, DriftError, Terminated, UpdateRaised, clear_interrupt, interrupt,
+                     raise_if_interrupted)
 from .fileio import output_file, output_files, writable_dir
 from .options import CONFIG_OPTIONS, RUN_OPTIONS, add_options, dest, positive_int
 from .plug.loader import load_kernel, load_update
@@ -152,7 +153,7 @@ def _batch_list(text: str) -> list[int]:
 def add_bench_update(p: argparse.ArgumentParser) -> None:
     from .syncs.costmodel import BATCH_SIZES, DEFAULT_STEPS
 
-    add_options(p.add_argument, ("preset", "device", "update"), repeat=("update",))
+    add_options(p.add_argument, ("preset", "device", "flow", "update"), repeat=("update",))
     p.add_argument("--batches", type=_batch_list, default=list(BATCH_SIZES),
                    help="comma-separated active-request counts (default 1,2,4,...,256)")
     p.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS, metavar="N",
@@ -164,8 +165,8 @@ def add_bench_update(p: argparse.ArgumentParser) -> None:
 def cmd_bench_update(args: argparse.Namespace) -> int:
     from .syncs.costmodel import format_table, measure, to_json
 
-    cfg = RunSpec(preset=args.preset, device=args.device).config()
-    updates = [load_update(u) for u in args.update] or None  # None: the built-ins of the preset's flow
+    cfg = RunSpec(preset=args.preset, device=args.device, flow=args.flow).config()
+    updates = [load_update(u) for u in args.update] or None  # None: the built-ins of the flow
     rows = measure(cfg, updates=updates, batch_sizes=args.batches, steps=args.steps,
                    progress=_item_progress(args, f"drift bench-update {cfg.name}"))
     print(to_json(rows) if args.json else format_table(rows))
@@ -537,15 +538,6 @@ def synopsis_markdown() -> str:
     return "```text\n" + "\n".join(line.removeprefix("usage: ") for line in lines) + "\n```"
 
 
-class Terminated(BaseException):
-    """SIGTERM, raised in the main thread like KeyboardInterrupt is for SIGINT: every atomic write
-    in flight removes its temporary file, nothing half-written is left, and drift exits 143."""
-
-
-def _terminate(signum, frame):
-    raise Terminated()
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from .plug.extensions import load_extensions
 
@@ -558,12 +550,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser(argv).parse_args(argv)
     previous = blocked = None
     if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _terminate)
+        clear_interrupt()
+        previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, interrupt)}
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # an ignored SIGINT stays ignored
+            previous[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
         # A launcher may start drift with SIGTERM blocked (a CI runner's inherited signal mask did):
         # the handler would then never run and a SIGTERM would be lost. Unblock it while drift runs.
         blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     try:
-        return args.func(args)
+        code = args.func(args)
+        raise_if_interrupted()  # one whose exception a callback swallowed: the command still ends so
+        return code
     except UpdateRaised as exc:
         print(f"{PROG} {args.command}: FAIL: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -577,8 +574,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return code
     finally:
         if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            clear_interrupt()  # handled: a caller in the same process (a test) goes on undisturbed
 
 
 if __name__ == "__main__":  # pragma: no cover

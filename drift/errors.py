@@ -9,6 +9,8 @@ that reads something drift's harness does not provide). Every
 
 from __future__ import annotations
 
+import signal
+
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
 
@@ -57,3 +59,34 @@ class UpdateRaised(DriftError, RuntimeError):
 def exit_code(exc: BaseException) -> int:
     """The exit code for ``exc``: its own for a :class:`DriftError`, else none (re-raise)."""
     return exc.exit_code if isinstance(exc, DriftError) else EXIT_FAIL
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread like KeyboardInterrupt is for SIGINT: every atomic write
+    in flight removes its temporary file, nothing half-written is left, and drift exits 143."""
+
+
+# The signal that interrupted drift, once one has. Python runs a signal handler between any two
+# bytecodes, also inside a weakref callback or a __del__, where the exception it raises is
+# swallowed ("Exception ignored in ..."): measured, SIGTERM landing in importlib's module-lock
+# callback let a regen-golden run finish with exit 0. So the interrupt is also remembered, and
+# raise_if_interrupted() raises it again where drift can act on it (before every write, between
+# chunks of steps, at the end of the command).
+_PENDING: list[int] = []
+
+
+def interrupt(signum: int, frame=None) -> None:
+    """The signal handler drift installs for SIGINT and SIGTERM (drift/cli.py: main)."""
+    if not _PENDING:
+        _PENDING.append(signum)
+    raise_if_interrupted()
+
+
+def raise_if_interrupted() -> None:
+    """Raise KeyboardInterrupt (SIGINT) or Terminated (SIGTERM) if one was received."""
+    if _PENDING:
+        raise KeyboardInterrupt() if _PENDING[0] == signal.SIGINT else Terminated()
+
+
+def clear_interrupt() -> None:
+    _PENDING.clear()

@@ -28,7 +28,7 @@ from typing import Any, Type
 
 import numpy as np
 
-from .errors import ConfigError, DataError, DriftError, WriteError
+from .errors import ConfigError, DataError, DriftError, WriteError, raise_if_interrupted
 
 MAX_JSON_BYTES = 256 << 20  # drift's JSON files (reports, manifests) are KiB to a few MiB
 NPY_MAX_HEADER = 10_000  # numpy's own safe limit on an .npy header (np.lib.format, max_header_size)
@@ -190,6 +190,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically; WriteError (exit 2) naming the path and the cause."""
     path = Path(path)
     tmp = None
+    raise_if_interrupted()  # nothing is written after an interrupt, even one a callback swallowed
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)

@@ -29,10 +29,11 @@ import torch
 from .checkpoint import restore, saveable
 from .config import Config
 from .devices import resolve_device
-from .errors import DriftError, LoadError, UpdateRaised
+from .errors import DriftError, LoadError, UpdateRaised, raise_if_interrupted
 from .plug.loader import Update, load_update
 from .plug.adapter import output_problem
 from .plug.shim import kernels_in_use
+from .plug.updates import check_flow
 from .sim import kernels
 from .sim.flows import state_flow
 from .sim.graph import GraphStatus, StepGraph
@@ -211,6 +212,7 @@ class Simulation:
         self.update = None
         if mode == "mtp":  # None: the flow's own default
             self.update = update if isinstance(update, Update) else load_update(update or self.flow.default_update)
+            check_flow(self.update.spec, cfg.flow)
         self.verify_kernel = verify_kernel or kernels.recurrent_gated_delta_rule
         rules = getattr(self.verify_kernel, "START_RULES", None)  # what an adapter of an engine's op implements
         if mode == "mtp" and rules is not None and self.flow.start_rule not in rules:
@@ -300,6 +302,7 @@ class Simulation:
         next_ckpt = (done // checkpoint_every + 1) * checkpoint_every if checkpoint_every else None
         try:
             while done < total:
+                raise_if_interrupted()  # between chunks: a swallowed interrupt still ends the run
                 done += self.advance(min(self.stream.chunk_steps, total - done))
                 for obs in self.observers:
                     obs.flush()

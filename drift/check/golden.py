@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from ..config import PRESETS, Config, preset
-from ..errors import DriftError, GoldenError, WriteError
+from ..errors import DriftError, GoldenError, WriteError, raise_if_interrupted
 from ..fileio import atomic_write_bytes, atomic_write_json, load_npz, npz_bytes, read_bytes, read_json
 from ..sim.stream import StreamParams, TrueTokens, max_position
 from ..sim.tracefile import trace_paths
@@ -155,6 +155,7 @@ def _generate(cfg: Config, steps: Optional[int], positions: Optional[int] = None
     ckpt_out = np.zeros((len(ckpt_pos), L, R, HV, V), np.float32)
     block = 256
     for p0 in range(0, P, block):
+        raise_if_interrupted()  # between blocks of positions: a swallowed interrupt still ends the job
         n = min(block, P - p0)
         got = [tokens.get(r, p0, p0 + n) for r in range(R)]
         xs, as_, bs = (torch.from_numpy(np.stack([g[i] for g in got], 2)).to(F64) for i in range(3))  # [n, L, R, .]

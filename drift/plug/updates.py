@@ -22,6 +22,9 @@ from __future__ import annotations
 
 from typing import Callable
 
+from ..config import FLOWS
+from ..errors import LoadError
+
 from .parts import Recipe, commit_unless_all_step0, track_boolean_mask
 from .vllm_update import vllm_0330
 
@@ -42,6 +45,18 @@ BUILTINS: dict[str, Callable] = {
 BUILTIN_KINDS: dict[str, str] = {"sglang-31659": "copy-commit", "sglang-32130": "copy-commit",
                                  "sglang-0.5.23": "copy-commit", "vllm-0.33.0": "in-place"}
 DEFAULT_UPDATE = "sglang-0.5.23"
+
+
+def check_flow(update_name: str, flow: str) -> None:
+    """LoadError (exit 2) when built-in ``update_name`` is written for another kind of state flow than
+    ``flow``'s: its harness would lack what it reads. Plug-ins are not judged here (the harness
+    says what it lacks when they read it)."""
+    kind = BUILTIN_KINDS.get(update_name)
+    if kind is not None and kind != FLOWS[flow].kind:
+        mine = ", ".join(f for f in FLOWS if FLOWS[f].kind == kind)
+        raise LoadError(f"update {update_name} is written for the {kind} flows ({mine}), not for --flow {flow} "
+                        f"({FLOWS[flow].kind}): pass --flow {mine.split(', ')[0]}, or an update of "
+                        f"{flow}'s kind ({', '.join(builtins_of(FLOWS[flow].kind))})")
 
 
 def builtins_of(kind: str) -> tuple[str, ...]:

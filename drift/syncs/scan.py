@@ -19,6 +19,7 @@ from ..config import Config
 from ..devices import resolve_device
 from ..errors import DriftError, UpdateRaised
 from ..plug.loader import Update, load_update
+from ..plug.updates import check_flow
 from ..sim.flows import flow_kind, state_flow
 from ..sim.pool import Harness, StatePool
 from ..sim.stream import InputStream
@@ -170,6 +171,7 @@ def scan_update(cfg: Config, update: str | Update | Callable | None = None, step
     (:func:`_device_pass`), again on it with its sync debug mode armed; padded rows and tracking
     as configured (``track_interval = 0`` passes ``None`` as the simulation does)."""
     upd = update if isinstance(update, Update) else load_update(update or flow_kind(cfg).default_update)
+    check_flow(upd.spec, cfg.flow)
     chosen, last, trk = representative_steps(cfg, steps)
     more, last2, trk2 = sampled_steps(cfg, sample, chosen)
     if more:

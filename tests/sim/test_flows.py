@@ -56,10 +56,16 @@ def test_the_block_flow_passes_ci_small_with_its_own_update_and_says_what_it_doe
 
 @pytest.mark.parametrize("flow", IN_PLACE)
 def test_an_update_written_for_another_flow_is_refused_with_what_the_harness_has(flow):
+    from drift.errors import LoadError
+    from helpers import bad_spec
+    # a built-in of the other kind: refused before anything runs, naming the flow to pass
+    with pytest.raises(LoadError, match=f"sglang-0.5.23 is written for the copy-commit flows.*--flow {flow}"):
+        run_checked(preset("ci-small", steps=4, flow=flow), "sglang-0.5.23")
+    with pytest.raises(LoadError, match="vllm-0.33.0 is written for the in-place flows"):  # and the other way round
+        run_checked(preset("ci-small", steps=4, flow=COPY_COMMIT[0]), "vllm-0.33.0")
+    # a plug-in written for SGLang's backend: the block flow's harness says what it has
     with pytest.raises(HarnessLacks, match="num_accepted_tokens.*--flow sglang"):
-        run_checked(preset("ci-small", steps=4, flow=flow), "sglang-0.5.23", sync_scan=False)
-    with pytest.raises(HarnessLacks, match="linear_attn_backend"):  # and the other way round
-        run_checked(preset("ci-small", steps=4, flow=COPY_COMMIT[0]), "vllm-0.33.0", sync_scan=False)
+        run_checked(preset("ci-small", steps=4, flow=flow), bad_spec("correct"), sync_scan=False)
 
 
 def test_the_block_pool_gives_each_request_its_own_blocks_and_padded_rows_the_null_block():
