@@ -97,3 +97,14 @@ def test_cli_bench_update_rejects_bad_batches(capsys):
 def test_cuda_latency_is_measured():
     [row] = measure(CI.replace(device="cuda"), updates=["sglang-0.5.23"], batch_sizes=(4,), steps=4)
     assert row.latency_us is not None and row.latency_us > 0 and row.latency_device.startswith("cuda")
+
+
+def test_cli_bench_update_measures_another_flows_update_under_its_flow(capsys):
+    from drift.config import FLOWS
+    other = [f for f in FLOWS if FLOWS[f].kind != "copy-commit"][0]
+    # the vllm flow's bookkeeping in the preset's (copy-commit) flow: refused, naming --flow
+    assert main(["bench-update", "--update", "vllm-0.33.0", "--batches", "1", "--steps", "1"]) == 2
+    assert f"pass --flow {other}" in capsys.readouterr().err
+    assert main(["bench-update", "--flow", other, "--batches", "1", "--steps", "1", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [d["update"] for d in data] == ["vllm-0.33.0"] and data[0]["syncs_per_step"] == 0
