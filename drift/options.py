@@ -27,6 +27,7 @@ from typing import Callable, Iterable, Optional
 from .config import DEFAULT_PRESET, DRAFTS, FLOWS, PATTERNS, PRESETS, PROFILES, ROUNDINGS, SEED_MAX
 from .plug.loader import KERNELS
 from .plug.updates import BUILTINS
+from .sim.flows import FLOW_KINDS
 from .simulate import MODES
 
 
@@ -89,9 +90,10 @@ SPECS: dict[str, dict] = {
                    help="draft tokens per row: full (all D) or ragged (a seeded 1..D per row and step; "
                         "flows whose engine verifies varlen: " + ", ".join(f for f in FLOWS if FLOWS[f].ragged) + ")"),
     "mode": dict(type=_choice(MODES, "mode"), metavar="M", help="mtp or sequential (non-MTP) decode"),
-    "update": dict(metavar="SPEC", help=f"update under test: a built-in ({', '.join(BUILTINS)}), "
+    "update": dict(metavar="SPEC", help=lambda: f"update under test: a built-in ({', '.join(BUILTINS)}), "
                    "mutant:<name>, package.module:qualname or path/to/file.py:qualname (default: the flow's "
-                   "own built-in: vllm-0.33.0 under --flow vllm, sglang-0.5.23 under the others)"),
+                   "own built-in: " + "; ".join(f"{FLOW_KINDS[kind].default_update} under {', '.join(fl)}"
+                                                for kind, fl in _flows_by_kind().items()) + ")"),
     "kernel": dict(metavar="SPEC", help=lambda: "verify kernel under test: "
                    f"{', '.join(n + (':<spec>' if KERNELS[n].takes_arg else '') for n in KERNELS)}, "
                    "mutant:<name>, package.module:qualname or path/to/file.py:qualname"),
@@ -112,6 +114,13 @@ SPECS: dict[str, dict] = {
 }
 # The shared options (every entry point that runs a simulation has them; docs/extending.md): the
 # options that make a Config, and those plus what is under test.
+def _flows_by_kind() -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for name in FLOWS:
+        out.setdefault(FLOWS[name].kind, []).append(name)
+    return out
+
+
 CONFIG_OPTIONS = ("preset", "steps", "seed", "device", "profile", "rounding", "pattern", "drafts", "flow")
 RUN_OPTIONS = CONFIG_OPTIONS + ("update", "kernel", "mode", "trace", "loop", "no-graph")
 DEFAULTS: dict[str, object] = {"preset": DEFAULT_PRESET, "device": "cpu", "update": None,

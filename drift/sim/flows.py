@@ -167,8 +167,9 @@ class BlockHarness:
     """
 
     ATTRIBUTES = ("num_accepted_tokens", "spec_state_indices_tensor", "block_table", "num_spec_decodes")
-    PROVIDED = (", ".join(f"self.{a}" for a in ATTRIBUTES) + " (vLLM's bookkeeping of the vllm flow, "
-                "docs/semantics.md §6; an SGLang update runs under --flow sglang or npu-accepted)")
+    PROVIDED = (", ".join(f"self.{a}" for a in ATTRIBUTES) + " (vLLM's bookkeeping of the in-place flows, "
+                "docs/semantics.md §6; an SGLang update runs under --flow "
+                + " or ".join(f for f in FLOWS if FLOWS[f].kind == "copy-commit") + ")")
     HOW_TO_PROVIDE = "extend drift.sim.flows.BlockHarness"
 
     def __init__(self, pool: BlockPool):
