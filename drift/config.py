@@ -47,6 +47,7 @@ class Flow:
     files: tuple[str, ...]
     kind: str = "copy-commit"
     ragged: bool = False  # whether the engine verifies rows with fewer than D drafts (--drafts ragged)
+    accept_counts: bool = False  # copy-commit: the op gets the previous step's accept lengths, not ones
 
 
 # State flows (docs/semantics.md §6).
@@ -62,7 +63,8 @@ FLOWS.register("npu-accepted", Flow(
     "npu-accepted", "the NPU op's accepted-count argument form (a row continues from the previous step's "
     "scratch block; one that accepted one token from its committed state) under SGLang's commit copy: "
     "a hybrid no engine drift has read runs", "none: SGLang 0.5.23 passes ones; vLLM 0.33.0 has no commit copy",
-    ("sgl-kernel-npu: the op's num_accepted_tokens / ssm_state_indices arguments (docs/semantics.md §5-§6)",)))
+    ("sgl-kernel-npu: the op's num_accepted_tokens / ssm_state_indices arguments (docs/semantics.md §5-§6)",),
+    accept_counts=True))
 FLOWS.register("vllm", Flow(
     "vllm", "vLLM's in-place block flow: each request owns D blocks of one state cache; token t's state is "
     "written in place to block idx[b, t], the next step starts from idx[b, n - 1] (n the accept count), "

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..config import find_profile
+from ..config import FLOWS, find_profile
 from ..sim import kernels
 from ..sim.kernels import VerifyArgs
 from ..sim.pool import raw_state
@@ -212,7 +212,8 @@ def padded_rows_read_row0(self) -> None:
     self.spec_state_indices_tensor[R:].copy_(self.block_table[:1].expand_as(self.spec_state_indices_tensor[R:]))
 
 
-VLLM_FLOW = {"flow": "vllm"}  # the vllm flow's mutants run under it (drift.config.FLOWS)
+# vLLM's bookkeeping mutants run under the in-place flow that models it (drift.config.FLOWS)
+VLLM_FLOW = {"flow": next(f for f in FLOWS if FLOWS[f].kind == "in-place")}
 
 
 MUTANTS: dict[str, Mutant] = {m.name: m for m in [

@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from ..config import Config
+from ..config import FLOWS, Config
 from .kernels import VerifyArgs
 from .pool import StatePool
 
@@ -62,7 +62,7 @@ class VerifyArgsBuilder:
         """The arguments of this step's verify: mix_qkv bf16 ``[L, N, D, C]``, beta (logits) bf16 and
         g fp32 ``[L, N, D, HV]``."""
         cfg, pool = self.cfg, self.pool
-        num_accepted = self.num_accepted if cfg.flow == "sglang" else self.prev_accept
+        num_accepted = self.prev_accept if FLOWS[cfg.flow].accept_counts else self.num_accepted
         return VerifyArgs(mix_qkv, beta, g, pool.temporal, pool.intermediate_ssm, self.cache_indices,
                           self.ssm_state_indices.view(cfg.num_rows, cfg.num_draft_tokens), num_accepted,
                           self.actual_seq_lengths, cfg.num_k_heads, cfg.num_v_heads, self.scale, rounding, key)
