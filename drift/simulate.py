@@ -481,7 +481,8 @@ class Simulation:
         beta = b.to(torch.bfloat16)  # the beta logit, on the bf16 grid already
         self._lap("conv verify, gating")
         if self.mode == "mtp":
-            out = self._verify(self.flow.verify_args(mix, beta, g, cfg.store_rounding, self.step, drafts))
+            out = self._verify(self.flow.verify_args(mix, beta, g, cfg.store_rounding, self.step, drafts,
+                                                     (a, prm.A_log, prm.dt_bias)))
             self.flow.after_verify(last)
             self._lap("verify op")
             if self.guard is not None:

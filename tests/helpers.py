@@ -33,12 +33,16 @@ def verify_case(seed: int = 3, L: int = 2, slots: int = 7, B: int = 3, S: int = 
     flow; other counts: the accepted-count flow)."""
     g = torch.Generator().manual_seed(seed)
     C = 2 * HK * K + HV * V
-    return VerifyArgs(torch.randn(L, B, S, C, generator=g).to(BF16), torch.randn(L, B, S, HV, generator=g).to(BF16),
+    args = VerifyArgs(torch.randn(L, B, S, C, generator=g).to(BF16), torch.randn(L, B, S, HV, generator=g).to(BF16),
                       -torch.rand(L, B, S, HV, generator=g), torch.randn(L, slots, HV, V, K, generator=g).to(BF16),
                       torch.randn(L, B + 1, S, HV, V, K, generator=g).to(BF16),
                       torch.tensor([4, 1, 0][:B], dtype=torch.int32),
                       torch.arange(B * S, dtype=torch.int32).view(B, S), torch.tensor(accepted, dtype=torch.int32),
                       torch.full((B,), S, dtype=torch.int32), HK, HV, K ** -0.5)
+    # The raw gate inputs of that g, for a kernel that computes its gating (A_log = dt_bias = 0:
+    # g = -softplus(a), so a = log(expm1(-g)) in float64); no draw of the generator changes.
+    a = torch.log(torch.expm1(-args.g.double())).float()
+    return replace(args, gate_inputs=(a, torch.zeros(L, HV), torch.zeros(L, HV)))
 
 
 def clone_case(args: VerifyArgs) -> VerifyArgs:

@@ -34,7 +34,7 @@ from .shim import sgl_kernels
 from .specs import MUTANT_PREFIX, resolve_spec
 from .triton_kernel import TritonAdapter
 from .updates import BUILTINS, RENAMED
-from .vllm_kernel import VllmTritonAdapter
+from .vllm_kernel import VllmQwenAdapter, VllmTritonAdapter
 
 REQUIRED = ("self", "last_correct_step_indices", "mamba_track_indices", "mamba_steps_to_track")
 
@@ -99,6 +99,11 @@ for _k in (
     KernelEntry("vllm-triton", "vLLM 0.33.0's Triton fused_recurrent_gated_delta_rule (CUDA; "
                 "vllm/third_party/flash_linear_attention/ops/fused_recurrent.py) through drift's flows",
                 lambda arg: VllmTritonAdapter.load(), REORDERED_FP32),
+    KernelEntry("vllm-triton-qwen", "vLLM 0.33.0's Qwen-path Triton fused_sigmoid_gating_delta_rule_update "
+                "(the gating computed in the kernel in fp32) through drift's flows",
+                # g from fp32 softplus/exp in the kernel against drift's float64 one rounded once: an fp32
+                # ulp or so per gate, carried through the decay, on top of the reordered fp32 sums
+                lambda arg: VllmQwenAdapter.load(), REORDERED_FP32),
 ):
     KERNELS.register(_k.name, _k)
 

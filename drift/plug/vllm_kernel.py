@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from ..sim.kernels import VerifyArgs
+from ..errors import UpdateRaised
+from ..sim.kernels import SOFTPLUS_THRESHOLD, VerifyArgs
 from ..sim.pool import raw_state
 from .adapter import FlaKernelAdapter
 
@@ -56,15 +57,47 @@ class VllmTritonAdapter(FlaKernelAdapter):
 
     def call_op(self, args: VerifyArgs, layer: int, qkvgb: tuple, indices: tuple) -> torch.Tensor:
         if indices is None:  # the vllm flow: the cache itself is the op's state, written in place
-            o, _ = self.op(*qkvgb, scale=1.0, initial_state=raw_state(args.recurrent_state)[layer],
-                           inplace_final_state=True, cu_seqlens=None, ssm_state_indices=args.ssm_state_indices,
-                           num_accepted_tokens=args.num_accepted_tokens, use_qk_l2norm_in_kernel=False)
-            return o
+            return self.run(args, layer, qkvgb, raw_state(args.recurrent_state)[layer], args.ssm_state_indices,
+                            args.num_accepted_tokens)
         idx, n, first = indices
         L, B, S, HV, V, K = args.dims
         blocks = torch.zeros(1 + B * S, HV, V, K, dtype=args.intermediate_state.dtype, device=qkvgb[0].device)
         blocks.index_copy_(0, first, self.start_states(args, layer).to(blocks.dtype))
-        o, _ = self.op(*qkvgb, scale=1.0, initial_state=blocks, inplace_final_state=True, cu_seqlens=None,
-                       ssm_state_indices=idx, num_accepted_tokens=n, use_qk_l2norm_in_kernel=False)
+        o = self.run(args, layer, qkvgb, blocks, idx, n)
         self.write_back(args, layer, blocks[1:])
+        return o
+
+    def run(self, args: VerifyArgs, layer: int, qkvgb: tuple, state: torch.Tensor, idx: torch.Tensor,
+            n: torch.Tensor) -> torch.Tensor:
+        """One call of the op on block buffer ``state`` with indices ``idx`` and accept counts ``n``."""
+        o, _ = self.op(*qkvgb, scale=1.0, initial_state=state, inplace_final_state=True, cu_seqlens=None,
+                       ssm_state_indices=idx, num_accepted_tokens=n, use_qk_l2norm_in_kernel=False)
+        return o
+
+
+class VllmQwenAdapter(VllmTritonAdapter):
+    """The Qwen path's kernel, vLLM 0.33.0 ``fused_sigmoid_gating.py:
+    fused_sigmoid_gating_delta_rule_update(A_log, a, b, dt_bias, q, k, v, beta, threshold, scale,
+    initial_state, inplace_final_state, cu_seqlens, ssm_state_indices, num_accepted_tokens, ...)``,
+    called from ``model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py``: the same recurrence and
+    state rules as ``fused_recurrent_gated_delta_rule``, with the gating computed in the kernel in fp32
+    (``g = -exp(A_log) * softplus(a + dt_bias)``, softplus threshold 20; ``beta = sigmoid(b)``) from
+    the raw inputs drift hands it (``VerifyArgs.gate_inputs``; the b logits as given) instead of
+    drift's g (computed in float64 and rounded once to fp32, as SGLang's NPU op takes it)."""
+
+    MODULE = "vllm.third_party.flash_linear_attention.ops.fused_sigmoid_gating"
+    FUNCTION = "fused_sigmoid_gating_delta_rule_update"
+    KERNEL = "vllm-triton-qwen"
+
+    def run(self, args: VerifyArgs, layer: int, qkvgb: tuple, state: torch.Tensor, idx: torch.Tensor,
+            n: torch.Tensor) -> torch.Tensor:
+        if args.gate_inputs is None:
+            raise UpdateRaised("the Qwen-path kernel computes its gating from the raw gate inputs, which these "
+                               "verify arguments lack (VerifyArgs.gate_inputs; drift's simulation passes them)")
+        q, k, v, _, _ = qkvgb
+        a, A_log, dt_bias = args.gate_inputs
+        o, _ = self.op(A_log[layer].float(), a[layer].float().contiguous(), args.beta[layer].contiguous(),
+                       dt_bias[layer].float(), q, k, v, beta=1.0, threshold=SOFTPLUS_THRESHOLD, scale=1.0,
+                       initial_state=state, inplace_final_state=True, cu_seqlens=None, ssm_state_indices=idx,
+                       num_accepted_tokens=n, use_qk_l2norm_in_kernel=False)
         return o

@@ -58,14 +58,15 @@ class VerifyArgsBuilder:
         self.prev_accept = torch.ones(N, dtype=I32, device=dev)
 
     def build(self, mix_qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, rounding: str = "rne",
-              key: int = 0) -> VerifyArgs:
+              key: int = 0, gate_inputs: Optional[tuple] = None) -> VerifyArgs:
         """The arguments of this step's verify: mix_qkv bf16 ``[L, N, D, C]``, beta (logits) bf16 and
-        g fp32 ``[L, N, D, HV]``."""
+        g fp32 ``[L, N, D, HV]`` (gate_inputs: what g was computed from, :class:`VerifyArgs`)."""
         cfg, pool = self.cfg, self.pool
         num_accepted = self.prev_accept if FLOWS[cfg.flow].accept_counts else self.num_accepted
         return VerifyArgs(mix_qkv, beta, g, pool.temporal, pool.intermediate_ssm, self.cache_indices,
                           self.ssm_state_indices.view(cfg.num_rows, cfg.num_draft_tokens), num_accepted,
-                          self.actual_seq_lengths, cfg.num_k_heads, cfg.num_v_heads, self.scale, rounding, key)
+                          self.actual_seq_lengths, cfg.num_k_heads, cfg.num_v_heads, self.scale, rounding, key,
+                          gate_inputs=gate_inputs)
 
     def accepted(self, last_steps: torch.Tensor) -> None:
         """Record this step's accepted steps (int ``[N]``, -1 for padded rows) for the next step's

@@ -48,9 +48,10 @@ class CopyCommitFlow:
         self.harness = Harness(self.pool)
         self.args = VerifyArgsBuilder(cfg, self.pool)
 
-    def verify_args(self, mix, beta, g, rounding: str, key: int, drafts=None) -> kernels.VerifyArgs:
-        """The verify op's arguments (drafts: every row verifies D tokens in these flows)."""
-        return self.args.build(mix, beta, g, rounding, key)
+    def verify_args(self, mix, beta, g, rounding: str, key: int, drafts=None, gate=None) -> kernels.VerifyArgs:
+        """The verify op's arguments (drafts: every row verifies D tokens in these flows; gate: the raw
+        gate inputs, :class:`~drift.sim.kernels.VerifyArgs`)."""
+        return self.args.build(mix, beta, g, rounding, key, gate)
 
     def after_verify(self, last: torch.Tensor) -> None:
         self.args.accepted(last)
@@ -211,7 +212,7 @@ class InPlaceBlockFlow(CopyCommitFlow):
         valid = np.nonzero(self.pool.block_table_host[:, 0] != NULL_BLOCK_ID)[0]
         self._valid_rows = torch.from_numpy(valid).to(device)  # fixed by the pool: no device read
 
-    def verify_args(self, mix, beta, g, rounding: str, key: int, drafts=None) -> kernels.VerifyArgs:
+    def verify_args(self, mix, beta, g, rounding: str, key: int, drafts=None, gate=None) -> kernels.VerifyArgs:
         """vLLM's call (model_executor/layers/mamba/gdn: fused_recurrent_gated_delta_rule with
         initial_state = the cache, inplace_final_state=True, ssm_state_indices, num_accepted_tokens;
         each row's token count from cu_seqlens, here ``drafts [N]``)."""
@@ -219,7 +220,8 @@ class InPlaceBlockFlow(CopyCommitFlow):
         lengths = self.actual_seq_lengths if drafts is None else drafts.to(I32)
         return kernels.VerifyArgs(mix, beta, g, pool.temporal, pool.intermediate_ssm, pool.row_slots.to(I32),
                                   h.spec_state_indices_tensor, h.num_accepted_tokens, lengths,
-                                  cfg.num_k_heads, cfg.num_v_heads, self.scale, rounding, key, start_rule="blocks")
+                                  cfg.num_k_heads, cfg.num_v_heads, self.scale, rounding, key, start_rule="blocks",
+                                  gate_inputs=gate)
 
     def after_verify(self, last: torch.Tensor) -> None:
         pass  # the accept count is the update's business here

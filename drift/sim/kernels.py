@@ -353,6 +353,9 @@ class VerifyArgs:
     rounding: str = "rne"
     key: int = 0
     start_rule: str = "npu"  # where a row starts and what is stored: START_RULES
+    # The raw gate inputs g was computed from (gdn_gating): a fp32 [L, B, S, HV], A_log and dt_bias
+    # [L, HV]; for a kernel that computes the gating itself (vLLM's Qwen path). None: not given.
+    gate_inputs: Optional[tuple] = None
 
     @property
     def dims(self) -> tuple[int, int, int, int, int, int]:

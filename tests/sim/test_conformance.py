@@ -190,8 +190,9 @@ VLLM_STUBS = """
 
 
 def test_vllm_triton_kernel_matches_drifts_op_and_runs_the_checks():
-    """vLLM 0.33.0's recurrent kernel through drift's adapter (--kernel vllm-triton), under the
-    interpreter, whose fp32 -> bf16 stores truncate (as for sglang-triton above):
+    """vLLM 0.33.0's recurrent kernel (--kernel vllm-triton) and its Qwen-path twin with the gating in
+    the kernel (--kernel vllm-triton-qwen) through drift's adapter, under the interpreter, whose fp32
+    -> bf16 stores truncate (as for sglang-triton above):
     * one verify call in both flows: its scratch states and outputs against drift's op storing by
       truncation (the same fp32 math: every element within one bf16 ulp, nearly all bit-equal;
       measured here: all of them), and against round-to-nearest far fewer agree (negative control);
@@ -209,31 +210,45 @@ def test_vllm_triton_kernel_matches_drifts_op_and_runs_the_checks():
     from drift.plug.loader import load_kernel
     from drift.runner import run_checked
     from drift.sim import kernels
-    k = load_kernel("vllm-triton")
-    for flow, accepted in (("sglang", (1, 1, 1)), ("npu-accepted", (3, 1, 4))):
-        args = verify_case(accepted=accepted)
-        a, b, c = clone_case(args), clone_case(args), clone_case(args)
-        o_a = k(a)
-        o_b = kernels.recurrent_gated_delta_rule(replace(b, rounding="truncate"))
-        kernels.recurrent_gated_delta_rule(c)
-        x, y, z = (t.intermediate_state[:, :3].float() for t in (a, b, c))
-        ulp = 2.0 ** (torch.floor(torch.log2(y.abs().clamp_min(1e-30))) - 7)
-        o_ulp = 2.0 ** (torch.floor(torch.log2(o_b.float().abs().clamp_min(1e-30))) - 7)
-        print(flow, (x == y).float().mean().item(), ((x - y).abs() / ulp).max().item(),
-              (x == z).float().mean().item(), ((o_a.float() - o_b.float()).abs() / o_ulp).max().item())
-    for flow in ("sglang", "vllm"):  # through the adapter, and in vLLM's own flow with vLLM's own arguments
-        cfg = preset("ci-small", steps=4, store_rounding="truncate", flow=flow)
-        got = run_checked(cfg, verify_kernel=k, sync_scan=False)
-        ref = run_checked(cfg, sync_scan=False)  # drift's op storing by truncation, as the interpreter does
-        same = [(c.key, c.passed, c.worst) for c in got.checks] == [(c.key, c.passed, c.worst) for c in ref.checks]
-        print("run", same, sorted(c.key for c in got.checks if c.failed))
+    for name in ("vllm-triton", "vllm-triton-qwen"):
+        k = load_kernel(name)
+        for flow, accepted in (("sglang", (1, 1, 1)), ("npu-accepted", (3, 1, 4))):
+            args = verify_case(accepted=accepted)
+            a, b, c = clone_case(args), clone_case(args), clone_case(args)
+            o_a = k(a)
+            o_b = kernels.recurrent_gated_delta_rule(replace(b, rounding="truncate"))
+            kernels.recurrent_gated_delta_rule(c)
+            x, y, z = (t.intermediate_state[:, :3].float() for t in (a, b, c))
+            ulp = 2.0 ** (torch.floor(torch.log2(y.abs().clamp_min(1e-30))) - 7)
+            o_ulp = 2.0 ** (torch.floor(torch.log2(o_b.float().abs().clamp_min(1e-30))) - 7)
+            print(name, flow, (x == y).float().mean().item(), ((x - y).abs() / ulp).max().item(),
+                  (x == z).float().mean().item(), ((o_a.float() - o_b.float()).abs() / o_ulp).max().item())
+        for flow in ("sglang", "vllm"):  # through the adapter, and in vLLM's own flow with vLLM's own arguments
+            cfg = preset("ci-small", steps=4, store_rounding="truncate", flow=flow)
+            got = run_checked(cfg, verify_kernel=k, sync_scan=False)
+            ref = run_checked(cfg, sync_scan=False)  # drift's op storing by truncation, as the interpreter does
+            same = [(c.key, c.passed, c.worst) for c in got.checks] == [(c.key, c.passed, c.worst) for c in ref.checks]
+            near = max(abs(g.worst - r.worst) / max(abs(r.worst), 1e-30) for g, r in zip(got.checks, ref.checks)
+                       if g.worst is not None and r.worst is not None)
+            print("run", name, flow, same, near, sorted(c.key for c in got.checks if c.failed))
     """.replace("{tests!r}", repr(str(Path(__file__).resolve().parents[1]))))  # tests/: helpers.py
     lines = out.strip().splitlines()
-    for line in lines[:2]:
-        flow, equal, worst, equal_rne, o_worst = line.split()
+    calls = [ln for ln in lines if not ln.startswith("run ")]
+    runs = [ln.split(maxsplit=4) for ln in lines if ln.startswith("run ")]
+    assert len(calls) == 4 and len(runs) == 4, out
+    for line in calls:
+        name, flow, equal, worst, equal_rne, o_worst = line.split()
         # fp32 summation-order noise can straddle a truncation boundary (sglang-triton's test above):
-        # at most one bf16 ulp, on a tiny fraction of elements; 0.995 leaves a wide margin.
+        # at most one bf16 ulp, on a tiny fraction of elements; 0.995 leaves a wide margin. The Qwen
+        # path's fp32 gating moves g by an fp32 ulp or so: the same bound holds (measured below).
         assert float(equal) >= 0.995 and float(worst) <= 1.0 and float(o_worst) <= 1.0, line
         assert float(equal_rne) < 0.8, line  # truncation vs round to nearest: about half differ
-    assert lines[2] == "run True ['drift_bound', 'output_bound']", out  # the sglang flow
-    assert lines[3] == "run True ['drift_bound', 'output_bound']", out  # the vllm flow, natively
+    for _, name, flow, same, rest in runs:
+        near, failed = rest.split(maxsplit=1)
+        assert failed == "['drift_bound', 'output_bound']", (name, flow, out)  # truncation fails only the bounds
+        if name == "vllm-triton":  # the same fp32 math as drift's op: the same worst values, bit for bit
+            assert same == "True", (name, flow, out)
+        else:  # g from fp32 softplus/exp in the kernel, not drift's float64 rounded once: worst values
+            # within 1% (measured 2026-12-01: identical in both flows, the fp32 gating landing on the
+            # same fp32 values here; 1% is far below a semantic error, order one)
+            assert float(near) < 1e-2, (name, flow, out)
