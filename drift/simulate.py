@@ -340,7 +340,7 @@ class Simulation:
         cfg = self.cfg
         args = self.flow.verify_args(torch.empty(cfg.num_layers, cfg.num_rows, cfg.num_draft_tokens, cfg.conv_channels,
                                                  device="meta"), None, None, cfg.store_rounding, 0)
-        if kernels.uses_native(args) and cfg.drafts != "ragged":  # a ragged step runs the torch ops
+        if kernels.uses_native(args):
             return "portable, native C kernel (CPU)"
         return "portable, torch ops"
 

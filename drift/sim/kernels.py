@@ -24,7 +24,7 @@ S <- S + delta k^T; o = S q``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -440,18 +440,18 @@ def recurrent_gated_delta_rule(args: VerifyArgs, compute_dtype: torch.dtype = F3
     On plain CPU tensors the C kernel of :mod:`drift.sim.native` runs when it applies
     (:func:`uses_native`); everywhere else :func:`recurrent_gated_delta_rule_torch`.
     """
-    if not (_plain(args) and uses_native(args, compute_dtype)) or (_plain(args) and _ragged(args)):
-        return recurrent_gated_delta_rule_torch(args, compute_dtype)  # the C kernel runs all S tokens
+    if not (_plain(args) and uses_native(args, compute_dtype)):
+        return recurrent_gated_delta_rule_torch(args, compute_dtype)
     L, B, S, HV, V, K = args.dims
     q, k, v, decay, beta = args.inputs(compute_dtype)
     check_lengths(args)
     start, from_rec = start_blocks(args)
     dst = args.ssm_state_indices.to(torch.int64).tolist()
     rows = list(range(B))
-    if args.start_rule == "blocks":  # the C kernel runs the rows that are not skipped
-        rows = [b for b, i in enumerate(start.tolist()) if i > 0]
-        if any(i <= 0 for b in rows for i in dst[b]):  # a partly NULL row: the torch ops store per token
-            return recurrent_gated_delta_rule_torch(args, compute_dtype)
+    lengths = args.actual_seq_lengths.tolist()
+    if args.start_rule == "blocks":  # the C kernel runs the rows that are not skipped, and stores no
+        rows = [b for b, i in enumerate(start.tolist()) if i > 0]  # NULL block nor a token past a row's length
+        dst = [[i if (i > 0 and t < n) else -1 for t, i in enumerate(d)] for d, n in zip(dst, lengths)]
     fr = from_rec.tolist()
     src = [slot if f else i for slot, f, i in zip(args.cache_indices.tolist(), fr, start.tolist())]
     out = torch.zeros(L, B, S, HV, V, dtype=compute_dtype)
@@ -465,6 +465,9 @@ def recurrent_gated_delta_rule(args: VerifyArgs, compute_dtype: torch.dtype = F3
                                           [src[b] for b in rows], [fr[b] for b in rows], [dst[b] for b in rows],
                                           *(t.index_select(1, sel).contiguous() for t in (q, k, v, decay, beta)), part)
         out.index_copy_(1, sel, part)
+    if args.start_rule == "blocks" and any(n < S for n in lengths):  # a short row's extra tokens: zero
+        ran = (torch.arange(S)[None, :] < torch.tensor(lengths)[:, None])[None, :, :, None, None]
+        out = torch.where(ran, out, torch.zeros_like(out))
     return out.to(BF16)
 
 
@@ -485,11 +488,6 @@ def check_lengths(args: VerifyArgs) -> None:
     if not all(0 < n <= S for n in host_len) or (args.start_rule != "blocks" and any(n != S for n in host_len)):
         raise ValueError(f"actual_seq_lengths {host_len}: drift's verify runs every row's S = {S} tokens"
                          + (" (1..S by the blocks rule)" if args.start_rule == "blocks" else ""))
-
-
-def _ragged(args: VerifyArgs) -> bool:
-    """Whether some row verifies fewer than S tokens (the blocks rule only; read on the host: plain args)."""
-    return args.start_rule == "blocks" and bool((args.actual_seq_lengths < args.mix_qkv.shape[2]).any())
 
 
 def recurrent_gated_delta_rule_torch(args: VerifyArgs, compute_dtype: torch.dtype = F32) -> torch.Tensor:

@@ -211,7 +211,7 @@ def recurrent_gated_delta_rule(rec: torch.Tensor, blocks: torch.Tensor, start: l
     rec ``[L, S, HV, V, K]`` committed states and blocks ``[L, I, HV, V, K]`` scratch blocks by flat
     index (float32 or bfloat16, dense); start / from_rec: B host values, where each row starts
     (a slot of rec, or a block of the scratch); dst: B lists of S scratch blocks receiving the
-    state after each token; q, k ``[L, B, S, HV, K]``, v and out ``[L, B, S, HV, V]``, decay
+    state after each token (-1: that token's state is not stored); q, k ``[L, B, S, HV, K]``, v and out ``[L, B, S, HV, V]``, decay
     (= exp(g)) and beta (= sigmoid(b)) ``[L, B, S, HV]``: dense float32.
     """
     lib = _load()
@@ -229,7 +229,7 @@ def recurrent_gated_delta_rule(rec: torch.Tensor, blocks: torch.Tensor, start: l
           and decay.shape == beta.shape and tuple(decay.shape) == (L, B, S, HV)
           and len(start) == len(from_rec) == len(dst) == B and all(len(d) == S for d in dst)
           and all(0 <= i < (slots if fr else n_blocks) for i, fr in zip(start, from_rec))
-          and all(0 <= i < n_blocks for d in dst for i in d)
+          and all(-1 <= i < n_blocks for d in dst for i in d)
           and rec.is_contiguous() and blocks.is_contiguous())
     if not ok:
         raise ValueError(f"native recurrent_gated_delta_rule: inconsistent arguments: states {tuple(rec.shape)}, "

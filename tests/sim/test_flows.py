@@ -152,9 +152,14 @@ def test_a_short_row_runs_and_stores_only_its_own_tokens(monkeypatch, path):
         monkeypatch.setattr(kernels, "HOST_INDEX_PATHS", False)
     run = kernels.recurrent_gated_delta_rule if path == "native" else kernels.recurrent_gated_delta_rule_torch
     got = _clone(args)
-    out = run(got)  # the C kernel runs all S tokens: a ragged call takes the torch ops, bit for bit
+    out = run(got)
     ref, ref_out = _blocks_reference(args)
-    assert same_bits(got.recurrent_state, ref) and torch.equal(out, ref_out.to(torch.bfloat16))
+    if path == "native":  # the C kernel sums in another order: within float32 noise, a bf16 ulp at most
+        torch.testing.assert_close(got.recurrent_state.float(), ref.float(), rtol=2 ** -7, atol=0)
+        torch.testing.assert_close(out.float(), ref_out, rtol=2 ** -7, atol=1e-6)
+        assert (out[:, 0, 2:] == 0).all()  # row 0's tokens past its length: no output
+    else:  # the same torch ops in the same order: bit for bit
+        assert same_bits(got.recurrent_state, ref) and torch.equal(out, ref_out.to(torch.bfloat16))
     assert same_bits(got.recurrent_state[:, [1, 9]], args.recurrent_state[:, [1, 9]])  # row 0's tokens 2, 3: untouched
     # Negative control: the full-length call writes those blocks.
     full = _clone(args)

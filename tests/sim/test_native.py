@@ -253,7 +253,7 @@ def test_native_rejects_inconsistent_arguments():
         "start block past the scratch": dict(start=[n_blocks, *ok["start"][1:]], from_rec=[False, *ok["from_rec"][1:]]),
         "negative start": dict(start=[-1, *ok["start"][1:]]),
         "destination block past the scratch": dict(dst=[[0, 1, 2, n_blocks], *ok["dst"][1:]]),
-        "negative destination": dict(dst=[[-1, 1, 2, 3], *ok["dst"][1:]]),
+        "destination below -1 (-1: not stored)": dict(dst=[[-2, 1, 2, 3], *ok["dst"][1:]]),
         "a destination list too short": dict(dst=[[0, 1, 2], *ok["dst"][1:]]),
         "one row too few": dict(start=ok["start"][:-1], from_rec=ok["from_rec"][:-1], dst=ok["dst"][:-1]),
         "v too short (would read past it)": dict(v=ok["v"][..., :-1].contiguous()),

@@ -15,7 +15,8 @@
  * inter : scratch blocks by flat index i, element (l, i, hv, v, k) at l*il + i*is + (hv*V + v)*K + k;
  * sdt / idt: element type of rec / inter, 0 = float32, 1 = bfloat16;
  * start : int64 [B], the block a row starts from: a slot of rec when from_rec[b], else a flat
- *         scratch index; dst: int64 [B, S], the scratch block receiving the state after token t;
+ *         scratch index; dst: int64 [B, S], the scratch block receiving the state after token t
+ *         (negative: not stored -- a row verifying fewer tokens, or vLLM's NULL block);
  * q, k  : float32 dense [L, B, S, HV, K]; v, out: float32 dense [L, B, S, HV, V];
  * dec, beta: float32 dense [L, B, S, HV] (dec = exp(g), beta = sigmoid(b): computed by the caller);
  * work  : float32 scratch of 2*K*V floats per thread (min(GR, V) rows and their staged copy).
@@ -257,8 +258,10 @@ static void rgdr_items(int64_t w0, int64_t w1, int64_t B, int64_t S, int64_t HV,
                         ot[g] = axpy_dot(hr, kt, qt, u, K);
                     }
                 }
-                const int64_t to = l * il + dst[b * S + t] * is + hv * KV + r0 * K;
-                store_rows((char *)inter + to * (int64_t)esize, idt, h, stage, nr * K);
+                if (dst[b * S + t] >= 0) { /* a negative index: this token's state is not stored */
+                    const int64_t to = l * il + dst[b * S + t] * is + hv * KV + r0 * K;
+                    store_rows((char *)inter + to * (int64_t)esize, idt, h, stage, nr * K);
+                }
             }
         }
     }
