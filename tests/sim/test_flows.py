@@ -119,9 +119,9 @@ def _blocks_reference(args):  # noqa: C901
     return cache, out
 
 
-@pytest.mark.parametrize("path", ["native", "torch", "device"])
-def test_the_block_rule_starts_at_the_accepted_block_skips_null_rows_and_writes_in_place(monkeypatch, path):
-    args = _blocks_case()
+def _against_reference(monkeypatch, path: str, args):
+    """Run ``args`` by ``path`` (the C kernel, the torch ops on the host, or the device path) and
+    compare with :func:`_blocks_reference`; returns (the written args, the outputs)."""
     if path == "device":  # the gather/scatter path an accelerator takes
         monkeypatch.setattr(kernels, "HOST_INDEX_PATHS", False)
     run = kernels.recurrent_gated_delta_rule if path == "native" else kernels.recurrent_gated_delta_rule_torch
@@ -130,14 +130,22 @@ def test_the_block_rule_starts_at_the_accepted_block_skips_null_rows_and_writes_
     ref, ref_out = _blocks_reference(args)
     if path == "native":  # the C kernel sums in another order: within float32 noise, a bf16 ulp at most
         torch.testing.assert_close(got.recurrent_state.float(), ref.float(), rtol=2 ** -7, atol=0)
+        torch.testing.assert_close(out.float(), ref_out, rtol=2 ** -7, atol=1e-6)
     else:  # the same torch ops in the same order: bit for bit
         assert same_bits(got.recurrent_state, ref) and torch.equal(out, ref_out.to(torch.bfloat16))
+    return got, out
+
+
+@pytest.mark.parametrize("path", ["native", "torch", "device"])
+def test_the_block_rule_starts_at_the_accepted_block_skips_null_rows_and_writes_in_place(monkeypatch, path):
+    args = _blocks_case()
+    got, out = _against_reference(monkeypatch, path, args)
     assert same_bits(got.recurrent_state[:, NULL_BLOCK_ID], args.recurrent_state[:, NULL_BLOCK_ID])  # never written
     assert (out[:, 2] == 0).all()  # the NULL row: skipped
     # Negative control: the npu rule on the same arguments starts row 0 elsewhere and writes the NULL block.
     npu = _clone(args)
     kernels.recurrent_gated_delta_rule_torch(replace(npu, start_rule="npu"))
-    assert not same_bits(npu.recurrent_state, ref)
+    assert not same_bits(npu.recurrent_state, _blocks_reference(args)[0])
 
 
 def test_an_unknown_start_rule_is_refused():
@@ -148,18 +156,8 @@ def test_an_unknown_start_rule_is_refused():
 @pytest.mark.parametrize("path", ["native", "torch", "device"])
 def test_a_short_row_runs_and_stores_only_its_own_tokens(monkeypatch, path):
     args = replace(_blocks_case(), actual_seq_lengths=torch.tensor([2, 4, 4], dtype=torch.int32))
-    if path == "device":
-        monkeypatch.setattr(kernels, "HOST_INDEX_PATHS", False)
-    run = kernels.recurrent_gated_delta_rule if path == "native" else kernels.recurrent_gated_delta_rule_torch
-    got = _clone(args)
-    out = run(got)
-    ref, ref_out = _blocks_reference(args)
-    if path == "native":  # the C kernel sums in another order: within float32 noise, a bf16 ulp at most
-        torch.testing.assert_close(got.recurrent_state.float(), ref.float(), rtol=2 ** -7, atol=0)
-        torch.testing.assert_close(out.float(), ref_out, rtol=2 ** -7, atol=1e-6)
-        assert (out[:, 0, 2:] == 0).all()  # row 0's tokens past its length: no output
-    else:  # the same torch ops in the same order: bit for bit
-        assert same_bits(got.recurrent_state, ref) and torch.equal(out, ref_out.to(torch.bfloat16))
+    got, out = _against_reference(monkeypatch, path, args)
+    assert (out[:, 0, 2:] == 0).all()  # row 0's tokens past its length: no output
     assert same_bits(got.recurrent_state[:, [1, 9]], args.recurrent_state[:, [1, 9]])  # row 0's tokens 2, 3: untouched
     # Negative control: the full-length call writes those blocks.
     full = _clone(args)
