@@ -32,7 +32,7 @@ from .errors import (EXIT_FAIL, EXIT_PASS, ConfigError, DriftError, Terminated, 
                      raise_if_interrupted)
 from .fileio import output_file, output_files, writable_dir
 from .options import CONFIG_OPTIONS, RUN_OPTIONS, add_options, dest, positive_int
-from .plug.loader import load_kernel, load_update
+from .plug.loader import load_kernel, load_update, update_for
 from .plug.mutants import MUTANTS
 from .runspec import RunSpec
 from .version import __version__
@@ -211,21 +211,21 @@ def cmd_nightly(args: argparse.Namespace) -> int:
     resolve_device(args.device)
     layers = layers_for(args.device, args.layers)
     if args.flow and not args.update:  # that flow's own built-in, not the copy-commit default
-        from .sim.flows import FLOW_KINDS
-        from .config import FLOWS
+        from .sim.flows import flow_kind
 
-        updates = [FLOW_KINDS[FLOWS[args.flow].kind].default_update]
+        updates = [flow_kind(RunSpec(flow=args.flow).config()).default_update]
     updates = args.update or list(updates)
-    for spec in updates:
-        load_update(spec)  # a bad spec is an error now, not after hours
     steps = args.steps if (args.steps is not None or args.trace) else DEFAULT_STEPS
     entries = build_matrix(args.preset or presets, args.seed or [0], updates, args.variant or VARIANTS,
                            steps, layers, trace=args.trace or "", loop=args.loop, graph=not args.no_graph,
                            flow=args.flow or "")
     from .sim.pool import check_fits
 
-    for e in entries:  # a bad trace, option, steps past a trace's end or states too large: an error now
-        check_fits(e.config(args.device))
+    for e in entries:  # a bad trace, option, steps past a trace's end, states too large, an update of
+        cfg = e.config(args.device)  # another flow: an error now, not after hours
+        check_fits(cfg)
+        if e.update != "-":
+            update_for(cfg, e.update)
     k, n = parse_shard(args.shard)
     mine = shard(entries, k, n)
     baseline = read_report(args.baseline) if args.baseline else None

@@ -13,11 +13,10 @@ import torch
 from .check.bounds import BoundCheck
 from .check.checks import Check
 from .check.compare import Comparison
-from .sim.flows import flow_kind
 from .check.registry import CHECKS, RunContext
 from .check.result import CheckResult
 from .config import Config
-from .plug.loader import Update, load_update
+from .plug.loader import Update, update_for
 from .plug.shim import kernels_in_use
 from .sim.twin import F64
 from .simulate import ResumePoint, RunInfo, Simulation
@@ -150,7 +149,7 @@ def run_checked(cfg: Config, update=None, mode: str = "mtp", steps: Optional[int
     sync_sample: real steps of the run's horizon the scan re-checks beyond its representative ones."""
     syncs = None
     if sync_scan and mode == "mtp":
-        update = load_update(update or flow_kind(cfg).default_update)
+        update = update_for(cfg, update)
         t0 = time.perf_counter()
         syncs = sync_check(cfg, update, sample=sync_sample)
         if syncs.failed and sync_first:

@@ -30,10 +30,9 @@ from .checkpoint import restore, saveable
 from .config import Config
 from .devices import resolve_device
 from .errors import DriftError, LoadError, UpdateRaised, raise_if_interrupted
-from .plug.loader import Update, load_update
+from .plug.loader import Update, update_for
 from .plug.adapter import output_problem
 from .plug.shim import kernels_in_use
-from .plug.updates import check_flow
 from .sim import kernels
 from .sim.flows import state_flow
 from .sim.graph import GraphStatus, StepGraph
@@ -211,8 +210,7 @@ class Simulation:
         self.harness = self.flow.harness
         self.update = None
         if mode == "mtp":  # None: the flow's own default
-            self.update = update if isinstance(update, Update) else load_update(update or self.flow.default_update)
-            check_flow(self.update.spec, cfg.flow)
+            self.update = update_for(cfg, update)
         self.verify_kernel = verify_kernel or kernels.recurrent_gated_delta_rule
         rules = getattr(self.verify_kernel, "START_RULES", None)  # what an adapter of an engine's op implements
         if mode == "mtp" and rules is not None and self.flow.start_rule not in rules:

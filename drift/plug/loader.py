@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional
 from ..errors import HarnessLacks, LoadError
 from ..registry import Registry
 from ..sim import kernels
+from ..sim.flows import flow_kind
 from ..sim.kernels import VerifyKernel
 from ..sim.pool import HOW_TO_PROVIDE, PROVIDED
 from .mutants import MUTANTS, Mutant
@@ -33,7 +34,7 @@ from .npu_op import check_op_signature, legacy_adapter, npu_op_adapter, sgl_kern
 from .shim import sgl_kernels
 from .specs import MUTANT_PREFIX, resolve_spec
 from .triton_kernel import TritonAdapter
-from .updates import BUILTINS, RENAMED
+from .updates import BUILTINS, RENAMED, check_flow
 from .vllm_kernel import VllmQwenAdapter, VllmTritonAdapter
 
 REQUIRED = ("self", "last_correct_step_indices", "mamba_track_indices", "mamba_steps_to_track")
@@ -265,6 +266,14 @@ def load_update(spec: "str | Callable | Update") -> Update:
     owner = _owner(fn, spec if resolved else None) if resolved or callable(spec) else None
     return Update(name=name, spec=text, fn=fn, extra=extra, source=source, owner=owner)
 
+
+def update_for(cfg, update: "str | Callable | Update | None" = None) -> Update:
+    """The update a run of ``cfg`` puts under test: ``update`` loaded (None: the state flow's own
+    built-in, drift/sim/flows.py), refused (LoadError, exit 2) when it is a built-in written for
+    another kind of flow (:func:`drift.plug.updates.check_flow`)."""
+    upd = update if isinstance(update, Update) else load_update(update or flow_kind(cfg).default_update)
+    check_flow(upd.spec, cfg.flow)
+    return upd
 
 def load_kernel(spec: "str | VerifyKernel | None") -> VerifyKernel:
     """A verify kernel from a spec (see the module docstring); LoadError names the spec."""

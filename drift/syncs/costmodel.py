@@ -28,8 +28,8 @@ import torch
 
 from ..config import Config
 from ..devices import resolve_device
-from ..plug.loader import Update, load_update
-from ..plug.updates import builtins_of, check_flow
+from ..plug.loader import Update, update_for
+from ..plug.updates import builtins_of
 from ..sim.flows import flow_kind, state_flow
 from .detector import SyncDetector, to_virtual
 from .scan import step_indices, update_calls, virtual_harness
@@ -92,9 +92,7 @@ def measure(cfg: Config, updates: Optional[Sequence[str]] = None, batch_sizes: S
         raise ValueError(f"steps={steps} is invalid; allowed: an integer >= 1")
     if not batch_sizes or any(int(b) < 1 for b in batch_sizes):
         raise ValueError(f"batch sizes {list(batch_sizes)} are invalid; allowed: integers >= 1")
-    loaded = [load_update(u) for u in (updates or builtins_of(flow_kind(cfg).kind))]
-    for upd in loaded:
-        check_flow(upd.spec, cfg.flow)
+    loaded = [update_for(cfg, u) for u in (updates or builtins_of(flow_kind(cfg).kind))]
     out = []
     for batch in batch_sizes:
         c = cfg.replace(num_requests=int(batch))

@@ -18,9 +18,8 @@ from ..check.result import CheckResult
 from ..config import Config
 from ..devices import resolve_device
 from ..errors import DriftError, UpdateRaised
-from ..plug.loader import Update, load_update
-from ..plug.updates import check_flow
-from ..sim.flows import flow_kind, state_flow
+from ..plug.loader import Update, update_for
+from ..sim.flows import state_flow
 from ..sim.pool import Harness, StatePool
 from ..sim.stream import InputStream
 from .detector import VIRTUAL_DEVICE, SyncDetector, SyncEvent, SyncReport, VirtualTensor, npu_present, to_virtual
@@ -170,8 +169,7 @@ def scan_update(cfg: Config, update: str | Update | Callable | None = None, step
     of the run's horizon) on the virtual device and, when there is an accelerator
     (:func:`_device_pass`), again on it with its sync debug mode armed; padded rows and tracking
     as configured (``track_interval = 0`` passes ``None`` as the simulation does)."""
-    upd = update if isinstance(update, Update) else load_update(update or flow_kind(cfg).default_update)
-    check_flow(upd.spec, cfg.flow)
+    upd = update_for(cfg, update)
     chosen, last, trk = representative_steps(cfg, steps)
     more, last2, trk2 = sampled_steps(cfg, sample, chosen)
     if more:

@@ -19,6 +19,7 @@ from drift.cli import main
 from drift.jobs import nightly
 from drift.sim import native
 from drift.check.registry import CHECKS
+from drift.config import FLOWS
 
 PNG = b"\x89PNG\r\n\x1a\n"
 # One worker runs this module under pytest-xdist (--dist loadgroup, pyproject.toml): its module
@@ -91,6 +92,10 @@ def test_bad_arguments_exit_2(tmp_path, cpu_only, capsys):
     assert main(["nightly", "--update", "sglang-0.5.2", "--report", str(tmp_path)]) == 2
     assert main(["nightly", "--baseline", str(tmp_path / "none.json"), "--report", str(tmp_path)]) == 2
     assert "none.json not found" in capsys.readouterr().err
+    # an update written for another kind of state flow: refused before the first entry runs
+    other = next(f for f in FLOWS if FLOWS[f].kind != "copy-commit")
+    assert main(["nightly", "--flow", other, "--update", "sglang-0.5.23", "--report", str(tmp_path)]) == 2
+    assert "is written for the copy-commit flows" in capsys.readouterr().err
     for argv in (["--variant", "bogus"], ["--steps", "0"], ["--seed", "-1"], ["--checkpoint-every", "0"]):
         with pytest.raises(SystemExit) as exc:
             main(["nightly", *argv, "--report", str(tmp_path)])
@@ -184,7 +189,6 @@ def test_resume_over_a_damaged_checkpoint_falls_back_and_says_so(tmp_path, capsy
 
 
 def test_a_flow_of_its_own_runs_its_engines_update_and_names_the_flow_in_its_key(tmp_path):
-    from drift.config import FLOWS
     other = [f for f in FLOWS if FLOWS[f].kind != "copy-commit"][0]
     out = tmp_path / "flow"
     assert main(["nightly", "--preset", "ci-small", "--flow", other, "--steps", "64", "--variant", "rne",
