@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Optional
 import numpy as np
 import torch
 
-from ..dtypes import as_bits, store_dtype
+from ..dtypes import store_dtype
 from ..registry import Registry
 from ..sim import native
 
@@ -264,19 +264,12 @@ MEASURES.register("conv", Measure("conv", "bits of each row's committed conv win
 
 # ----------------------------------------------------------------------- tracked snapshots
 def _tracked_snapshot(comp, view):
-    """What the tracking rows hold now: (rows, tracked states, their windows, bit mismatches of
-    each tracked slot against the scratch block it was copied from [n]); None when none tracks."""
-    sim, cfg, pool = comp.sim, comp.sim.cfg, comp.sim.pool
+    """What the tracking rows hold now (the flow's :meth:`tracked_snapshot`): rows, tracked states,
+    their windows, bit mismatches of each against what the run held [n]; None when none tracks."""
+    sim = comp.sim
     if sim.mode != "mtp" or not sim.flow.tracks or not (view.track >= 0).any():
         return None
-    rows = np.nonzero(view.track >= 0)[0]
-    rows_t = torch.from_numpy(rows).to(sim.device)
-    tslots = pool.row_track_slots[rows_t]
-    got = pool.states[:, tslots]  # [L, n, HV, V, K] in the state dtype
-    held = pool.scratch[:, rows_t, torch.from_numpy(view.track[rows]).to(sim.device)]
-    bits_bad = (as_bits(got) != as_bits(held)).sum((0, 2, 3, 4))
-    Km1 = cfg.conv_kernel - 1
-    return rows, got.clone(), pool.conv[:, tslots, cfg.conv_window - Km1:].clone(), bits_bad
+    return sim.flow.tracked_snapshot(view.track)
 
 
 def _tracked_step(comp, batch: Batch, j: int) -> None:

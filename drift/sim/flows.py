@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ..config import FLOWS, Config
+from ..dtypes import as_bits
 from ..layouts import LAYOUTS
 from . import kernels
 from .backend import VerifyArgsBuilder
@@ -91,6 +92,20 @@ class CopyCommitFlow:
         """``[L, R, Kc-1, C]``: the conv inputs each request's next verify reads."""
         cfg, pool = self.cfg, self.pool
         return pool.conv[:, pool.active_slots, cfg.conv_window - (cfg.conv_kernel - 1):]
+
+    def tracked_snapshot(self, track: np.ndarray) -> tuple:
+        """What the rows tracked this step (``track [R]`` host int, -1 = none) hold in their track
+        slots now: ``(rows [n], states [L, n, HV, V, K], windows [L, n, Kc-1, C], bit mismatches [n]
+        of each tracked state against the scratch block it was copied from)``."""
+        cfg, pool = self.cfg, self.pool
+        rows = np.nonzero(track >= 0)[0]
+        rows_t = torch.from_numpy(rows).to(pool.device)
+        tslots = pool.row_track_slots[rows_t]
+        got = pool.states[:, tslots]  # [L, n, HV, V, K] in the state dtype
+        held = pool.scratch[:, rows_t, torch.from_numpy(track[rows]).to(pool.device)]
+        bits_bad = (as_bits(got) != as_bits(held)).sum((0, 2, 3, 4))
+        Km1 = cfg.conv_kernel - 1
+        return rows, got.clone(), pool.conv[:, tslots, cfg.conv_window - Km1:].clone(), bits_bad
 
     def buffers(self) -> list[torch.Tensor]:
         """The persistent tensors a decode step writes besides the pool's (a captured step replays them)."""
