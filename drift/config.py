@@ -38,8 +38,9 @@ class Flow:
     """How an engine keeps MTP state between verify steps (docs/semantics.md §6): where each verify
     starts and what commits the accepted state. ``engine``: the engine and version modelled (or
     why none runs it); ``files``: the shipped files the model is read from; ``kind``: the state
-    machinery (drift/sim/flows.py): ``copy-commit`` (a scratch and a commit copy) or ``in-place``
-    (blocks written in place, the accept count picks the next start)."""
+    machinery (drift/sim/flows.py): ``copy-commit`` (a scratch and a commit copy), ``in-place``
+    (blocks written in place, the accept count picks the next start) or ``kernel-commit`` (the
+    verify writes records to a ring, the commit folds the accepted ones into the checkpoint)."""
 
     name: str
     description: str
@@ -74,6 +75,17 @@ FLOWS.register("vllm", Flow(
      "vllm/v1/worker/gpu_model_runner.py: _update_states_after_model_execute",
      "vllm/third_party/flash_linear_attention/ops/fused_recurrent.py",
      "vllm/model_executor/layers/mamba/ops/causal_conv1d.py: causal_conv1d_update"), kind="in-place", ragged=True))
+FLOWS.register("sglang-replayssm", Flow(
+    "sglang-replayssm", "SGLang's ReplaySSM kernel-side commit (--enable-linear-replayssm-spec): the verify "
+    "writes each draft token's compact record (delta, key, log-decay) into a per-request ring and keeps no "
+    "per-token state; the commit advances the ring's cursors by the accept length and folds the accepted "
+    "records into the checkpoint (every step for a 16-bit checkpoint, when the ring fills for fp32)",
+    "SGLang 0.5.23 (CUDA Triton; NPU and CPU fall back to the recurrent verify)",
+    ("sglang/kernels/ops/attention/linear/gdn_replayssm_spec_decode.py: gdn_replayssm_spec_circular_kernel, "
+     "commit_gdn_replayssm_spec, commit_gdn_replayssm_circular",
+     "sglang/srt/speculative/spec_utils.py: commit_mamba_states_after_verify",
+     "sglang/srt/layers/attention/linear/gdn_backend.py: _replayssm_target_verify",
+     "sglang/srt/mem_cache/memory_pool.py: MambaPool (the ring buffers and cursors)"), kind="kernel-commit"))
 
 
 @dataclass(frozen=True)
@@ -342,6 +354,11 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"drafts='ragged' under flow={cfg.flow!r}: {FLOWS[cfg.flow].engine} verifies every row's "
                           f"D draft tokens; allowed with ragged drafts: "
                           f"{', '.join(f for f in FLOWS if FLOWS[f].ragged)}")
+    if cfg.store_rounding != "rne" and FLOWS[cfg.flow].kind == "kernel-commit":
+        raise ConfigError(f"store_rounding={cfg.store_rounding!r} under flow={cfg.flow!r}: its verify stores no state; "
+                          "the commit's fold rounds to nearest as the engine's kernel does (store_rounding='rne'), "
+                          "or pick a flow whose verify stores states: "
+                          + ", ".join(f for f in FLOWS if FLOWS[f].kind != "kernel-commit"))
     if cfg.drafts == "ragged" and cfg.trace:
         raise ConfigError("drafts='ragged' with a trace: a trace replays the accept lengths it recorded; "
                           "allowed with a trace: drafts='full'")

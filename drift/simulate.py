@@ -213,6 +213,12 @@ class Simulation:
             self.update = update_for(cfg, update)
         self.verify_kernel = verify_kernel or kernels.recurrent_gated_delta_rule
         rules = getattr(self.verify_kernel, "START_RULES", None)  # what an adapter of an engine's op implements
+        if (mode == "mtp" and self.flow.start_rule == "ring" and self.verify_kernel is not kernels.recurrent_gated_delta_rule
+                and "ring" not in (rules or ())):
+            raise LoadError(f"--flow {cfg.flow} verifies with drift's rendering of its engine's ring kernel "
+                            f"(drift.sim.replay.ring_verify); the verify kernel {getattr(verify_kernel, '__qualname__', '')} "
+                            "writes per-token states, which this flow keeps none of: run it under a copy-commit or "
+                            "in-place flow, or give it START_RULES = ('ring',) and write the ring's records")
         if mode == "mtp" and rules is not None and self.flow.start_rule not in rules:
             raise LoadError(f"the verify kernel {getattr(self.verify_kernel, '__qualname__', '')} reads its arguments "
                             f"by the {', '.join(rules)} rule, but --flow {cfg.flow} needs {self.flow.start_rule!r} "

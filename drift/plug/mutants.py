@@ -20,6 +20,7 @@ from ..sim.kernels import VerifyArgs
 from ..sim.pool import raw_state
 from .parts import Batch, commit_all, commit_unless_all_step0, rollback_rows
 from .updates import SGLANG_0523
+from . import replayssm_update as replay_parts
 from .vllm_update import bookkeeping, kept_tokens
 
 BF16 = torch.bfloat16
@@ -216,6 +217,36 @@ def padded_rows_read_row0(self) -> None:
 VLLM_FLOW = {"flow": next(f for f in FLOWS if FLOWS[f].kind == "in-place")}
 
 
+# ---------------------------------------------------------- the kernel-commit flow's commit parts
+def ring_not_restarted(c) -> None:
+    pass  # the finish launch dropped: write_pos keeps the folded records, the next verify folds them again
+
+
+def advance_without_bonus(c) -> None:
+    # accept_lens taken as the accepted draft steps, forgetting the bonus token they include
+    replay_parts.advance_cursors(replace(c, accept=torch.clamp(c.accept - 1, min=0)))
+
+
+def fold_high_parts_only(c) -> None:
+    # a memory saving that drops the low-part rings (replayssm_rawv / rawk): records fold at bf16 precision
+    def hi_only(old, d, kh, kl, g, length):
+        return replay_parts.compensated_fold(old, d.to(BF16).to(torch.float32), kh, torch.zeros_like(kl), g, length)
+    replay_parts.fold_checkpoints(c, hi_only)
+
+
+def fold_if_any_flush(c) -> None:
+    if bool((c.h.mamba_pool.replayssm_is_flush != 0).any()):  # skip the launch when nothing folds: a sync
+        replay_parts.fold_checkpoints(c)
+
+
+# The ReplaySSM commit's mutants run under the kernel-commit flow that models it (drift.config.FLOWS)
+REPLAY_FLOW = {"flow": next(f for f in FLOWS if FLOWS[f].kind == "kernel-commit")}
+
+
+def _replay(name: str, **part) -> Callable:
+    return replay_parts.SGLANG_0523_REPLAYSSM.but(**part).build(f"mutant:{name}")
+
+
 MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("item_guard", "sync", "update", "precision guard (last_steps == 0).all().item() skips the commit",
            "sglang #31659", _update("item_guard", "guard with .item()", commit=commit_unless_all_step0)),
@@ -262,6 +293,17 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
            bookkeeping(indices=padded_rows_read_row0, name="mutant:vllm_null_row_read"), VLLM_FLOW),
     Mutant("vllm_accept_sync", "sync", "update", "vllm flow: accept counts computed on the host with .tolist()",
            "", bookkeeping(accept=accept_on_host, name="mutant:vllm_accept_sync"), VLLM_FLOW),
+    Mutant("replay_no_restart", "semantics", "update", "sglang-replayssm flow: the ring is not restarted after "
+           "a fold (the finish launch dropped), so the next verify folds the same records again", "",
+           _replay("replay_no_restart", finish=ring_not_restarted), REPLAY_FLOW),
+    Mutant("replay_no_bonus", "semantics", "update", "sglang-replayssm flow: the cursors advance by the accepted "
+           "draft steps, forgetting the bonus token accept_lens includes", "sglang spec_utils.py accept_lens",
+           _replay("replay_no_bonus", advance=advance_without_bonus), REPLAY_FLOW),
+    Mutant("replay_high_only", "precision", "update", "sglang-replayssm flow: the fold drops the low-part "
+           "records (replayssm_rawv / rawk), folding deltas and keys at bf16 precision", "",
+           _replay("replay_high_only", fold=fold_high_parts_only), REPLAY_FLOW),
+    Mutant("replay_fold_sync", "sync", "update", "sglang-replayssm flow: the fold launched only "
+           "`if bool(is_flush.any())`", "", _replay("replay_fold_sync", fold=fold_if_any_flush), REPLAY_FLOW),
     Mutant("padded_alias_row0", "semantics", "kernel", "padded graph rows alias request 0's scratch slot",
            "sglang #26906 / #27202", _kernel_padded_alias),
 ]}

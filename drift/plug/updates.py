@@ -16,6 +16,9 @@ mamba_steps_to_track, model=None, req_pool_indices=None)``.
 - ``vllm-0.33.0``: vLLM 0.33.0's per-step bookkeeping of the in-place block flow (``--flow vllm``,
   whose default it is): the accept count and the state indices the next verify reads
   (drift/plug/vllm_update.py).
+- ``sglang-0.5.23-replayssm``: SGLang 0.5.23's ReplaySSM commit (``--flow sglang-replayssm``, whose
+  default it is): advance the ring cursors by the accept length, fold the accepted records into
+  the checkpoint, restart the ring, roll the conv window back (drift/plug/replayssm_update.py).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from ..config import FLOWS
 from ..errors import LoadError
 
 from .parts import Recipe, commit_unless_all_step0, track_boolean_mask
+from .replayssm_update import sglang_0523_replayssm
 from .vllm_update import vllm_0330
 
 SGLANG_0523 = Recipe()
@@ -40,10 +44,12 @@ BUILTINS: dict[str, Callable] = {
     "sglang-0.5.23": SGLANG_0523.build(
         "sglang-0.5.23", "SGLang 0.5.23: device-side tracking by torch.where; no sync."),
     "vllm-0.33.0": vllm_0330,
+    "sglang-0.5.23-replayssm": sglang_0523_replayssm,
 }
 # The state-flow kind (drift/sim/flows.py) each built-in is written for: the harness it gets as self.
 BUILTIN_KINDS: dict[str, str] = {"sglang-31659": "copy-commit", "sglang-32130": "copy-commit",
-                                 "sglang-0.5.23": "copy-commit", "vllm-0.33.0": "in-place"}
+                                 "sglang-0.5.23": "copy-commit", "vllm-0.33.0": "in-place",
+                                 "sglang-0.5.23-replayssm": "kernel-commit"}
 DEFAULT_UPDATE = "sglang-0.5.23"
 
 

@@ -16,6 +16,9 @@ state the next step reads) and which slots the update may write.
   the conv window is read at offset ``n - 1`` (a lazy rollback). The code under test is the
   per-step bookkeeping that sets ``num_accepted_tokens`` and the state indices
   (:class:`BlockPool`, :class:`BlockHarness`).
+* ``kernel-commit`` (SGLang 0.5.23's ReplaySSM spec verify; the ``sglang-replayssm`` flow): the
+  verify writes per-token records to a ring and the update folds the accepted ones into the
+  checkpoint (:mod:`drift.sim.replay`).
 """
 
 from __future__ import annotations
@@ -302,6 +305,7 @@ class InPlaceBlockFlow(CopyCommitFlow):
 
 
 FLOW_KINDS = {"copy-commit": CopyCommitFlow, "in-place": InPlaceBlockFlow}
+from . import replay  # noqa: E402,F401  registers "kernel-commit" (its module builds on CopyCommitFlow)
 
 
 def state_flow(cfg: Config, device: torch.device, mode: str = "mtp") -> CopyCommitFlow:

@@ -356,6 +356,9 @@ class VerifyArgs:
     # The raw gate inputs g was computed from (gdn_gating): a fp32 [L, B, S, HV], A_log and dt_bias
     # [L, HV]; for a kernel that computes the gating itself (vLLM's Qwen path). None: not given.
     gate_inputs: Optional[tuple] = None
+    # The "ring" rule: the kernel-commit flow's pool (drift.sim.replay.ReplayPool), whose ring the
+    # verify writes its per-token records to. None elsewhere.
+    ring: Optional[object] = None
 
     @property
     def dims(self) -> tuple[int, int, int, int, int, int]:
@@ -395,7 +398,9 @@ def scratch_blocks(intermediate: torch.Tensor) -> torch.Tensor:
 #   ops/fused_recurrent.py) over one state cache -- always block i, and a row with i <= 0
 #   (NULL_BLOCK_ID) is skipped: no read, no store, its outputs left alone (drift: zeros); a token
 #   whose index is <= 0 is not stored.
-START_RULES = ("npu", "blocks")
+# * "ring": SGLang 0.5.23's ReplaySSM spec verify (drift/sim/replay.py: ring_verify) -- the row's
+#   checkpoint with its ring's records folded in; per-token records go to the ring, no state is stored.
+START_RULES = ("npu", "blocks", "ring")
 
 
 def start_blocks(args: VerifyArgs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -408,7 +413,8 @@ def start_blocks(args: VerifyArgs) -> tuple[torch.Tensor, torch.Tensor]:
     if args.start_rule == "blocks":
         return start, torch.zeros_like(start, dtype=torch.bool)
     if args.start_rule != "npu":
-        raise ValueError(f"start_rule {args.start_rule!r} is not one of {START_RULES}")
+        raise ValueError(f"start_rule {args.start_rule!r}: the recurrent op reads the npu and blocks rules "
+                         "(the ring rule is drift.sim.replay.ring_verify's)")
     return start, (start % S) == 0
 
 
@@ -440,6 +446,9 @@ def recurrent_gated_delta_rule(args: VerifyArgs, compute_dtype: torch.dtype = F3
     On plain CPU tensors the C kernel of :mod:`drift.sim.native` runs when it applies
     (:func:`uses_native`); everywhere else :func:`recurrent_gated_delta_rule_torch`.
     """
+    if args.start_rule == "ring":
+        from .replay import ring_verify  # the kernel-commit flow's op (a module of its own)
+        return ring_verify(args)
     if not (_plain(args) and uses_native(args, compute_dtype)):
         return recurrent_gated_delta_rule_torch(args, compute_dtype)
     L, B, S, HV, V, K = args.dims

@@ -39,27 +39,27 @@ class SpeculativeParams:
     intermediate_conv_window: list = field(default_factory=list)  # CUDA only; empty here
 
 
-def planned_bytes(cfg: Config) -> int:
+def planned_bytes(cfg: Config, scratch: bool = True) -> int:
     """A lower bound on what one checked run of ``cfg`` allocates: the pool's committed states,
-    verify scratch and conv windows, plus the float64 truth's state of every request (the twin, the
-    golden generator)."""
-    L, S, N, D = cfg.num_layers, cfg.num_slots, cfg.num_rows, cfg.num_draft_tokens
+    verify scratch (when kept) and conv windows, plus the float64 truth's state of every request
+    (the twin, the golden generator)."""
+    L, S, N, D = cfg.num_layers, cfg.num_slots, cfg.num_rows, cfg.num_draft_tokens * scratch
     state = cfg.num_v_heads * cfg.head_v_dim * cfg.head_k_dim
     item = torch.empty(0, dtype=cfg.torch_ssm_dtype).element_size()
     return L * (state * ((S + (N + 1) * D) * item + cfg.num_requests * 8) + S * cfg.conv_window * cfg.conv_channels * 4)
 
 
-def check_fits(cfg: Config) -> None:
+def check_fits(cfg: Config, scratch: bool = True) -> None:
     """Refuse (DataError, exit 2), before any allocation, a config whose states exceed the memory limit."""
-    check_memory(planned_bytes(cfg), f"the states of {cfg.name} ({cfg.num_layers} layers, {cfg.num_slots} slots, "
+    check_memory(planned_bytes(cfg, scratch), f"the states of {cfg.name} ({cfg.num_layers} layers, {cfg.num_slots} slots, "
                  f"{cfg.num_v_heads} heads of {cfg.head_v_dim} x {cfg.head_k_dim})")
 
 
 class StatePool:
     """Committed states, conv windows and verify scratch of one rank, with slot bookkeeping."""
 
-    def __init__(self, cfg: Config, device: torch.device):
-        check_fits(cfg)
+    def __init__(self, cfg: Config, device: torch.device, scratch: bool = True):
+        check_fits(cfg, scratch)
         self.cfg = cfg
         self.device = device
         L, S, N, D = cfg.num_layers, cfg.num_slots, cfg.num_rows, cfg.num_draft_tokens
@@ -68,7 +68,9 @@ class StatePool:
         W, C = cfg.conv_window, cfg.conv_channels
         layout = LAYOUTS[cfg.layout]
         self.temporal = layout.state((L, S, HV), V, K, sdt, device)
-        self.intermediate_ssm = layout.scratch((L, N + 1, D, HV), V, K, sdt, device)
+        # scratch=False: a flow whose verify keeps no per-token states (an empty scratch, D = 0)
+        self.intermediate_ssm = (layout.scratch((L, N + 1, D, HV), V, K, sdt, device) if scratch
+                                 else torch.empty((L, N + 1, 0, HV, V, K), dtype=sdt, device=device))
         self.conv = layout.conv((L, S), W, C, cdt, device)
         rng = np.random.default_rng([cfg.seed, 0x5107])
         perm = 1 + rng.permutation(S - 1)
@@ -187,6 +189,7 @@ class Harness:
     """
 
     ATTRIBUTES = ("linear_attn_backend",)  # what an engine class's instance gets attached
+    BUILT_FROM_POOL = True  # holds only the pool's tensors (the sync scan rebuilds it over a virtual pool)
 
     def __init__(self, pool: StatePool):
         self._drift_pool = pool

@@ -47,8 +47,8 @@ def _virtual_flow(cfg: Config, shape_only: bool):
     flow = state_flow(cfg.replace(device="cpu"), _HOST)
     _virtualise(flow.pool, shape_only)
     flow.pool.device = VIRTUAL_DEVICE
-    if type(flow.harness) is Harness:  # SGLang's backend objects, rebuilt over the virtual pool
-        flow.harness = Harness(flow.pool)
+    if getattr(type(flow.harness), "BUILT_FROM_POOL", False):  # only the pool's tensors: rebuilt over the virtual pool
+        flow.harness = type(flow.harness)(flow.pool)
     else:  # a harness holding tensors of its own (the vllm flow's bookkeeping buffers)
         _virtualise(flow.harness, False)
     return flow

@@ -1,0 +1,199 @@
+"""drift's rendering of SGLang 0.5.23's ReplaySSM commit: the code under test of the
+``sglang-replayssm`` flow (docs/semantics.md §6), the built-in update ``sglang-0.5.23-replayssm``.
+
+``sglang/srt/speculative/spec_utils.py: commit_mamba_states_after_verify`` (the GDN branch taken
+when ``mamba_pool.replayssm_cache_base`` exists) runs, after each verify:
+
+1. **advance** (``commit_gdn_replayssm_spec`` / ``_advance_gdn_spec_cursors_kernel``,
+   ``gdn_replayssm_spec_decode.py``): per ring slot, with n the accept length (the bonus token
+   included; 0 for a padded row): ``new_wp = n if is_flush else write_pos + n``, ``cache_base``
+   moved past the history when a flush row commits, ``is_flush = new_wp > 0`` under
+   ``fold_every_commit`` (``temporal.dtype != float32``) else ``new_wp + 2 D > RL``;
+2. **fold** (``commit_gdn_replayssm_circular`` / ``gdn_replayssm_compact_commit_kernel``): a row
+   whose ``is_flush`` is set gets ``temporal = old * e^{G} + sum_t k_t (d_t e^{G - G_t})^T`` over
+   its ``write_pos`` records (d = high + low part; the decayed update split into bf16 high and low
+   parts again, each multiplied by the key's high and low parts in fp32), stored in the checkpoint
+   dtype; a tracked row's track slot gets the same fold over ``write_pos - n + step + 1``
+   records, from the same old checkpoint;
+3. **finish** (``_finish_gdn_replayssm_circular_fold_kernel``): a folded row's ring restarts past
+   its history: ``cache_base += write_pos (mod RL)``, ``write_pos = is_flush = 0``;
+4. **conv**: the usual accept rollback of the working slots and the tracked window
+   (``fused_conv_window_scatter_with_mask``; drift: the NPU window's rollback, the same inputs).
+
+Called as every update is (``fn(self, last_correct_step_indices, mamba_track_indices,
+mamba_steps_to_track)``, ``self`` a :class:`drift.sim.replay.ReplayHarness`). No host sync: every
+step is device tensors and host ints the harness fixes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable, Optional
+
+import torch
+
+from ..sim.pool import raw_state
+from .shim import sgl_kernels
+
+F32, BF16 = torch.float32, torch.bfloat16
+NULL = -1  # spec_utils.py: null_block_id=-1
+
+
+@dataclass
+class Commit:
+    """What one commit reads: accept int64 ``[N]`` (n, 0 for a padded row), last / steps int64
+    ``[N]`` (accepted / tracked draft step, -1 none), track int64 ``[N]`` or None (tracking off)."""
+
+    h: object
+    accept: torch.Tensor
+    last: torch.Tensor
+    track: Optional[torch.Tensor]
+    steps: Optional[torch.Tensor]
+
+    @property
+    def ring_len(self) -> int:
+        return self.h.spec_state.replayssm_g.shape[-1]
+
+
+# ------------------------------------------------------------------------------ 1. advance
+def advance_cursors(c: Commit) -> None:
+    """``_advance_gdn_spec_cursors_kernel`` over every row whose ring slot is valid (> -1)."""
+    mp, RL, D = c.h.mamba_pool, c.ring_len, c.h.draft_token_num
+    slot = c.h.req_pool_indices
+    wp = mp.replayssm_spec_write_pos.index_select(0, slot).to(torch.int64)
+    base = mp.replayssm_cache_base.index_select(0, slot).to(torch.int64)
+    flush = mp.replayssm_is_flush.index_select(0, slot) != 0
+    n = c.accept
+    new_base = torch.where((n > 0) & flush, (base + wp) & (RL - 1), base)
+    new_wp = torch.where(flush, n, wp + n)
+    nxt = (new_wp > 0) if c.h.fold_every_commit else (new_wp + 2 * D > RL)
+    mp.replayssm_spec_write_pos.index_copy_(0, slot, new_wp.to(torch.int32))
+    mp.replayssm_cache_base.index_copy_(0, slot, new_base.to(torch.int32))
+    mp.replayssm_is_flush.index_copy_(0, slot, nxt.to(torch.int8))
+
+
+# ------------------------------------------------------------------------------ 2. fold
+def _records(c: Commit):
+    """Each row's ring in logical order from ``cache_base``: d (high + low, fp32) ``[L, N, HV, RL, V]``,
+    key high and low parts (fp32, repeated over value heads) ``[L, N, HV, RL, K]``, g ``[L, N, HV, RL]``."""
+    ss, mp, RL = c.h.spec_state, c.h.mamba_pool, c.ring_len
+    slot = c.h.req_pool_indices
+    base = mp.replayssm_cache_base.index_select(0, slot).to(torch.int64)
+    phys = (base[:, None] + torch.arange(RL, device=base.device)) & (RL - 1)  # [N, RL]
+
+    def take(t):
+        rows = t.index_select(1, slot)
+        idx = phys[None, :, None, :].expand(rows.shape[0], -1, rows.shape[2], -1)
+        if rows.dim() == 5:
+            idx = idx[..., None].expand(*idx.shape, rows.shape[4])
+        return rows.gather(3, idx).to(F32)
+
+    HV = ss.replayssm_g.shape[2]
+    kh, kl = take(ss.replayssm_k), take(ss.replayssm_rawk)
+    group = HV // kh.shape[2]
+    if group > 1:
+        kh, kl = kh.repeat_interleave(group, dim=2), kl.repeat_interleave(group, dim=2)
+    return take(ss.replayssm_d) + take(ss.replayssm_rawv), kh, kl, take(ss.replayssm_g)
+
+
+def compensated_fold(old, d, kh, kl, g, length):
+    """The compact commit's fold of a row's first ``length [N]`` records onto ``old`` fp32
+    ``[L, N, HV, V, K]``: the decayed update split into bf16 high and low parts, the four products
+    with the key's parts accumulated in fp32 (``tl.dot``: bf16 operands, fp32 accumulation)."""
+    RL = g.shape[-1]
+    live = (torch.arange(RL, device=g.device)[None, :] < length[:, None])[None, :, None, :]
+    gm = torch.where(live, g, torch.zeros_like(g))
+    prefix = torch.cumsum(gm, -1)
+    total = prefix[..., -1:]
+    decay = torch.where(live, torch.exp(total - prefix), torch.zeros_like(g))
+    upd = d * decay[..., None]  # [L, N, HV, RL, V]
+    hi = upd.to(BF16).to(F32)
+    lo = (upd - hi).to(BF16).to(F32)
+    delta = sum(torch.einsum("lnhcv,lnhck->lnhvk", u, k) for k in (kh, kl) for u in (hi, lo))
+    return old * torch.exp(total)[..., None] + delta
+
+
+def fold_checkpoints(c: Commit, fold: Callable = compensated_fold) -> None:
+    """``gdn_replayssm_compact_commit_kernel``: fold rows whose ``is_flush`` is set into their
+    checkpoint and tracked rows into their track slot; other slots keep their bits."""
+    ss, mp = c.h.spec_state, c.h.mamba_pool
+    sidx, slot = c.h.state_batch_indices, c.h.req_pool_indices
+    valid = sidx > NULL
+    safe = torch.where(valid, sidx, torch.zeros_like(sidx))  # slot 0: the dummy, written back as it is
+    n_hist = mp.replayssm_spec_write_pos.index_select(0, slot).to(torch.int64)
+    active = valid & (mp.replayssm_is_flush.index_select(0, slot) != 0)
+    temporal = raw_state(ss.temporal)  # the kernel addresses the checkpoint by pointer: [HV, V, K] memory order
+    old_raw = temporal.index_select(1, safe)
+    old = old_raw.to(F32)
+    d, kh, kl, g = _records(c)
+    new = fold(old, d, kh, kl, g, n_hist).to(temporal.dtype)
+    if c.track is not None:
+        has = valid & (c.track > NULL) & (c.steps >= 0)
+        tslot = torch.where(has, c.track, torch.zeros_like(c.track))
+        tnew = fold(old, d, kh, kl, g, torch.clamp(n_hist - c.accept + c.steps + 1, min=0)).to(temporal.dtype)
+        temporal.index_copy_(1, tslot, torch.where(has[None, :, None, None, None], tnew,
+                                                   temporal.index_select(1, tslot)))
+    temporal.index_copy_(1, safe, torch.where(active[None, :, None, None, None], new, old_raw))
+
+
+# ------------------------------------------------------------------------------ 3. finish
+def finish_folds(c: Commit) -> None:
+    """``_finish_gdn_replayssm_circular_fold_kernel``: a folded row's ring restarts past its history."""
+    mp, RL = c.h.mamba_pool, c.ring_len
+    slot = c.h.req_pool_indices
+    valid = c.h.state_batch_indices > NULL
+    wp = mp.replayssm_spec_write_pos.index_select(0, slot)
+    base = mp.replayssm_cache_base.index_select(0, slot)
+    done = valid & (mp.replayssm_is_flush.index_select(0, slot) != 0)
+    mp.replayssm_cache_base.index_copy_(0, slot, torch.where(done, (base + wp) & (RL - 1), base))
+    mp.replayssm_spec_write_pos.index_copy_(0, slot, torch.where(done, torch.zeros_like(wp), wp))
+    mp.replayssm_is_flush.index_copy_(0, slot, torch.where(done, torch.zeros_like(done, dtype=torch.int8),
+                                                           mp.replayssm_is_flush.index_select(0, slot)))
+
+
+# ------------------------------------------------------------------------------ 4. conv
+def conv_rollback(c: Commit) -> None:
+    """The conv accept-rollback of the working slots; the tracked rows' verify-time window copied to
+    their track slot first and rolled back to the tracked step (as the copy-commit flows)."""
+    k, conv, D = sgl_kernels(), c.h.spec_state.conv[0], c.h.draft_token_num
+    sidx = c.h.state_batch_indices
+    dst = torch.where(sidx > NULL, sidx, torch.zeros_like(sidx))  # padded rows: the dummy, step -1 skips
+    if c.track is not None:
+        conv[:, c.track] = conv[:, torch.where(c.steps >= 0, dst, c.track)]
+    k.conv_state_rollback(conv, dst, c.last, D)
+    if c.track is not None:
+        k.conv_state_rollback(conv, c.track, c.steps, D)
+
+
+@dataclass(frozen=True)
+class ReplayCommit:
+    """The commit as its four parts (a mutant replaces one)."""
+
+    advance: Callable = advance_cursors
+    fold: Callable = fold_checkpoints
+    finish: Callable = finish_folds
+    conv: Callable = conv_rollback
+
+    def but(self, **parts) -> "ReplayCommit":
+        return replace(self, **parts)
+
+    def build(self, name: str) -> Callable:
+        recipe = self
+
+        def update(self, last_correct_step_indices, mamba_track_indices=None, mamba_steps_to_track=None):
+            last = last_correct_step_indices.to(torch.int64)
+            track = None if mamba_track_indices is None else mamba_track_indices.to(torch.int64)
+            steps = None if mamba_steps_to_track is None else mamba_steps_to_track.to(torch.int64)
+            c = Commit(self, torch.clamp(last + 1, min=0), last, track, steps)  # accept_lens incl. the bonus
+            recipe.advance(c)
+            recipe.fold(c)
+            recipe.finish(c)
+            recipe.conv(c)
+
+        update.__name__ = update.__qualname__ = name.replace("-", "_").replace(".", "")
+        update.__doc__ = f"{name}: SGLang 0.5.23's ReplaySSM commit (drift/plug/replayssm_update.py)."
+        return update
+
+
+SGLANG_0523_REPLAYSSM = ReplayCommit()
+sglang_0523_replayssm = SGLANG_0523_REPLAYSSM.build("sglang-0.5.23-replayssm")
