@@ -77,18 +77,22 @@ def test_mutant_is_caught_over_a_longer_horizon(name):
 # the trade-off runs both implementations on seed 0 over the same horizon, and
 # test_tradeoff_reports_the_seesaw asserts sglang-0.5.23 passes every check there and
 # sglang-32130 every check but the host sync of its tracking path (off here).
-SEEDS, PR_SEEDS = range(5), {"sglang-0.5.23": (1,), "sglang-32130": (2,)}
-NO_ALARM = [pytest.param(impl, tracking, seed, steps, id=f"{impl}-{tracking}-{seed}-{label}",
+# The kernel-commit flow's released commit (SGLang's ReplaySSM) joins them under its own flow, seed 3.
+SEEDS = range(5)
+PR_SEEDS = {"sglang-0.5.23": (1,), "sglang-32130": (2,), "sglang-0.5.23-replayssm": (3,)}
+RELEASED = (("sglang-0.5.23", True, "sglang"), ("sglang-32130", False, "sglang"),
+            ("sglang-0.5.23-replayssm", True, next(f for f in FLOWS if FLOWS[f].kind == "kernel-commit")))
+NO_ALARM = [pytest.param(impl, tracking, flow, seed, steps, id=f"{impl}-{tracking}-{seed}-{label}",
                          marks=marks)
             for steps, label, marks in ((TEETH_STEPS, f"pr{TEETH_STEPS}", ()),
                                         (8 * TEETH_STEPS, f"long{8 * TEETH_STEPS}", pytest.mark.nightly))
-            for impl, tracking in (("sglang-0.5.23", True), ("sglang-32130", False))
+            for impl, tracking, flow in RELEASED
             for seed in SEEDS if marks or seed in PR_SEEDS[impl]]
 
 
-@pytest.mark.parametrize("impl,tracking,seed,steps", NO_ALARM)
-def test_correct_implementations_raise_no_alarm(impl, tracking, seed, steps):
-    cfg = CFG.replace(seed=seed, steps=steps)
+@pytest.mark.parametrize("impl,tracking,flow,seed,steps", NO_ALARM)
+def test_correct_implementations_raise_no_alarm(impl, tracking, flow, seed, steps):
+    cfg = CFG.replace(seed=seed, steps=steps, flow=flow)
     cfg = cfg if tracking else cfg.replace(track_interval=0)
     rep = run_checked(cfg, impl)
     assert rep.passed, [c.to_dict() for c in rep.checks if c.failed]

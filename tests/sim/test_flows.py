@@ -18,7 +18,7 @@ from drift.config import FLOWS, preset
 from drift.errors import HarnessLacks
 from drift.runner import run_checked
 from drift.sim import kernels
-from drift.sim.flows import NULL_BLOCK_ID, InPlaceBlockFlow, state_flow
+from drift.sim.flows import FLOW_KINDS, NULL_BLOCK_ID, InPlaceBlockFlow, state_flow
 
 IN_PLACE = [f for f in FLOWS if FLOWS[f].kind == "in-place"]
 COPY_COMMIT = [f for f in FLOWS if FLOWS[f].kind == "copy-commit"]
@@ -28,7 +28,7 @@ CPU = torch.device("cpu")
 def test_every_flow_names_its_engine_files_and_kind():
     for name in FLOWS:
         f = FLOWS[name]
-        assert f.engine and f.files and f.kind in ("copy-commit", "in-place"), name
+        assert f.engine and f.files and f.kind in FLOW_KINDS, name
         assert type(state_flow(preset("ci-small", flow=name), CPU)).kind == f.kind
 
 
@@ -153,7 +153,9 @@ def test_the_block_rule_starts_at_the_accepted_block_skips_null_rows_and_writes_
 
 
 def test_an_unknown_start_rule_is_refused():
-    with pytest.raises(ValueError, match="start_rule 'ring' is not one of"):
+    with pytest.raises(ValueError, match="start_rule 'bogus': the recurrent op reads the npu and blocks rules"):
+        kernels.recurrent_gated_delta_rule(replace(_blocks_case(), start_rule="bogus"))
+    with pytest.raises(ValueError, match="needs args.ring"):  # the ring rule without the ring it writes
         kernels.recurrent_gated_delta_rule(replace(_blocks_case(), start_rule="ring"))
 
 
