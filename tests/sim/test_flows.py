@@ -212,3 +212,13 @@ def test_ragged_drafts_are_refused_where_the_engine_verifies_all_d():
         with pytest.raises(ConfigError, match=f"verifies every row's D draft tokens; allowed with ragged drafts: {allowed}"):
             preset("ci-small", flow=flow, drafts="ragged")
 
+@pytest.mark.parametrize("flow", IN_PLACE)
+def test_the_align_snapshot_is_sglangs_tracked_snapshot_and_a_cache_hit_resumes_from_it(flow):
+    from drift.runner import capture_snapshots
+    cfg = preset("ci-small")
+    ours, point, env2 = capture_snapshots(cfg.replace(flow=flow), after_step=48, steps=96)
+    _, theirs, _ = capture_snapshots(cfg, "sglang-0.5.23", after_step=48, steps=96)
+    assert ours.passed and (point.positions == theirs.positions).all()
+    assert same_bits(point.state, theirs.state) and torch.equal(point.window, theirs.window)
+    resumed = run_checked(cfg.replace(flow=flow), steps=48, start=point, env2_start=env2, sync_scan=False)
+    assert resumed.passed, [c.to_dict() for c in resumed.checks if c.failed]
