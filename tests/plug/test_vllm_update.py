@@ -15,6 +15,7 @@ import torch
 
 from helpers import same_bits
 from drift.config import preset
+from drift.plug.loader import load_update
 from drift.sim import kernels
 from drift.sim.flows import InPlaceBlockFlow
 from drift.sim.stream import StreamParams
@@ -89,6 +90,17 @@ def test_the_align_copy_puts_the_boundary_tokens_state_and_window_into_its_desti
     assert same_bits(win[:, 1], conv0[:, idx[2, 0], 3:3 + Km1])
     touched = flow.touched(track[None], np.array(DRAFTS)[None])
     assert sorted(np.nonzero(touched[0])[0].tolist()) == sorted([align[0], idx[2, 0], idx[3, 0]])
+
+
+def test_copying_the_last_accepted_tokens_block_is_caught_by_the_snapshot():
+    cfg, flow, per_token, _ = _verified_flow()
+    pool = flow.pool
+    last, steps = _step_inputs(cfg)
+    load_update("mutant:vllm_align_wrong_block")(flow.harness, last, pool.row_track_slots, steps)
+    idx = pool.block_table_host
+    assert same_bits(pool.states[:, pool.track_slots[0]], per_token[:, idx[0, 2]])  # n - 1 = 2, not the boundary's 1
+    rows, _, _, bits_bad = flow.tracked_snapshot(np.array(TRACKED))
+    assert bits_bad[0] > 0 and bits_bad[1:].tolist() == [0, 0]  # rows 2, 3: boundary at the last accepted token
 
 
 def test_without_tracking_nothing_is_copied():

@@ -57,6 +57,14 @@ def test_the_block_flow_passes_ci_small_with_its_own_update_and_checks_its_align
 
 
 @pytest.mark.parametrize("flow", IN_PLACE)
+def test_an_align_copy_from_the_wrong_block_fails_the_tracked_snapshots_and_nothing_else(flow):
+    rep = run_checked(preset("ci-small", steps=64, flow=flow), "mutant:vllm_align_wrong_block", sync_scan=False)
+    failed = {c.key for c in rep.checks if c.failed}
+    assert failed == {"tracked_snapshots"}, failed  # the committed flow is untouched by the align copy
+    assert "differs from the state held at the boundary" in find_result(rep.checks, "tracked_snapshots").detail
+
+
+@pytest.mark.parametrize("flow", IN_PLACE)
 def test_an_update_written_for_another_flow_is_refused_with_what_the_harness_has(flow):
     from drift.errors import LoadError
     from helpers import bad_spec
@@ -211,6 +219,7 @@ def test_ragged_drafts_are_refused_where_the_engine_verifies_all_d():
         allowed = ", ".join(f for f in FLOWS if FLOWS[f].ragged)
         with pytest.raises(ConfigError, match=f"verifies every row's D draft tokens; allowed with ragged drafts: {allowed}"):
             preset("ci-small", flow=flow, drafts="ragged")
+
 
 @pytest.mark.parametrize("flow", IN_PLACE)
 def test_the_align_snapshot_is_sglangs_tracked_snapshot_and_a_cache_hit_resumes_from_it(flow):
