@@ -74,7 +74,9 @@ FLOWS.register("vllm", Flow(
     ("vllm/v1/attention/backends/gdn_attn.py: GDNAttentionMetadataBuilder.build",
      "vllm/v1/worker/gpu_model_runner.py: _update_states_after_model_execute",
      "vllm/third_party/flash_linear_attention/ops/fused_recurrent.py",
-     "vllm/model_executor/layers/mamba/ops/causal_conv1d.py: causal_conv1d_update"), kind="in-place", ragged=True))
+     "vllm/model_executor/layers/mamba/ops/causal_conv1d.py: causal_conv1d_update",
+     "vllm/v1/worker/mamba_utils.py: postprocess_mamba_fused_kernel (prefix caching, align mode)"),
+    kind="in-place", ragged=True))
 FLOWS.register("sglang-replayssm", Flow(
     "sglang-replayssm", "SGLang's ReplaySSM kernel-side commit (--enable-linear-replayssm-spec): the verify "
     "writes each draft token's compact record (delta, key, log-decay) into a per-request ring and keeps no "

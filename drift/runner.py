@@ -190,15 +190,16 @@ class SnapshotCatcher:
     def on_step(self, view) -> None:
         if view.step < self.after:
             return
-        pool, cfg = self.sim.pool, self.sim.cfg
-        Km1 = cfg.conv_kernel - 1
-        for r in np.nonzero(view.track >= 0)[0]:
-            if int(r) in self.rows:
+        if not (view.track >= 0).any():
+            return
+        # What the flow's tracked slots hold (a copy-commit track slot, or vLLM's align destination).
+        rows, states, windows, _ = self.sim.flow.tracked_snapshot(view.track)
+        for i, r in enumerate(rows.tolist()):
+            if r in self.rows:
                 continue
-            slot = pool.row_track_slots[int(r)]
-            self.rows[int(r)] = {
+            self.rows[r] = {
                 "position": int(view.pre[r] + view.track[r] + 1), "step": view.step, "index": view.index,
-                "state": pool.states[:, slot].clone(), "window": pool.conv[:, slot, cfg.conv_window - Km1:].clone(),
+                "state": states[:, i].clone(), "window": windows[:, i].clone(),
                 "true_state": None, "true_window": None, "env2": None}
 
     def on_twin_step(self, step: int, twin) -> None:

@@ -399,7 +399,7 @@ class Simulation:
 
     def _touched(self, chunk) -> torch.Tensor:
         """``[count, S]`` bool: slots the update may write at each step of the chunk."""
-        return torch.from_numpy(self.flow.touched(chunk.track_host)).to(self.device)
+        return torch.from_numpy(self.flow.touched(chunk.track_host, chunk.drafts_host)).to(self.device)
 
     def _step(self, chunk, s: int, touched: Optional[torch.Tensor]) -> None:
         if self._graph.api is not None and not self._graph.status.failed:

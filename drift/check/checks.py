@@ -187,8 +187,8 @@ class TrackCheck(Check):
 
     def result(self) -> CheckResult:
         if not self.enabled and getattr(self, "flow_untracked", False):
-            return CheckResult(self.name, True, None, None, "", "not applicable: this state flow's prefix-cache "
-                               "copies (vLLM's align mode) are not modelled yet", extra={"applicable": False})
+            return CheckResult(self.name, True, None, None, "", "not applicable: this state flow models no "
+                               "prefix-cache copies (its tracks = False)", extra={"applicable": False})
         if not self.enabled:
             return CheckResult(self.name, True, None, None, "", "not applicable: tracking off "
                                "(track_interval = 0) or sequential decode", extra={"applicable": False})

@@ -21,7 +21,7 @@ from ..sim.pool import raw_state
 from .parts import Batch, commit_all, commit_unless_all_step0, rollback_rows
 from .updates import SGLANG_0523
 from . import replayssm_update as replay_parts
-from .vllm_update import bookkeeping, kept_tokens
+from .vllm_update import align_copy, bookkeeping, kept_tokens
 
 BF16 = torch.bfloat16
 
@@ -213,6 +213,18 @@ def padded_rows_read_row0(self) -> None:
     self.spec_state_indices_tensor[R:].copy_(self.block_table[:1].expand_as(self.spec_state_indices_tensor[R:]))
 
 
+def last_accepted_blocks(self, bias) -> torch.Tensor:
+    # the block the next step starts from, idx[b, n - 1] (preprocess_mamba's bias, num_accepted - 1),
+    # instead of the boundary token's, idx[b, bias]: the snapshot holds the state after every accepted token
+    R = self.num_spec_decodes
+    idx = self.spec_state_indices_tensor[:R].to(torch.int64)
+    return idx.gather(1, (self.num_accepted_tokens[:R].to(torch.int64) - 1).clamp(min=0)[:, None]).squeeze(1)
+
+
+def align_from_last_accepted(self, mamba_track_indices, mamba_steps_to_track) -> None:
+    align_copy(self, mamba_track_indices, mamba_steps_to_track, source=last_accepted_blocks)
+
+
 # vLLM's bookkeeping mutants run under the in-place flow that models it (drift.config.FLOWS)
 VLLM_FLOW = {"flow": next(f for f in FLOWS if FLOWS[f].kind == "in-place")}
 
@@ -293,6 +305,9 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
            bookkeeping(indices=padded_rows_read_row0, name="mutant:vllm_null_row_read"), VLLM_FLOW),
     Mutant("vllm_accept_sync", "sync", "update", "vllm flow: accept counts computed on the host with .tolist()",
            "", bookkeeping(accept=accept_on_host, name="mutant:vllm_accept_sync"), VLLM_FLOW),
+    Mutant("vllm_align_wrong_block", "semantics", "update", "vllm flow: the prefix-cache align copy takes the "
+           "last accepted token's block (n - 1), not the boundary token's", "vllm mamba_utils.py align-mode class",
+           bookkeeping(align=align_from_last_accepted, name="mutant:vllm_align_wrong_block"), VLLM_FLOW),
     Mutant("replay_no_restart", "semantics", "update", "sglang-replayssm flow: the ring is not restarted after "
            "a fold (the finish launch dropped), so the next verify folds the same records again", "",
            _replay("replay_no_restart", finish=ring_not_restarted), REPLAY_FLOW),

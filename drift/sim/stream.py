@@ -349,7 +349,8 @@ class StepChunk:
       last_steps ``[S, N]`` int64 (accept_len - 1; -1 for padded rows),
       track_steps ``[S, N]`` int64 (-1 when not tracked),
       drafts ``[S, N]`` int32 (tokens each row verifies: D, or 1..D with ragged drafts; D for padded rows).
-    Host arrays (active rows ``R``): pre ``[S, R]`` seq_len before each step, accept ``[S, R]``.
+    Host arrays (active rows ``R``): pre ``[S, R]`` seq_len before each step, accept ``[S, R]``,
+    track_host ``[S, R]``, drafts_host ``[S, R]`` (int64).
     """
 
     step0: int
@@ -363,6 +364,7 @@ class StepChunk:
     pre: np.ndarray
     accept: np.ndarray
     track_host: np.ndarray
+    drafts_host: np.ndarray
 
 
 class InputStream:
@@ -410,8 +412,9 @@ class InputStream:
         last[:, :R] = acc - 1
         trk = np.full((count, N), -1, np.int64)
         trk[:, :R] = track_steps(pre, acc, cfg.track_interval)
+        drafts_host = draft_counts(cfg, self.step, count)
         drafts = np.full((count, N), D, np.int32)
-        drafts[:, :R] = draft_counts(cfg, self.step, count)
+        drafts[:, :R] = drafts_host
         dev = self.device
         out = StepChunk(
             step0=self.step, count=count,
@@ -419,6 +422,7 @@ class InputStream:
             a=torch.from_numpy(a).to(dev), b=torch.from_numpy(b).to(dev),
             last_steps=torch.from_numpy(last).to(dev), track_steps=torch.from_numpy(trk).to(dev),
             drafts=torch.from_numpy(drafts).to(dev), pre=pre, accept=acc, track_host=trk[:, :R],
+            drafts_host=drafts_host,
         )
         self.pos = pre[-1] + acc[-1]
         self.step += count

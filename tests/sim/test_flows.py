@@ -3,7 +3,9 @@
 The vllm flow keeps no commit copy, yet its numerics are the copy-commit flow's: each step starts
 from the stored (rounded once) state after the last accepted token, whichever buffer holds it. So
 a run through it must reproduce the sglang flow's figures bit for bit -- a strong test of the
-bookkeeping (a wrong start block, a NULL row read, a stale conv offset all move them)."""
+bookkeeping (a wrong start block, a NULL row read, a stale conv offset all move them). Its
+prefix-cache align copy snapshots the same stored states at the same boundaries as SGLang's
+tracking copy, so the tracked snapshots must match too."""
 
 from __future__ import annotations
 
@@ -37,8 +39,8 @@ def test_the_block_flow_reproduces_the_copy_commit_figures_bit_for_bit(flow):
     cfg = preset("ci-small", steps=96)
     ours = {c.key: c for c in run_checked(cfg.replace(flow=flow), sync_scan=False).checks}
     theirs = {c.key: c for c in run_checked(cfg, sync_scan=False).checks}
-    shared = [k for k in theirs if k != "tracked_snapshots"]  # the align copy is not modelled in the block flow
-    assert len(shared) >= 8
+    shared = list(theirs)
+    assert len(shared) >= 9 and theirs["tracked_snapshots"].verdict == "PASS"  # compared, not n/a
     for key in shared:
         a, b = ours[key], theirs[key]
         assert (a.passed, a.worst, a.where) == (b.passed, b.worst, b.where), key
@@ -46,12 +48,20 @@ def test_the_block_flow_reproduces_the_copy_commit_figures_bit_for_bit(flow):
 
 
 @pytest.mark.parametrize("flow", IN_PLACE)
-def test_the_block_flow_passes_ci_small_with_its_own_update_and_says_what_it_does_not_model(flow):
+def test_the_block_flow_passes_ci_small_with_its_own_update_and_checks_its_align_snapshots(flow):
     rep = run_checked(preset("ci-small", steps=64, flow=flow))
     assert rep.passed, [c.to_dict() for c in rep.checks if c.failed]
     assert rep.info.update == "vllm-0.33.0"
     tracked = find_result(rep.checks, "tracked_snapshots")
-    assert tracked.verdict == "n/a" and "align" in tracked.detail  # said, not silently skipped
+    assert tracked.verdict == "PASS" and "snapshots compared" in tracked.detail, tracked.to_dict()
+
+
+@pytest.mark.parametrize("flow", IN_PLACE)
+def test_an_align_copy_from_the_wrong_block_fails_the_tracked_snapshots_and_nothing_else(flow):
+    rep = run_checked(preset("ci-small", steps=64, flow=flow), "mutant:vllm_align_wrong_block", sync_scan=False)
+    failed = {c.key for c in rep.checks if c.failed}
+    assert failed == {"tracked_snapshots"}, failed  # the committed flow is untouched by the align copy
+    assert "differs from the state held at the boundary" in find_result(rep.checks, "tracked_snapshots").detail
 
 
 @pytest.mark.parametrize("flow", IN_PLACE)
@@ -211,3 +221,15 @@ def test_ragged_drafts_are_refused_where_the_engine_verifies_all_d():
         allowed = ", ".join(f for f in FLOWS if FLOWS[f].ragged)
         with pytest.raises(ConfigError, match=f"verifies every row's D draft tokens; allowed with ragged drafts: {allowed}"):
             preset("ci-small", flow=flow, drafts="ragged")
+
+
+@pytest.mark.parametrize("flow", IN_PLACE)
+def test_the_align_snapshot_is_sglangs_tracked_snapshot_and_a_cache_hit_resumes_from_it(flow):
+    from drift.runner import capture_snapshots
+    cfg = preset("ci-small")
+    ours, point, env2 = capture_snapshots(cfg.replace(flow=flow), after_step=48, steps=96)
+    _, theirs, _ = capture_snapshots(cfg, "sglang-0.5.23", after_step=48, steps=96)
+    assert ours.passed and (point.positions == theirs.positions).all()
+    assert same_bits(point.state, theirs.state) and torch.equal(point.window, theirs.window)
+    resumed = run_checked(cfg.replace(flow=flow), steps=48, start=point, env2_start=env2, sync_scan=False)
+    assert resumed.passed, [c.to_dict() for c in resumed.checks if c.failed]

@@ -401,6 +401,15 @@ def test_sync_free_contract_holds(spec, cfg):
     assert scan.passes["virtual"].ops > 0  # the update really ran under the detector
 
 
+@pytest.mark.parametrize("track", [16, 0], ids=["tracking-on", "tracking-off"])
+def test_vllm_builtin_with_its_align_copy_is_sync_free(track):
+    """vllm-0.33.0 under its flow; with tracking on, the tracking steps run the align copy."""
+    cfg = CI.replace(flow="vllm", track_interval=track)
+    scan = scan_update(cfg, "vllm-0.33.0", STEPS)
+    assert scan.events == [], scan.passes["virtual"].format()
+    assert scan.passes["virtual"].ops > 0 and any(scan.tracking) == (track > 0)
+
+
 # ------------------------------------------------------------------ runner hook
 def test_sync_check_fails_guarded_naming_the_item_line():
     res = sync_check(CI, "sglang-31659", STEPS)
