@@ -1,0 +1,104 @@
+"""drift.plug.replayssm_update: SGLang 0.5.23's ReplaySSM commit, part by part (docs/semantics.md §6)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import same_bits
+from drift.check.registry import find_result
+from drift.config import FLOWS, preset
+from drift.plug import replayssm_update as rs
+from drift.runner import run_checked
+from drift.sim import kernels
+from drift.sim.flows import state_flow
+from drift.sim.replay import fold_records, gather_records
+
+CPU = torch.device("cpu")
+FLOW = next(f for f in FLOWS if FLOWS[f].kind == "kernel-commit")
+
+
+def _harness(ssm_dtype="bfloat16"):
+    cfg = preset("ci-small", flow=FLOW, ssm_dtype=ssm_dtype)
+    flow = state_flow(cfg, CPU)
+    gen = torch.Generator().manual_seed(3)
+    L, N, D = cfg.num_layers, cfg.num_rows, cfg.num_draft_tokens
+    mix = torch.randn(L, N, D, cfg.conv_channels, generator=gen).to(torch.bfloat16)
+    beta = torch.randn(L, N, D, cfg.num_v_heads, generator=gen).to(torch.bfloat16)
+    g = (-0.05 * torch.rand(L, N, D, cfg.num_v_heads, generator=gen)).to(torch.float32)
+    flow.pool.states[:, flow.pool.active_slots] = torch.randn(
+        flow.pool.states[:, flow.pool.active_slots].shape, generator=gen).to(flow.pool.temporal.dtype)
+    kernels.recurrent_gated_delta_rule(flow.verify_args(mix, beta, g, "rne", 0))
+    return cfg, flow
+
+
+@pytest.mark.parametrize("ssm_dtype,flush", [("bfloat16", [1, 1, 1, 1]), ("float32", [0, 0, 0, 1])])
+def test_the_cursors_advance_by_the_accept_length_and_flag_the_rows_to_fold(ssm_dtype, flush):
+    cfg, flow = _harness(ssm_dtype)
+    h, D = flow.harness, cfg.num_draft_tokens
+    RL = flow.pool.ring_len
+    mp = h.mamba_pool
+    mp.replayssm_spec_write_pos[:4] = torch.tensor([0, 3, RL - 2 * D - 1, RL - 2 * D], dtype=torch.int32)
+    accept = torch.tensor([1, 2, 1, 1] + [0] * (cfg.num_rows - 4))
+    c = rs.Commit(h, accept, accept - 1, None, None)
+    rs.advance_cursors(c)
+    assert mp.replayssm_spec_write_pos[:4].tolist() == [1, 5, RL - 2 * D, RL - 2 * D + 1]
+    # fold_every_commit (a 16-bit checkpoint): every committed row folds; fp32: a row folds once
+    # write_pos + 2 D would pass the ring (_advance_gdn_spec_cursors_kernel's early flush).
+    assert mp.replayssm_is_flush[:4].tolist() == flush
+    assert mp.replayssm_spec_write_pos[-1] == 0  # the padded rows' slot: nothing committed
+
+
+def test_the_fold_writes_the_accepted_state_into_the_checkpoint_and_restarts_the_ring():
+    cfg, flow = _harness()
+    h, pool, R = flow.harness, flow.pool, cfg.num_requests
+    before = pool.states.clone()
+    replay = pool.replay_indices[:R]
+    d, k, g = gather_records(pool, replay, pool.cache_base.index_select(0, replay), cfg.num_v_heads)
+    h0 = pool.states.index_select(1, pool.active_slots).float()
+    last = torch.tensor([0, 3, 1, 2] + [-1] * (cfg.num_rows - R))
+    rs.sglang_0523_replayssm(h, last, None, None)
+    want = fold_records(h0, d, k, g, (last[:R] + 1)).to(torch.bfloat16)
+    got = pool.states[:, pool.active_slots]
+    # The compensated fold (bf16 high + low parts, four fp32 products) and drift's plain fp32 fold
+    # agree to fp32 rounding; rounded to bf16 they differ by one ulp in a handful of entries at most
+    # (measured: none on this case; 0.1% allowed).
+    assert (got != want).float().mean() <= 1e-3
+    assert (pool.write_pos[:R] == 0).all() and (pool.is_flush[:R] == 0).all()
+    assert pool.cache_base[:R].tolist() == (last[:R] + 1).tolist()  # the ring restarts past the history
+    others = torch.ones(pool.states.shape[1], dtype=torch.bool)
+    others[pool.active_slots] = False
+    assert same_bits(pool.states[:, others], before[:, others])  # no other slot written (dummy 0 included)
+
+
+def test_a_track_slot_gets_the_state_at_the_tracked_step():
+    cfg, flow = _harness()
+    h, pool, R, N = flow.harness, flow.pool, cfg.num_requests, cfg.num_rows
+    replay = pool.replay_indices[:R]
+    d, k, g = gather_records(pool, replay, pool.cache_base.index_select(0, replay), cfg.num_v_heads)
+    h0 = pool.states.index_select(1, pool.active_slots).float()
+    last = torch.full((N,), -1)
+    last[:R] = 3
+    steps = torch.full((N,), -1)
+    steps[1] = 1  # row 1 crosses a boundary after its second token
+    rs.sglang_0523_replayssm(h, last, pool.row_track_slots, steps)
+    want = fold_records(h0, d, k, g, torch.full((R,), 2))[:, 1].to(torch.bfloat16)
+    got = pool.states[:, pool.row_track_slots[1]]
+    assert (got != want).float().mean() <= 1e-3  # as the checkpoint fold above
+    assert not same_bits(got, pool.states[:, pool.active_slots[1]])  # not the accepted state (step 3)
+
+
+def _track_one_short(c):
+    # a track fold one record short: the state before the boundary token
+    rs.fold_checkpoints(rs.replace(c, steps=torch.where(c.steps >= 0, c.steps - 1, c.steps)) if c.track is not None
+                        else c)
+
+
+def test_the_tracked_check_catches_a_track_fold_one_record_short():
+    cfg = preset("ci-small", flow=FLOW, steps=96)
+    good = run_checked(cfg, sync_scan=False)
+    assert find_result(good.checks, "tracked_snapshots").passed
+    bad_update = rs.SGLANG_0523_REPLAYSSM.but(fold=_track_one_short).build("track-one-short")
+    bad = run_checked(cfg, bad_update, sync_scan=False)
+    res = find_result(bad.checks, "tracked_snapshots")
+    assert not res.passed, res.to_dict()
