@@ -35,6 +35,7 @@ from .shim import sgl_kernels
 from .specs import MUTANT_PREFIX, resolve_spec
 from .triton_kernel import TritonAdapter
 from .updates import BUILTINS, RENAMED, check_flow
+from .replayssm_engine import ReplayVerifyAdapter
 from .vllm_kernel import VllmQwenAdapter, VllmTritonAdapter
 
 REQUIRED = ("self", "last_correct_step_indices", "mamba_track_indices", "mamba_steps_to_track")
@@ -70,6 +71,9 @@ class KernelEntry:
     factory: Callable[[Optional[str]], VerifyKernel]
     conformance: Conformance
     takes_arg: bool = False
+    # The argument rules it runs (drift.sim.kernels.START_RULES): "ring" kernels verify in the
+    # kernel-commit flow only and are held against drift's ring op (tests/sim/test_conformance.py).
+    start_rules: tuple[str, ...] = ("npu", "blocks")
 
 
 def _npu_op(arg: Optional[str]) -> VerifyKernel:
@@ -105,6 +109,11 @@ for _k in (
                 # g from fp32 softplus/exp in the kernel against drift's float64 one rounded once: an fp32
                 # ulp or so per gate, carried through the decay, on top of the reordered fp32 sums
                 lambda arg: VllmQwenAdapter.load(), REORDERED_FP32),
+    KernelEntry("sglang-replayssm-triton", "SGLang 0.5.23's ReplaySSM spec verify gdn_replayssm_spec_decode (CUDA; "
+                "kernels/ops/attention/linear/gdn_replayssm_spec_decode.py), under --flow sglang-replayssm",
+                lambda arg: ReplayVerifyAdapter.load(),
+                # the chunked UT form with bf16 tensor-core dots against drift's fp32 recurrence
+                Conformance(2 ** -6, 1e-2, 2 ** -6, 1e-2, "chunked form, bf16 dot operands"), start_rules=("ring",)),
 ):
     KERNELS.register(_k.name, _k)
 

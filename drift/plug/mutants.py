@@ -225,6 +225,13 @@ def align_from_last_accepted(self, mamba_track_indices, mamba_steps_to_track) ->
     align_copy(self, mamba_track_indices, mamba_steps_to_track, source=last_accepted_blocks)
 
 
+def builder_counts_rows_on_host(self) -> None:
+    # the builder counts its speculative rows from the block table on the device: int() is a sync
+    R = int((self.block_table[:, 0] != 0).sum())
+    self.spec_state_indices_tensor[:R].copy_(self.block_table[:R])
+    self.spec_state_indices_tensor[R:].fill_(0)
+
+
 # vLLM's bookkeeping mutants run under the in-place flow that models it (drift.config.FLOWS)
 VLLM_FLOW = {"flow": next(f for f in FLOWS if FLOWS[f].kind == "in-place")}
 
@@ -305,6 +312,9 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
            bookkeeping(indices=padded_rows_read_row0, name="mutant:vllm_null_row_read"), VLLM_FLOW),
     Mutant("vllm_accept_sync", "sync", "update", "vllm flow: accept counts computed on the host with .tolist()",
            "", bookkeeping(accept=accept_on_host, name="mutant:vllm_accept_sync"), VLLM_FLOW),
+    Mutant("vllm_builder_sync", "sync", "update", "vllm flow: the metadata builder counts its speculative rows "
+           "with int(tensor.sum()) on the device", "vllm gdn_attn.py builder",
+           bookkeeping(indices=builder_counts_rows_on_host, name="mutant:vllm_builder_sync"), VLLM_FLOW),
     Mutant("vllm_align_wrong_block", "semantics", "update", "vllm flow: the prefix-cache align copy takes the "
            "last accepted token's block (n - 1), not the boundary token's", "vllm mamba_utils.py align-mode class",
            bookkeeping(align=align_from_last_accepted, name="mutant:vllm_align_wrong_block"), VLLM_FLOW),
