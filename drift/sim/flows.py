@@ -225,14 +225,21 @@ class BlockHarness:
         self.ssm_state, self.conv_state = pool.temporal, pool.conv
 
     def __getattr__(self, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        raise AttributeError(f"the update under test read self.{name}, which drift's vLLM harness does not "
-                             f"provide; it provides {self.PROVIDED}. To provide it: {self.HOW_TO_PROVIDE}.",
-                             name=name, obj=self)
+        return lacks(self, name, "vLLM")
 
     def objects(self) -> tuple:
         return (self,)
+
+
+def lacks(harness, name: str, what: str):
+    """The AttributeError of a flow's harness for an attribute it lacks: names the attribute, what the
+    harness provides (``harness.PROVIDED``) and how to provide more (``harness.HOW_TO_PROVIDE``);
+    its ``obj`` is the harness, so a caller can tell "drift lacks it" from a bug of the update."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    raise AttributeError(f"the update under test read self.{name}, which drift's {what} harness does not provide; "
+                         f"it provides {harness.PROVIDED}. To provide it: {harness.HOW_TO_PROVIDE}.",
+                         name=name, obj=harness)
 
 
 class InPlaceBlockFlow(CopyCommitFlow):

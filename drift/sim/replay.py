@@ -37,7 +37,7 @@ from ..dtypes import as_bits
 from ..fileio import check_memory
 from . import kernels
 from .backend import VerifyArgsBuilder
-from .flows import FLOW_KINDS, CopyCommitFlow
+from .flows import FLOW_KINDS, CopyCommitFlow, lacks
 from .pool import STALE, StatePool, raw_state
 
 F32, BF16, I32 = torch.float32, torch.bfloat16, torch.int32
@@ -132,11 +132,7 @@ class ReplayHarness:
         self.fold_every_commit = pool.temporal.dtype != torch.float32
 
     def __getattr__(self, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        raise AttributeError(f"the update under test read self.{name}, which drift's ReplaySSM harness does not "
-                             f"provide; it provides {self.PROVIDED}. To provide it: {self.HOW_TO_PROVIDE}.",
-                             name=name, obj=self)
+        return lacks(self, name, "ReplaySSM")
 
     def objects(self) -> tuple:
         return (self, self.spec_state, self.mamba_pool)

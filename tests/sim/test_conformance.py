@@ -97,6 +97,24 @@ def test_shim_kernels_match_sgl_kernel_npus_triton_kernels():
     assert "rollback False False True" in lines, out  # strided: the real one left the pool as it was
 
 
+# SGLang's package root and runtime import its whole server: the tests (never drift) stub the parents
+# of the kernel modules they load, and the one helper fla/utils.py reads from sglang.srt.utils.common.
+SGLANG_PARENTS = """
+    import importlib.util, os, sys, types
+    import torch
+    root = os.path.dirname(importlib.util.find_spec("sglang").origin)
+    for name in ("sglang", "sglang.kernels", "sglang.kernels.ops", "sglang.kernels.ops.attention",
+                 "sglang.kernels.ops.attention.fla", "sglang.kernels.ops.attention.linear", "sglang.srt",
+                 "sglang.srt.utils"):
+        mod = types.ModuleType(name)
+        mod.__path__ = [os.path.join(root, *name.split(".")[1:])]
+        sys.modules[name] = mod
+    common = types.ModuleType("sglang.srt.utils.common")
+    common.torch_release = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    sys.modules["sglang.srt.utils.common"] = common
+"""
+
+
 def test_sglang_triton_kernel_matches_drifts_op_with_the_interpreters_truncating_store():
     """SGLang's Triton verify kernel through drift's adapter, one verify call in both flows: under
     the interpreter its fp32 -> bf16 stores truncate (the interpreter's cast; on a GPU they round
@@ -106,54 +124,45 @@ def test_sglang_triton_kernel_matches_drifts_op_with_the_interpreters_truncating
     Negative control: against drift's round-to-nearest store far fewer elements agree."""
     _need("triton")
     _need("sglang")
-    out = _run("""
-        import contextlib, importlib, importlib.util, os, sys, types
-        from dataclasses import replace
-        import torch
-        import triton.language as tl
-        root = os.path.dirname(importlib.util.find_spec("sglang").origin)
-        for name in ("sglang", "sglang.kernels", "sglang.kernels.ops", "sglang.kernels.ops.attention",
-                     "sglang.kernels.ops.attention.fla", "sglang.srt", "sglang.srt.utils"):
-            mod = types.ModuleType(name)
-            mod.__path__ = [os.path.join(root, *name.split(".")[1:])]
-            sys.modules[name] = mod
-        common = types.ModuleType("sglang.srt.utils.common")
-        common.torch_release = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-        sys.modules["sglang.srt.utils.common"] = common
-        utils = importlib.import_module("sglang.kernels.ops.attention.fla.utils")
-        utils.custom_device_ctx = lambda index: contextlib.nullcontext()  # torch.cpu has no device()
-        fr = importlib.import_module("sglang.kernels.ops.attention.fla.fused_recurrent")
-        fr.exp = lambda x, **kw: tl.exp(x)  # an alias bound at import escapes the interpreter's patching
-        from drift.plug.loader import load_kernel
-        from drift.sim import kernels
-        from drift.dtypes import as_bits
-        from drift.sim.kernels import VerifyArgs
-        g = torch.Generator().manual_seed(1)
-        L, slots, B, S, HK, HV, K, V = 1, 6, 3, 4, 1, 2, 16, 16
-        C = 2 * HK * K + HV * V
-        base = VerifyArgs(torch.randn(L, B, S, C, generator=g).bfloat16(), torch.randn(L, B, S, HV, generator=g).bfloat16(),
-                          -torch.rand(L, B, S, HV, generator=g), torch.randn(L, slots, HV, V, K, generator=g).bfloat16(),
-                          torch.randn(L, B + 1, S, HV, V, K, generator=g).bfloat16(), torch.tensor([4, 1, 0], dtype=torch.int32),
-                          torch.arange(B * S, dtype=torch.int32).view(B, S), torch.ones(B, dtype=torch.int32),
-                          torch.full((B,), S, dtype=torch.int32), HK, HV, K ** -0.5)
-        triton_kernel = load_kernel("sglang-triton")
-        for flow, accepted in (("sglang", [1, 1, 1]), ("npu-accepted", [3, 1, 4])):
-            args = replace(base, num_accepted_tokens=torch.tensor(accepted, dtype=torch.int32))
-            clone = lambda: replace(args, recurrent_state=args.recurrent_state.clone(),
-                                    intermediate_state=args.intermediate_state.clone())
-            t, tr, rn = clone(), clone(), clone()
-            o_t = triton_kernel(t)
-            o_tr = kernels.recurrent_gated_delta_rule(replace(tr, rounding="truncate"))
-            kernels.recurrent_gated_delta_rule(rn)
-            a, b, c = (x.intermediate_state[:, :B].float() for x in (t, tr, rn))
-            equal = (a == b).float().mean().item()
-            ulp = 2.0 ** (torch.floor(torch.log2(b.abs().clamp_min(1e-30))) - 7)
-            worst = ((a - b).abs() / ulp).max().item()
-            equal_rne = (a == c).float().mean().item()
-            o_ulp = 2.0 ** (torch.floor(torch.log2(o_tr.float().abs().clamp_min(1e-30))) - 7)
-            o_worst = ((o_t.float() - o_tr.float()).abs() / o_ulp).max().item()
-            same_committed = torch.equal(as_bits(t.recurrent_state), as_bits(args.recurrent_state))
-            print(flow, equal, worst, equal_rne, o_worst, same_committed)
+    out = _run(SGLANG_PARENTS + """
+    import contextlib, importlib, importlib.util, os, sys, types
+    from dataclasses import replace
+    import torch
+    import triton.language as tl
+    utils = importlib.import_module("sglang.kernels.ops.attention.fla.utils")
+    utils.custom_device_ctx = lambda index: contextlib.nullcontext()  # torch.cpu has no device()
+    fr = importlib.import_module("sglang.kernels.ops.attention.fla.fused_recurrent")
+    fr.exp = lambda x, **kw: tl.exp(x)  # an alias bound at import escapes the interpreter's patching
+    from drift.plug.loader import load_kernel
+    from drift.sim import kernels
+    from drift.dtypes import as_bits
+    from drift.sim.kernels import VerifyArgs
+    g = torch.Generator().manual_seed(1)
+    L, slots, B, S, HK, HV, K, V = 1, 6, 3, 4, 1, 2, 16, 16
+    C = 2 * HK * K + HV * V
+    base = VerifyArgs(torch.randn(L, B, S, C, generator=g).bfloat16(), torch.randn(L, B, S, HV, generator=g).bfloat16(),
+                      -torch.rand(L, B, S, HV, generator=g), torch.randn(L, slots, HV, V, K, generator=g).bfloat16(),
+                      torch.randn(L, B + 1, S, HV, V, K, generator=g).bfloat16(), torch.tensor([4, 1, 0], dtype=torch.int32),
+                      torch.arange(B * S, dtype=torch.int32).view(B, S), torch.ones(B, dtype=torch.int32),
+                      torch.full((B,), S, dtype=torch.int32), HK, HV, K ** -0.5)
+    triton_kernel = load_kernel("sglang-triton")
+    for flow, accepted in (("sglang", [1, 1, 1]), ("npu-accepted", [3, 1, 4])):
+        args = replace(base, num_accepted_tokens=torch.tensor(accepted, dtype=torch.int32))
+        clone = lambda: replace(args, recurrent_state=args.recurrent_state.clone(),
+                                intermediate_state=args.intermediate_state.clone())
+        t, tr, rn = clone(), clone(), clone()
+        o_t = triton_kernel(t)
+        o_tr = kernels.recurrent_gated_delta_rule(replace(tr, rounding="truncate"))
+        kernels.recurrent_gated_delta_rule(rn)
+        a, b, c = (x.intermediate_state[:, :B].float() for x in (t, tr, rn))
+        equal = (a == b).float().mean().item()
+        ulp = 2.0 ** (torch.floor(torch.log2(b.abs().clamp_min(1e-30))) - 7)
+        worst = ((a - b).abs() / ulp).max().item()
+        equal_rne = (a == c).float().mean().item()
+        o_ulp = 2.0 ** (torch.floor(torch.log2(o_tr.float().abs().clamp_min(1e-30))) - 7)
+        o_worst = ((o_t.float() - o_tr.float()).abs() / o_ulp).max().item()
+        same_committed = torch.equal(as_bits(t.recurrent_state), as_bits(args.recurrent_state))
+        print(flow, equal, worst, equal_rne, o_worst, same_committed)
     """)
     for line in out.strip().splitlines():
         flow, equal, worst, equal_rne, o_worst, same_committed = line.split()
@@ -258,22 +267,11 @@ def test_vllm_triton_kernel_matches_drifts_op_and_runs_the_checks():
 # parents of the module and those helpers, and mends two gaps of the interpreter: it multiplies
 # bf16 tl.dot operands as their raw uint16 bits (a GPU widens them: the products are exact in
 # fp32), and it casts fp32 -> bf16 by truncation (a GPU rounds to nearest even).
-REPLAYSSM_STUBS = """
-    import importlib, importlib.util, os, sys, types
+REPLAYSSM_STUBS = SGLANG_PARENTS + """
+    import importlib
     import numpy as np
-    import torch
     import triton.language as tl
     from triton.runtime import interpreter as interp
-    root = os.path.dirname(importlib.util.find_spec("sglang").origin)
-    for name in ("sglang", "sglang.kernels", "sglang.kernels.ops", "sglang.kernels.ops.attention",
-                 "sglang.kernels.ops.attention.fla", "sglang.kernels.ops.attention.linear", "sglang.srt",
-                 "sglang.srt.utils"):
-        mod = types.ModuleType(name)
-        mod.__path__ = [os.path.join(root, *name.split(".")[1:])]
-        sys.modules[name] = mod
-    common = types.ModuleType("sglang.srt.utils.common")
-    common.torch_release = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-    sys.modules["sglang.srt.utils.common"] = common
     sys.modules["sglang.srt.utils"].is_gfx95_supported = lambda: False
     B = interp.InterpreterBuilder
     dot, cast = B.create_dot, B.cast_impl
