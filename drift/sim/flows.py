@@ -1,15 +1,15 @@
 """State flows: how an engine keeps MTP state from one verify step to the next (docs/semantics.md §6).
 
-Each entry of :data:`drift.config.FLOWS` names its ``kind``; this module holds one class per kind,
-which owns everything the kind decides: the state pool, the object the update under test gets as
+Each entry of :data:`drift.config.FLOWS` names its ``kind``; :data:`FLOW_KINDS` maps it to one
+class (the copy-commit base in :mod:`drift.sim.copy_commit`, the in-place kind here, the
+kernel-commit kind in :mod:`drift.sim.replay`), which owns everything the kind decides: the state pool, the object the update under test gets as
 ``self`` (the harness), the verify op's arguments, the conv step, which state is "committed" (the
 state the next step reads) and which slots the update may write.
 
 * ``copy-commit`` (SGLang 0.5.23; the ``sglang`` and ``npu-accepted`` flows): the verify writes
   every token's state into a scratch buffer and ``update_mamba_state_after_mtp_verify`` copies
   the accepted one into the committed pool and rolls the conv window back
-  (:class:`~drift.sim.pool.StatePool`, :class:`~drift.sim.pool.Harness`,
-  :class:`~drift.sim.backend.VerifyArgsBuilder`).
+  (:class:`~drift.sim.copy_commit.CopyCommitFlow`).
 * ``in-place`` (vLLM 0.33.0; the ``vllm`` flow): one state cache of blocks, each request owning
   D of them; the verify writes token t's state in place into block ``idx[b, t]`` and the next step
   starts from ``idx[b, n - 1]``, n the previous step's accept count; there is no commit copy, and
@@ -29,98 +29,15 @@ import torch
 
 from ..config import FLOWS, Config
 from ..dtypes import as_bits
+from ..fileio import check_memory
 from ..layouts import LAYOUTS
 from . import kernels
-from .backend import VerifyArgsBuilder
-from ..fileio import check_memory
-from .pool import STALE, Harness, StatePool
+from .copy_commit import CopyCommitFlow, lacks
+from .pool import STALE, StatePool
+from .replay import KernelCommitFlow
 
 I32 = torch.int32
 NULL_BLOCK_ID = 0  # vllm/v1/core/kv_cache_utils.py (0.33.0): block 0 is never allocated; kernels skip it
-
-
-class CopyCommitFlow:
-    """SGLang's copy-commit flow (the ``sglang`` and ``npu-accepted`` entries)."""
-
-    kind = "copy-commit"
-    start_rule = "npu"  # how the verify op reads its arguments (drift.sim.kernels.START_RULES)
-    tracks = True  # prefix-cache tracking copies (docs/semantics.md §7)
-    default_update = "sglang-0.5.23"
-
-    def __init__(self, cfg: Config, device: torch.device):
-        self.cfg = cfg
-        self.pool = StatePool(cfg, device)
-        self.harness = Harness(self.pool)
-        self.args = VerifyArgsBuilder(cfg, self.pool)
-
-    def verify_args(self, mix, beta, g, rounding: str, key: int, drafts=None, gate=None) -> kernels.VerifyArgs:
-        """The verify op's arguments (drafts: every row verifies D tokens in these flows; gate: the raw
-        gate inputs, :class:`~drift.sim.kernels.VerifyArgs`)."""
-        return self.args.build(mix, beta, g, rounding, key, gate)
-
-    def after_verify(self, last: torch.Tensor) -> None:
-        self.args.accepted(last)
-
-    def conv_verify(self, x: torch.Tensor, weight: torch.Tensor, drafts=None) -> torch.Tensor:
-        return kernels.conv_verify(self.pool.conv, self.pool.row_slots, x, weight)
-
-    def load_start(self, stored: torch.Tensor, window: torch.Tensor) -> None:
-        """The starting state as prefill leaves it: stored once in the state dtype, the conv
-        window at the end of the buffer, the first D-1 rows stale (NaN: a read of them shows)."""
-        cfg, pool = self.cfg, self.pool
-        slots = pool.active_slots
-        pool.states[:, slots] = stored
-        W, Km1 = cfg.conv_window, cfg.conv_kernel - 1
-        buf = torch.full((cfg.num_layers, cfg.num_requests, W, cfg.conv_channels), STALE,
-                         dtype=pool.conv.dtype, device=pool.device)
-        buf[:, :, W - Km1:] = window.to(pool.device, pool.conv.dtype)
-        pool.conv[:, slots] = buf
-        pool.temporal[:, pool.row_track_slots[: cfg.num_requests]] = STALE
-        pool.conv[:, pool.row_track_slots[: cfg.num_requests]] = STALE
-
-    def touched(self, track_host: np.ndarray, drafts_host: np.ndarray | None = None) -> np.ndarray:
-        """``[count, S]`` bool: the slots the update may write at each step (the request slots,
-        and the track slot of a row tracked that step); ``track_host`` ``[count, R]`` host int
-        (-1 = not tracked); ``drafts_host`` (the tokens each row verifies) is not needed here."""
-        pool = self.pool
-        t = np.zeros((track_host.shape[0], self.pool.temporal.shape[1]), dtype=bool)
-        t[:, pool.request_slots] = True
-        rows, idx = np.nonzero(track_host >= 0)
-        t[rows, pool.track_slots[idx]] = True
-        return t
-
-    def committed_states(self) -> torch.Tensor:
-        """``[L, R, HV, V, K]``: the state each request's next verify starts from (a view or a gather)."""
-        return self.pool.states[:, self.pool.active_slots]
-
-    def committed_windows(self) -> torch.Tensor:
-        """``[L, R, Kc-1, C]``: the conv inputs each request's next verify reads."""
-        cfg, pool = self.cfg, self.pool
-        return pool.conv[:, pool.active_slots, cfg.conv_window - (cfg.conv_kernel - 1):]
-
-    def tracked_snapshot(self, track: np.ndarray) -> tuple:
-        """What the rows tracked this step (``track [R]`` host int, -1 = none) hold in their track
-        slots now: ``(rows [n], states [L, n, HV, V, K], windows [L, n, Kc-1, C], bit mismatches [n]
-        of each tracked state against the scratch block it was copied from)``."""
-        cfg, pool = self.cfg, self.pool
-        rows = np.nonzero(track >= 0)[0]
-        rows_t = torch.from_numpy(rows).to(pool.device)
-        tslots = pool.row_track_slots[rows_t]
-        got = pool.states[:, tslots]  # [L, n, HV, V, K] in the state dtype
-        held = pool.scratch[:, rows_t, torch.from_numpy(track[rows]).to(pool.device)]
-        bits_bad = (as_bits(got) != as_bits(held)).sum((0, 2, 3, 4))
-        Km1 = cfg.conv_kernel - 1
-        return rows, got.clone(), pool.conv[:, tslots, cfg.conv_window - Km1:].clone(), bits_bad
-
-    def buffers(self) -> list[torch.Tensor]:
-        """The persistent tensors a decode step writes besides the pool's (a captured step replays them)."""
-        return [self.args.prev_accept]
-
-    def state_dict(self) -> dict:
-        return {"verify_args": self.args.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.args.load_state_dict(state.get("verify_args"))
 
 
 class BlockPool(StatePool):
@@ -229,17 +146,6 @@ class BlockHarness:
 
     def objects(self) -> tuple:
         return (self,)
-
-
-def lacks(harness, name: str, what: str):
-    """The AttributeError of a flow's harness for an attribute it lacks: names the attribute, what the
-    harness provides (``harness.PROVIDED``) and how to provide more (``harness.HOW_TO_PROVIDE``);
-    its ``obj`` is the harness, so a caller can tell "drift lacks it" from a bug of the update."""
-    if name.startswith("__"):
-        raise AttributeError(name)
-    raise AttributeError(f"the update under test read self.{name}, which drift's {what} harness does not provide; "
-                         f"it provides {harness.PROVIDED}. To provide it: {harness.HOW_TO_PROVIDE}.",
-                         name=name, obj=harness)
 
 
 class InPlaceBlockFlow(CopyCommitFlow):
@@ -378,8 +284,7 @@ class InPlaceBlockFlow(CopyCommitFlow):
         self.harness.spec_state_indices_tensor.copy_(state["spec_state_indices"])
 
 
-FLOW_KINDS = {"copy-commit": CopyCommitFlow, "in-place": InPlaceBlockFlow}
-from . import replay  # noqa: E402,F401  registers "kernel-commit" (its module builds on CopyCommitFlow)
+FLOW_KINDS = {"copy-commit": CopyCommitFlow, "in-place": InPlaceBlockFlow, "kernel-commit": KernelCommitFlow}
 
 
 def state_flow(cfg: Config, device: torch.device, mode: str = "mtp") -> CopyCommitFlow:

@@ -398,7 +398,8 @@ def scratch_blocks(intermediate: torch.Tensor) -> torch.Tensor:
 #   ops/fused_recurrent.py) over one state cache -- always block i, and a row with i <= 0
 #   (NULL_BLOCK_ID) is skipped: no read, no store, its outputs left alone (drift: zeros); a token
 #   whose index is <= 0 is not stored.
-# * "ring": SGLang 0.5.23's ReplaySSM spec verify (drift/sim/replay.py: ring_verify) -- the row's
+# * "ring": SGLang 0.5.23's ReplaySSM spec verify (drift/sim/replay.py: ring_verify, reached through
+#   args.ring.verify, so this module does not import the flow's) -- the row's
 #   checkpoint with its ring's records folded in; per-token records go to the ring, no state is stored.
 START_RULES = ("npu", "blocks", "ring")
 
@@ -446,9 +447,11 @@ def recurrent_gated_delta_rule(args: VerifyArgs, compute_dtype: torch.dtype = F3
     On plain CPU tensors the C kernel of :mod:`drift.sim.native` runs when it applies
     (:func:`uses_native`); everywhere else :func:`recurrent_gated_delta_rule_torch`.
     """
-    if args.start_rule == "ring":
-        from .replay import ring_verify  # the kernel-commit flow's op (a module of its own)
-        return ring_verify(args)
+    if args.start_rule == "ring":  # the kernel-commit flow's op, over the ring it writes (drift/sim/replay.py)
+        if args.ring is None:
+            raise ValueError("start_rule 'ring' needs args.ring, the ReplayPool whose ring the verify writes "
+                             "(drift.sim.replay.KernelCommitFlow.verify_args builds it)")
+        return args.ring.verify(args)
     if not (_plain(args) and uses_native(args, compute_dtype)):
         return recurrent_gated_delta_rule_torch(args, compute_dtype)
     L, B, S, HV, V, K = args.dims

@@ -37,8 +37,8 @@ from ..dtypes import as_bits
 from ..fileio import check_memory
 from . import kernels
 from .backend import VerifyArgsBuilder
-from .flows import FLOW_KINDS, CopyCommitFlow, lacks
-from .pool import STALE, StatePool, raw_state
+from .copy_commit import CopyCommitFlow, lacks
+from .pool import STALE, StatePool
 
 F32, BF16, I32 = torch.float32, torch.bfloat16, torch.int32
 NULL_SLOT = -1  # spec_utils.py: null_block_id=-1, "SGLang: valid slots >= 0, padding == -1"
@@ -92,6 +92,11 @@ class ReplayPool(StatePool):
         live = torch.arange(N, device=device) < R
         self.state_indices = torch.where(live, self.row_slots, torch.full_like(self.row_slots, NULL_SLOT))
         self.replay_indices = torch.clamp(torch.arange(N, dtype=torch.int64, device=device), max=R)
+
+    def verify(self, args: kernels.VerifyArgs) -> torch.Tensor:
+        """The verify of the ``ring`` rule over this pool (:func:`ring_verify`): what
+        :func:`drift.sim.kernels.recurrent_gated_delta_rule` runs for ``args.ring``."""
+        return ring_verify(args)
 
     def ring_tensors(self) -> dict[str, torch.Tensor]:
         return {"ring_d": self.ring_d, "ring_d_lo": self.ring_d_lo, "ring_k": self.ring_k,
@@ -325,5 +330,3 @@ class KernelCommitFlow(CopyCommitFlow):
         """As the copy-commit flows; the ring starts empty (prefill leaves no records: cursors 0)."""
         super().load_start(stored, window)
 
-
-FLOW_KINDS["kernel-commit"] = KernelCommitFlow
