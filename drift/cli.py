@@ -202,6 +202,24 @@ def add_nightly(p: argparse.ArgumentParser) -> None:
     p.set_defaults(nightly_defaults=(DEFAULT_PRESETS, DEFAULT_UPDATES))
 
 
+def _variants_of_flow(variants, args, preset: str, update: str, steps, layers) -> list[str]:
+    """The default variants that apply under ``--flow`` (the kernel-commit flow stores no state in its
+    verify: no stochastic rounding); each one left out is named on stderr with the reason."""
+    from .jobs.nightly import build_matrix
+
+    keep = []
+    for v in variants:
+        [probe] = build_matrix([preset], [0], [update], [v], steps, layers, trace=args.trace or "", loop=args.loop,
+                               flow=args.flow or "")[:1]
+        try:
+            probe.config(args.device)
+        except ConfigError as exc:
+            print(f"drift nightly: the {v} variant does not apply here, left out: {exc}", file=sys.stderr)
+            continue
+        keep.append(v)
+    return keep
+
+
 def cmd_nightly(args: argparse.Namespace) -> int:
     from .jobs.nightly import (DEFAULT_STEPS, VARIANTS, build_matrix, layers_for, locked, match_baseline,
                                parse_shard, read_report, run_nightly, shard)
@@ -216,7 +234,8 @@ def cmd_nightly(args: argparse.Namespace) -> int:
         updates = [flow_kind(RunSpec(flow=args.flow).config()).default_update]
     updates = args.update or list(updates)
     steps = args.steps if (args.steps is not None or args.trace) else DEFAULT_STEPS
-    entries = build_matrix(args.preset or presets, args.seed or [0], updates, args.variant or VARIANTS,
+    variants = args.variant or _variants_of_flow(VARIANTS, args, (args.preset or presets)[0], updates[0], steps, layers)
+    entries = build_matrix(args.preset or presets, args.seed or [0], updates, variants,
                            steps, layers, trace=args.trace or "", loop=args.loop, graph=not args.no_graph,
                            flow=args.flow or "")
     from .sim.pool import check_fits

@@ -198,3 +198,20 @@ def test_a_flow_of_its_own_runs_its_engines_update_and_names_the_flow_in_its_key
     assert entries[f"ci-small.seed0.{other}.vllm-0.33.0.rne"]["config"]["flow"] == other
     # Negative control: without --flow the key keeps the form earlier reports have (no flow in it).
     assert nightly.Entry("ci-small", 0, "sglang-0.5.23", "rne", 64).key == "ci-small.seed0.sglang-0.5.23.rne"
+
+
+def test_the_kernel_commit_flow_runs_the_variants_that_apply_and_names_the_one_left_out(tmp_path, capsys):
+    """Its verify stores no state, so the stochastic variant does not apply: left out of the default
+    matrix with a line saying why, and refused (exit 2) when asked for by name."""
+    flow = next(f for f in FLOWS if FLOWS[f].kind == "kernel-commit")
+    out = tmp_path / "ring"
+    assert main(["nightly", "--preset", "ci-small", "--flow", flow, "--steps", "16", "--quiet",
+                 "--report", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "the stochastic variant does not apply here" in err
+    variants = {key.rsplit(".", 1)[1] for key in json.loads((out / "report.json").read_text())["entries"]}
+    assert variants == set(nightly.VARIANTS) - {"stochastic"}
+    # Negative control: named, it is an error before any work.
+    assert main(["nightly", "--preset", "ci-small", "--flow", flow, "--variant", "stochastic", "--steps", "16",
+                 "--report", str(tmp_path / "asked")]) == 2
+    assert not (tmp_path / "asked" / "report.json").exists()
