@@ -24,6 +24,19 @@ from drift.simulate import Simulation
 BF16 = torch.bfloat16
 
 
+def blocks_case(seed=5, L=2, B=3, S=4, HK=1, HV=2, K=16, V=16, blocks=16):
+    """VerifyArgs by vLLM's rule: one cache of blocks (recurrent and scratch the same storage), row 2 NULL
+    (bf16 mix_qkv, beta logits and cache, fp32 g, int32 indices ``[B, S]``, accept counts 2, 4, 1)."""
+    g = torch.Generator().manual_seed(seed)
+    C = 2 * HK * K + HV * V
+    cache = torch.randn(L, blocks, HV, V, K, generator=g).to(torch.bfloat16)
+    idx = torch.tensor([[3, 7, 1, 9], [12, 4, 15, 2], [0, 0, 0, 0]], dtype=torch.int32)
+    return VerifyArgs(torch.randn(L, B, S, C, generator=g).to(torch.bfloat16),
+                              torch.randn(L, B, S, HV, generator=g).to(torch.bfloat16), -torch.rand(L, B, S, HV, generator=g),
+                              cache, cache.unsqueeze(2), idx[:, 0].clone(), idx, torch.tensor([2, 4, 1], dtype=torch.int32),
+                              torch.full((B,), S, dtype=torch.int32), HK, HV, K ** -0.5, start_rule="blocks")
+
+
 def verify_case(seed: int = 3, L: int = 2, slots: int = 7, B: int = 3, S: int = 4, HK: int = 1, HV: int = 2,
                 K: int = 16, V: int = 16, accepted=(1, 1, 1)) -> VerifyArgs:
     """VerifyArgs over a small random pool, as SGLang's Ascend backend builds them: bf16 mix_qkv

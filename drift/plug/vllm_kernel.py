@@ -25,6 +25,8 @@ Triton runs it on a GPU; on a CPU only under ``TRITON_INTERPRET=1`` (slow: tests
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ..errors import UpdateRaised
@@ -70,9 +72,51 @@ class VllmTritonAdapter(FlaKernelAdapter):
     def run(self, args: VerifyArgs, layer: int, qkvgb: tuple, state: torch.Tensor, idx: torch.Tensor,
             n: torch.Tensor) -> torch.Tensor:
         """One call of the op on block buffer ``state`` with indices ``idx`` and accept counts ``n``."""
-        o, _ = self.op(*qkvgb, scale=1.0, initial_state=state, inplace_final_state=True, cu_seqlens=None,
-                       ssm_state_indices=idx, num_accepted_tokens=n, use_qk_l2norm_in_kernel=False)
-        return o
+        pack = varlen(args)
+        o, _ = self.op(*(pack.tokens(t) for t in qkvgb), scale=1.0, initial_state=state, inplace_final_state=True,
+                       cu_seqlens=pack.cu_seqlens, ssm_state_indices=idx, num_accepted_tokens=n,
+                       use_qk_l2norm_in_kernel=False)
+        return pack.unpack(o)
+
+
+class Varlen:
+    """vLLM's varlen verify call (``cu_seqlens``): each row's own tokens packed into one sequence
+    ``[1, T, ...]`` (``fused_recurrent.py``: "for variable-length inputs, the batch size B is expected
+    to be 1"), the outputs put back at ``[B, S, ...]`` with zeros past a row's length. ``sel`` int64
+    ``[T]``: the packed tokens' flat ``b * S + t``; None: every row runs S tokens, no packing."""
+
+    def __init__(self, B: int, S: int, sel=None, cu_seqlens=None):
+        self.B, self.S, self.sel, self.cu_seqlens = B, S, sel, cu_seqlens
+
+    def tokens(self, t: torch.Tensor) -> torch.Tensor:
+        if self.sel is None:
+            return t
+        return t.reshape(self.B * self.S, *t.shape[2:]).index_select(0, self.sel).unsqueeze(0).contiguous()
+
+    def unpack(self, o: torch.Tensor) -> torch.Tensor:
+        if self.sel is None:
+            return o
+        out = torch.zeros(self.B * self.S, *o.shape[2:], dtype=o.dtype, device=o.device)
+        out.index_copy_(0, self.sel, o[0])
+        return out.view(self.B, self.S, *o.shape[2:])
+
+
+def varlen(args: VerifyArgs) -> Varlen:
+    """The packing of this call: rows shorter than S under the blocks rule (``--drafts ragged``) run
+    only their own tokens, as vLLM's varlen batch does; the lengths are read on the host where they
+    live there (plain CPU tensors). On a device they would be a host read the step cannot have
+    (a captured step replays fixed shapes): every row then runs S tokens, the extra states going to
+    blocks the next step does not read (docs/semantics.md §6)."""
+    L, B, S = args.dims[:3]
+    lengths = args.actual_seq_lengths
+    if args.start_rule != "blocks" or lengths.device.type != "cpu":
+        return Varlen(B, S)
+    lens = lengths.tolist()
+    if all(n == S for n in lens):
+        return Varlen(B, S)
+    sel = torch.tensor([b * S + t for b, n in enumerate(lens) for t in range(n)], dtype=torch.int64)
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=I32)
+    return Varlen(B, S, sel.to(args.mix_qkv.device), cu.to(args.mix_qkv.device))
 
 
 class VllmQwenAdapter(VllmTritonAdapter):
@@ -94,10 +138,12 @@ class VllmQwenAdapter(VllmTritonAdapter):
         if args.gate_inputs is None:
             raise UpdateRaised("the Qwen-path kernel computes its gating from the raw gate inputs, which these "
                                "verify arguments lack (VerifyArgs.gate_inputs; drift's simulation passes them)")
-        q, k, v, _, _ = qkvgb
+        pack = varlen(args)
+        q, k, v, _, _ = (pack.tokens(t) for t in qkvgb)
         a, A_log, dt_bias = args.gate_inputs
-        o, _ = self.op(A_log[layer].float(), a[layer].float().contiguous(), args.beta[layer].contiguous(),
-                       dt_bias[layer].float(), q, k, v, beta=1.0, threshold=SOFTPLUS_THRESHOLD, scale=1.0,
-                       initial_state=state, inplace_final_state=True, cu_seqlens=None, ssm_state_indices=idx,
-                       num_accepted_tokens=n, use_qk_l2norm_in_kernel=False)
-        return o
+        o, _ = self.op(A_log[layer].float(), pack.tokens(a[layer].float().contiguous()),
+                       pack.tokens(args.beta[layer].contiguous()), dt_bias[layer].float(), q, k, v, beta=1.0,
+                       threshold=SOFTPLUS_THRESHOLD, scale=1.0, initial_state=state, inplace_final_state=True,
+                       cu_seqlens=pack.cu_seqlens, ssm_state_indices=idx, num_accepted_tokens=n,
+                       use_qk_l2norm_in_kernel=False)
+        return pack.unpack(o)

@@ -219,6 +219,27 @@ def test_vllm_triton_kernel_matches_drifts_op_and_runs_the_checks():
     from drift.plug.loader import load_kernel
     from drift.runner import run_checked
     from drift.sim import kernels
+    from helpers import blocks_case
+    # vLLM's varlen call (--drafts ragged): row 0 verifies 2 of its 4 tokens; packed by cu_seqlens, the
+    # kernel stores none of its tokens 2, 3 (blocks 1 and 9) and outputs zeros there, as drift's op
+    # (outputs compared on the tokens that ran: row 2 is on the NULL block, its outputs left unwritten).
+    ragged = replace(blocks_case(), actual_seq_lengths=torch.tensor([2, 4, 4], dtype=torch.int32))
+    def cache_copy(a):  # the cache is both the recurrent state and the scratch (one storage)
+        c = a.recurrent_state.clone()
+        return replace(a, recurrent_state=c, intermediate_state=c.unsqueeze(2))
+    mine, theirs, unpacked = cache_copy(ragged), cache_copy(ragged), cache_copy(ragged)
+    o_mine = kernels.recurrent_gated_delta_rule(replace(mine, rounding="truncate"))
+    o_theirs = load_kernel("vllm-triton")(theirs)
+    x, y = theirs.recurrent_state.float(), mine.recurrent_state.float()
+    import drift.plug.vllm_kernel as vk
+    packed_call, vk.varlen = vk.varlen, lambda a: vk.Varlen(*a.dims[1:3])  # negative control: no packing
+    load_kernel("vllm-triton")(unpacked)
+    print("ragged", torch.equal(theirs.recurrent_state[:, [1, 9]], ragged.recurrent_state[:, [1, 9]]),
+          bool((o_theirs[:, 0, 2:] == 0).all()), (x == y).float().mean().item(),
+          max(((t.float() - m.float()).abs() / 2.0 ** (torch.floor(torch.log2(m.float().abs().clamp_min(1e-30))) - 7))
+              .max().item() for t, m in ((o_theirs[:, 0, :2], o_mine[:, 0, :2]), (o_theirs[:, 1], o_mine[:, 1]))),
+          torch.equal(unpacked.recurrent_state[:, [1, 9]], ragged.recurrent_state[:, [1, 9]]))
+    vk.varlen = packed_call
     for name in ("vllm-triton", "vllm-triton-qwen"):
         k = load_kernel(name)
         for flow, accepted in (("sglang", (1, 1, 1)), ("npu-accepted", (3, 1, 4))):
@@ -242,6 +263,14 @@ def test_vllm_triton_kernel_matches_drifts_op_and_runs_the_checks():
             print("run", name, flow, same, near, sorted(c.key for c in got.checks if c.failed))
     """.replace("{tests!r}", repr(str(Path(__file__).resolve().parents[1]))))  # tests/: helpers.py
     lines = out.strip().splitlines()
+    ragged = [ln.split() for ln in lines if ln.startswith("ragged ")]
+    lines = [ln for ln in lines if not ln.startswith("ragged ")]
+    [(_, untouched, zeros, equal, o_worst, unpacked_untouched)] = ragged
+    # Packed by cu_seqlens, row 0's tokens past its length are neither stored nor output; the rest is
+    # the same fp32 math as drift's op storing by truncation (as the full-length calls below).
+    assert untouched == "True" and zeros == "True", ragged
+    assert float(equal) >= 0.995 and float(o_worst) <= 1.0, ragged
+    assert unpacked_untouched == "False", ragged  # negative control: unpacked, the extra tokens are stored
     calls = [ln for ln in lines if not ln.startswith("run ")]
     runs = [ln.split(maxsplit=4) for ln in lines if ln.startswith("run ")]
     assert len(calls) == 4 and len(runs) == 4, out

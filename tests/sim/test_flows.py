@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers import same_bits
+from helpers import blocks_case, same_bits
 from drift.check.registry import find_result
 from drift.config import FLOWS, preset
 from drift.errors import HarnessLacks
@@ -88,18 +88,6 @@ def test_the_block_pool_gives_each_request_its_own_blocks_and_padded_rows_the_nu
     assert torch.isnan(pool.states[:, NULL_BLOCK_ID].float()).all()  # a read of the NULL block shows
 
 
-def _blocks_case(seed=5, L=2, B=3, S=4, HK=1, HV=2, K=16, V=16, blocks=16):
-    """VerifyArgs by vLLM's rule: one cache of blocks (recurrent and scratch the same storage), row 2 NULL."""
-    g = torch.Generator().manual_seed(seed)
-    C = 2 * HK * K + HV * V
-    cache = torch.randn(L, blocks, HV, V, K, generator=g).to(torch.bfloat16)
-    idx = torch.tensor([[3, 7, 1, 9], [12, 4, 15, 2], [0, 0, 0, 0]], dtype=torch.int32)
-    return kernels.VerifyArgs(torch.randn(L, B, S, C, generator=g).to(torch.bfloat16),
-                              torch.randn(L, B, S, HV, generator=g).to(torch.bfloat16), -torch.rand(L, B, S, HV, generator=g),
-                              cache, cache.unsqueeze(2), idx[:, 0].clone(), idx, torch.tensor([2, 4, 1], dtype=torch.int32),
-                              torch.full((B,), S, dtype=torch.int32), HK, HV, K ** -0.5, start_rule="blocks")
-
-
 def _clone(args):
     cache = args.recurrent_state.clone()
     return replace(args, recurrent_state=cache, intermediate_state=cache.unsqueeze(2))
@@ -152,7 +140,7 @@ def _against_reference(monkeypatch, path: str, args):
 
 @pytest.mark.parametrize("path", ["native", "torch", "device"])
 def test_the_block_rule_starts_at_the_accepted_block_skips_null_rows_and_writes_in_place(monkeypatch, path):
-    args = _blocks_case()
+    args = blocks_case()
     got, out = _against_reference(monkeypatch, path, args)
     assert same_bits(got.recurrent_state[:, NULL_BLOCK_ID], args.recurrent_state[:, NULL_BLOCK_ID])  # never written
     assert (out[:, 2] == 0).all()  # the NULL row: skipped
@@ -164,14 +152,14 @@ def test_the_block_rule_starts_at_the_accepted_block_skips_null_rows_and_writes_
 
 def test_an_unknown_start_rule_is_refused():
     with pytest.raises(ValueError, match="start_rule 'bogus': the recurrent op reads the npu and blocks rules"):
-        kernels.recurrent_gated_delta_rule(replace(_blocks_case(), start_rule="bogus"))
+        kernels.recurrent_gated_delta_rule(replace(blocks_case(), start_rule="bogus"))
     with pytest.raises(ValueError, match="needs args.ring"):  # the ring rule without the ring it writes
-        kernels.recurrent_gated_delta_rule(replace(_blocks_case(), start_rule="ring"))
+        kernels.recurrent_gated_delta_rule(replace(blocks_case(), start_rule="ring"))
 
 
 @pytest.mark.parametrize("path", ["native", "torch", "device"])
 def test_a_short_row_runs_and_stores_only_its_own_tokens(monkeypatch, path):
-    args = replace(_blocks_case(), actual_seq_lengths=torch.tensor([2, 4, 4], dtype=torch.int32))
+    args = replace(blocks_case(), actual_seq_lengths=torch.tensor([2, 4, 4], dtype=torch.int32))
     got, out = _against_reference(monkeypatch, path, args)
     assert (out[:, 0, 2:] == 0).all()  # row 0's tokens past its length: no output
     assert same_bits(got.recurrent_state[:, [1, 9]], args.recurrent_state[:, [1, 9]])  # row 0's tokens 2, 3: untouched
