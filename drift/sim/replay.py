@@ -212,9 +212,6 @@ def ring_verify(args: kernels.VerifyArgs) -> torch.Tensor:
     drift's rendering of the kernel's maths is the recurrent op's (the kernel's chunked UT form is
     the same in exact arithmetic; docs/semantics.md §10)."""
     pool: ReplayPool = args.ring
-    if pool is None:
-        raise ValueError("start_rule 'ring' needs args.ring, the ReplayPool whose ring the verify writes "
-                         "(drift.sim.replay.KernelCommitFlow.verify_args builds it)")
     L, B, S, HV, V, K = args.dims
     H, RL = args.nk, pool.ring_len
     q, k, v, decay, beta = args.inputs(F32)  # [L, B, S, HV, .]
