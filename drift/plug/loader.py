@@ -36,6 +36,7 @@ from .specs import MUTANT_PREFIX, resolve_spec
 from .triton_kernel import TritonAdapter
 from .updates import BUILTINS, RENAMED, check_flow
 from .replayssm_engine import ReplayVerifyAdapter
+from .vllm_ascend_op import vllm_ascend_adapter, vllm_ascend_op
 from .vllm_kernel import VllmQwenAdapter, VllmTritonAdapter
 
 REQUIRED = ("self", "last_correct_step_indices", "mamba_track_indices", "mamba_steps_to_track")
@@ -84,6 +85,17 @@ def _npu_op(arg: Optional[str]) -> VerifyKernel:
     return npu_op_adapter(op)
 
 
+def _vllm_ascend_op(arg: Optional[str]) -> VerifyKernel:
+    op = resolve_spec(arg or "", "kernel")
+    if not callable(op):
+        raise LoadError(f"kernel spec 'vllm-ascend-op:{arg}' resolves to a {type(op).__name__}, not the op")
+    return vllm_ascend_adapter(op)
+
+
+# q, k and beta rounded to bf16 before the op (vllm-ascend's l2norm_fwd and fused_gdn_gating store
+# them in the activation dtype): about 2^-9 relative per input, as npu-legacy's beta (vLLM #53877).
+BF16_INPUTS = Conformance(2 ** -6, 1e-2, 2 ** -6, 1e-2, "q, k and beta rounded to bf16 before the op")
+
 KERNELS: Registry[KernelEntry] = Registry("verify kernel")
 for _k in (
     KernelEntry("portable", "drift's own op (drift.sim.kernels.recurrent_gated_delta_rule)",
@@ -109,6 +121,12 @@ for _k in (
                 # g from fp32 softplus/exp in the kernel against drift's float64 one rounded once: an fp32
                 # ulp or so per gate, carried through the decay, on top of the reordered fp32 sums
                 lambda arg: VllmQwenAdapter.load(), REORDERED_FP32),
+    KernelEntry("vllm-ascend", "vllm-ascend 0.23.0.post1's AscendC torch.ops._C_ascend.npu_recurrent_gated_delta_rule, "
+                "called as vllm_ascend/ops/gdn.py calls it (bf16 normalised q, k and post-sigmoid beta), under --flow vllm",
+                lambda arg: vllm_ascend_adapter(vllm_ascend_op()), BF16_INPUTS, start_rules=("blocks",)),
+    KernelEntry("vllm-ascend-op", "any callable with that op's signature through the same adapter (a stand-in or a "
+                "new build): vllm-ascend-op:<module|file.py>:<qualname>", _vllm_ascend_op, BF16_INPUTS, takes_arg=True,
+                start_rules=("blocks",)),
     KernelEntry("sglang-replayssm-triton", "SGLang 0.5.23's ReplaySSM spec verify gdn_replayssm_spec_decode (CUDA; "
                 "kernels/ops/attention/linear/gdn_replayssm_spec_decode.py), under --flow sglang-replayssm",
                 lambda arg: ReplayVerifyAdapter.load(),
