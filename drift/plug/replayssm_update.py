@@ -33,6 +33,7 @@ from typing import Callable, Optional
 import torch
 
 from ..sim.pool import raw_state
+from ..sim.replay import decay_weights, in_ring_order, over_value_heads
 from .shim import sgl_kernels
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -74,38 +75,27 @@ def advance_cursors(c: Commit) -> None:
 
 # ------------------------------------------------------------------------------ 2. fold
 def _records(c: Commit):
-    """Each row's ring in logical order from ``cache_base``: d (high + low, fp32) ``[L, N, HV, RL, V]``,
-    key high and low parts (fp32, repeated over value heads) ``[L, N, HV, RL, K]``, g ``[L, N, HV, RL]``."""
-    ss, mp, RL = c.h.spec_state, c.h.mamba_pool, c.ring_len
+    """Each row's ring in logical order from ``cache_base`` (:func:`drift.sim.replay.in_ring_order`, the
+    kernel's circular addressing): d (high + low, fp32) ``[L, N, HV, RL, V]``, the key's high and low
+    parts (fp32, repeated over value heads) ``[L, N, HV, RL, K]``, g ``[L, N, HV, RL]``."""
+    ss, mp = c.h.spec_state, c.h.mamba_pool
     slot = c.h.req_pool_indices
-    base = mp.replayssm_cache_base.index_select(0, slot).to(torch.int64)
-    phys = (base[:, None] + torch.arange(RL, device=base.device)) & (RL - 1)  # [N, RL]
+    base = mp.replayssm_cache_base.index_select(0, slot)
 
     def take(t):
-        rows = t.index_select(1, slot)
-        idx = phys[None, :, None, :].expand(rows.shape[0], -1, rows.shape[2], -1)
-        if rows.dim() == 5:
-            idx = idx[..., None].expand(*idx.shape, rows.shape[4])
-        return rows.gather(3, idx).to(F32)
+        return in_ring_order(t, slot, base).to(F32)
 
     HV = ss.replayssm_g.shape[2]
-    kh, kl = take(ss.replayssm_k), take(ss.replayssm_rawk)
-    group = HV // kh.shape[2]
-    if group > 1:
-        kh, kl = kh.repeat_interleave(group, dim=2), kl.repeat_interleave(group, dim=2)
+    kh, kl = (over_value_heads(take(t), HV) for t in (ss.replayssm_k, ss.replayssm_rawk))
     return take(ss.replayssm_d) + take(ss.replayssm_rawv), kh, kl, take(ss.replayssm_g)
 
 
 def compensated_fold(old, d, kh, kl, g, length):
     """The compact commit's fold of a row's first ``length [N]`` records onto ``old`` fp32
-    ``[L, N, HV, V, K]``: the decayed update split into bf16 high and low parts, the four products
-    with the key's parts accumulated in fp32 (``tl.dot``: bf16 operands, fp32 accumulation)."""
-    RL = g.shape[-1]
-    live = (torch.arange(RL, device=g.device)[None, :] < length[:, None])[None, :, None, :]
-    gm = torch.where(live, g, torch.zeros_like(g))
-    prefix = torch.cumsum(gm, -1)
-    total = prefix[..., -1:]
-    decay = torch.where(live, torch.exp(total - prefix), torch.zeros_like(g))
+    ``[L, N, HV, V, K]`` (weights: :func:`drift.sim.replay.decay_weights`): the decayed update split
+    into bf16 high and low parts, the four products with the key's parts accumulated in fp32
+    (``tl.dot``: bf16 operands, fp32 accumulation)."""
+    total, decay = decay_weights(g, length)
     upd = d * decay[..., None]  # [L, N, HV, RL, V]
     hi = upd.to(BF16).to(F32)
     lo = (upd - hi).to(BF16).to(F32)

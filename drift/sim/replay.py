@@ -144,41 +144,55 @@ class ReplayHarness:
 
 
 # ------------------------------------------------------------------------------- ring reads
-def gather_records(pool: ReplayPool, replay: torch.Tensor, base: torch.Tensor, nv: int):
-    """Each row's ring in logical order (record c at ``(base + c) & (RL - 1)``), in fp32 with the
-    high and low parts summed (exact: both bf16, the low part below the high part's last bit):
-    d ``[L, B, HV, RL, V]``, k ``[L, B, HV, RL, K]`` (key heads repeated over their value-head
-    group), g ``[L, B, HV, RL]``."""
-    RL = pool.ring_len
+def in_ring_order(t: torch.Tensor, slots: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """A ring tensor ``[L, ring slots, h, RL, ...]`` read for rows in ``slots`` (int64 ``[B]``) in
+    logical order: record c of row b is at position ``(base[b] + c) & (RL - 1)`` (the cursors'
+    circular addressing). Returns ``[L, B, h, RL, ...]`` in ``t``'s dtype (a gather, not a view)."""
+    RL = t.shape[3]
     phys = (base.to(torch.int64)[:, None] + torch.arange(RL, device=base.device)) & (RL - 1)  # [B, RL]
+    rows = t.index_select(1, slots)
+    idx = phys[None, :, None, :].expand(rows.shape[0], -1, rows.shape[2], -1)
+    if rows.dim() == 5:
+        idx = idx[..., None].expand(*idx.shape, rows.shape[4])
+    return rows.gather(3, idx)
 
-    def take(t: torch.Tensor) -> torch.Tensor:  # [L, slots, h, RL, ...] -> [L, B, h, RL, ...]
-        rows = t.index_select(1, replay)
-        idx = phys[None, :, None, :].expand(rows.shape[0], -1, rows.shape[2], -1)
-        if rows.dim() == 5:
-            idx = idx[..., None].expand(*idx.shape, rows.shape[4])
-        return rows.gather(3, idx)
 
-    d = take(pool.ring_d).to(F32) + take(pool.ring_d_lo).to(F32)
-    k = take(pool.ring_k).to(F32) + take(pool.ring_k_lo).to(F32)
+def over_value_heads(k: torch.Tensor, nv: int) -> torch.Tensor:
+    """Key-head records ``[L, B, H, RL, K]`` repeated over each key head's value-head group: ``[L, B, nv, RL, K]``."""
     group = nv // k.shape[2]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=2)
-    return d, k, take(pool.ring_g)
+    return k.repeat_interleave(group, dim=2) if group > 1 else k
 
 
-def fold_records(h0: torch.Tensor, d: torch.Tensor, k: torch.Tensor, g: torch.Tensor,
-                 length: torch.Tensor) -> torch.Tensor:
-    """``e^{G} h0 + sum_{c < length} e^{G - G_c} d_c k_c^T`` in fp32 (G_c the inclusive prefix sum of
-    g, G the total): the state after a row's first ``length`` records. h0 ``[L, B, HV, V, K]``
-    fp32; d, k, g from :func:`gather_records`; length int ``[B]``. A row with length 0 gets h0
-    exactly."""
+def decay_weights(g: torch.Tensor, length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a row's first ``length`` records (int ``[B]``) of log-decays ``g [L, B, HV, RL]``: the total
+    ``G`` ``[L, B, HV, 1]`` and each record's weight ``e^{G - G_c}`` (``G_c`` the inclusive prefix
+    sum; 0 past ``length``) ``[L, B, HV, RL]``, in fp32."""
     RL = g.shape[-1]
     live = (torch.arange(RL, device=g.device)[None, :] < length.to(torch.int64)[:, None])[None, :, None, :]
     gm = torch.where(live, g, torch.zeros_like(g))
     prefix = torch.cumsum(gm, -1)
     total = prefix[..., -1:]
-    w = torch.where(live, torch.exp(total - prefix), torch.zeros_like(g))
+    return total, torch.where(live, torch.exp(total - prefix), torch.zeros_like(g))
+
+
+def gather_records(pool: ReplayPool, replay: torch.Tensor, base: torch.Tensor, nv: int):
+    """Each row's ring in logical order (:func:`in_ring_order`), in fp32 with the high and low parts
+    summed (exact: both bf16, the low part below the high part's last bit): d ``[L, B, HV, RL, V]``,
+    k ``[L, B, HV, RL, K]`` (key heads repeated over their value-head group), g ``[L, B, HV, RL]``."""
+    def take(t: torch.Tensor) -> torch.Tensor:
+        return in_ring_order(t, replay, base)
+
+    d = take(pool.ring_d).to(F32) + take(pool.ring_d_lo).to(F32)
+    k = take(pool.ring_k).to(F32) + take(pool.ring_k_lo).to(F32)
+    return d, over_value_heads(k, nv), take(pool.ring_g)
+
+
+def fold_records(h0: torch.Tensor, d: torch.Tensor, k: torch.Tensor, g: torch.Tensor,
+                 length: torch.Tensor) -> torch.Tensor:
+    """``e^{G} h0 + sum_{c < length} e^{G - G_c} d_c k_c^T`` in fp32 (:func:`decay_weights`): the state
+    after a row's first ``length`` records. h0 ``[L, B, HV, V, K]`` fp32; d, k, g from
+    :func:`gather_records`; length int ``[B]``. A row with length 0 gets h0 exactly."""
+    total, w = decay_weights(g, length)
     return h0 * torch.exp(total)[..., None] + torch.einsum("lbhcv,lbhck->lbhvk", d * w[..., None], k)
 
 
