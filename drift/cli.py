@@ -205,12 +205,12 @@ def add_nightly(p: argparse.ArgumentParser) -> None:
 def _variants_of_flow(variants, args, preset: str, update: str, steps, layers) -> list[str]:
     """The default variants that apply under ``--flow`` (the kernel-commit flow stores no state in its
     verify: no stochastic rounding); each one left out is named on stderr with the reason."""
-    from .jobs.nightly import build_matrix
+    from .jobs.nightly import Entry
 
     keep = []
     for v in variants:
-        [probe] = build_matrix([preset], [0], [update], [v], steps, layers, trace=args.trace or "", loop=args.loop,
-                               flow=args.flow or "")[:1]
+        probe = Entry(preset, 0, "-" if v == "sequential" else update, v, steps, layers, trace=args.trace or "",
+                      loop=args.loop, flow=args.flow or "")
         try:
             probe.config(args.device)
         except ConfigError as exc:

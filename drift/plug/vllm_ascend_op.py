@@ -71,7 +71,7 @@ class VllmAscendAdapter(LayerOpAdapter):
         v = args.mix_qkv[..., 2 * HK * K:].reshape(*lead, HV, V)
         beta = torch.sigmoid(args.beta.to(F32)).to(self.input_dtype)  # fused_gdn_gating's beta_output
         pack = varlen(args)  # padded rows come last in drift's batch: their tokens are never reached
-        idx = _tokens(pack, args.ssm_state_indices.to(I32).reshape(B, S, 1))[:, 0]  # one per packed token
+        idx = pack.flat(args.ssm_state_indices.to(I32).reshape(B, S, 1))[:, 0]  # one per packed token
         live = kernels.start_blocks(args)[0] > 0  # not on the NULL block
         zero = torch.zeros(1, dtype=I32, device=live.device)
         lengths = torch.cat([zero, torch.where(live, args.actual_seq_lengths.to(I32), zero)])
@@ -81,18 +81,11 @@ class VllmAscendAdapter(LayerOpAdapter):
     def call_layer(self, args: VerifyArgs, layer: int, ctx) -> torch.Tensor:
         q, k, v, beta, pack, idx, lengths, accepted = ctx
         L, B, S, HV, V, K = args.dims
-        o = self.op(query=_tokens(pack, q[layer]), key=_tokens(pack, k[layer]), value=_tokens(pack, v[layer]),
-                    state=raw_state(args.recurrent_state)[layer], beta=_tokens(pack, beta[layer]),
+        o = self.op(query=pack.flat(q[layer]), key=pack.flat(k[layer]), value=pack.flat(v[layer]),
+                    state=raw_state(args.recurrent_state)[layer], beta=pack.flat(beta[layer]),
                     scale=K ** -0.5, actual_seq_lengths=lengths, ssm_state_indices=idx, num_accepted_tokens=accepted,
-                    g=_tokens(pack, args.g[layer].to(F32)), gk=None)
-        if pack.sel is None:
-            return o.view(B, S, HV, V).to(BF16)
-        return pack.unpack(o.unsqueeze(0)).to(BF16)
-
-
-def _tokens(pack, t: torch.Tensor) -> torch.Tensor:
-    """``t [B, S, ...]`` as the op's packed tokens ``[T, ...]`` (each row's own, back to back)."""
-    return pack.tokens(t)[0] if pack.sel is not None else t.reshape(-1, *t.shape[2:]).contiguous()
+                    g=pack.flat(args.g[layer].to(F32)), gk=None)
+        return pack.unflat(o).to(BF16)
 
 
 def vllm_ascend_adapter(op: Callable, input_dtype: torch.dtype = BF16) -> VerifyKernel:

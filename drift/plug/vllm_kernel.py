@@ -96,9 +96,22 @@ class Varlen:
     def unpack(self, o: torch.Tensor) -> torch.Tensor:
         if self.sel is None:
             return o
-        out = torch.zeros(self.B * self.S, *o.shape[2:], dtype=o.dtype, device=o.device)
-        out.index_copy_(0, self.sel, o[0])
-        return out.view(self.B, self.S, *o.shape[2:])
+        return self.unflat(o[0])
+
+    def flat(self, t: torch.Tensor) -> torch.Tensor:
+        """``t [B, S, ...]`` as the tokens a varlen op reads back to back, ``[T, ...]`` (all B * S of
+        them when nothing is packed)."""
+        if self.sel is None:
+            return t.reshape(self.B * self.S, *t.shape[2:]).contiguous()
+        return self.tokens(t)[0]
+
+    def unflat(self, o: torch.Tensor) -> torch.Tensor:
+        """A varlen op's per-token ``o [T, ...]`` at ``[B, S, ...]``, zeros past a row's length."""
+        if self.sel is None:
+            return o.view(self.B, self.S, *o.shape[1:])
+        out = torch.zeros(self.B * self.S, *o.shape[1:], dtype=o.dtype, device=o.device)
+        out.index_copy_(0, self.sel, o)
+        return out.view(self.B, self.S, *o.shape[1:])
 
 
 def varlen(args: VerifyArgs) -> Varlen:

@@ -27,11 +27,12 @@ class CopyCommitFlow:
     start_rule = "npu"  # how the verify op reads its arguments (drift.sim.kernels.START_RULES)
     tracks = True  # prefix-cache tracking copies (docs/semantics.md §7)
     default_update = "sglang-0.5.23"
+    POOL, HARNESS = StatePool, Harness  # what a subclass keeping this flow's verify arguments swaps
 
     def __init__(self, cfg: Config, device: torch.device):
         self.cfg = cfg
-        self.pool = StatePool(cfg, device)
-        self.harness = Harness(self.pool)
+        self.pool = self.POOL(cfg, device)
+        self.harness = self.HARNESS(self.pool)
         self.args = VerifyArgsBuilder(cfg, self.pool)
 
     def verify_args(self, mix, beta, g, rounding: str, key: int, drafts=None, gate=None) -> kernels.VerifyArgs:

@@ -36,7 +36,6 @@ from ..config import Config
 from ..dtypes import as_bits
 from ..fileio import check_memory
 from . import kernels
-from .backend import VerifyArgsBuilder
 from .copy_commit import CopyCommitFlow, lacks
 from .pool import STALE, StatePool
 
@@ -287,12 +286,10 @@ class KernelCommitFlow(CopyCommitFlow):
     start_rule = "ring"
     tracks = True
     default_update = "sglang-0.5.23-replayssm"
+    POOL, HARNESS = ReplayPool, ReplayHarness
 
     def __init__(self, cfg: Config, device: torch.device):
-        self.cfg = cfg
-        self.pool = ReplayPool(cfg, device)
-        self.harness = ReplayHarness(self.pool)
-        self.args = VerifyArgsBuilder(cfg, self.pool)
+        super().__init__(cfg, device)
         self._last = torch.full((cfg.num_rows,), -1, dtype=torch.int64, device=device)
 
     def verify_args(self, mix, beta, g, rounding: str, key: int, drafts=None, gate=None) -> kernels.VerifyArgs:
