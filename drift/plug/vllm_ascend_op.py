@@ -16,7 +16,8 @@ AscendC op (``csrc/attention/recurrent_gated_delta_rule``), per GDN layer::
         actual_seq_lengths=...,         # int32 [B + 1]: the first token's offset, then each row's
                                         #   token count (ops/gdn_attn_builder.py: _build_actual_seq_lengths);
                                         #   a padded graph row has 0 (and accept count 0)
-        ssm_state_indices=spec_state_indices_tensor.flatten(),  # int32, one per packed token
+        ssm_state_indices=spec_state_indices_tensor.flatten(),  # int32 [B * (num_spec + 1)], read
+                                        #   by packed token position: seq0 + t
         num_accepted_tokens=...)        # int32 [B]
     -> bf16 [T, HV, V]
 
@@ -25,8 +26,10 @@ from ``state[ssm_state_indices[seq0 + n - 1]]``, runs its tokens in fp32 (``exp(
 delta rule, ``q * scale``) and stores the state after token ``t`` at ``ssm_state_indices[seq0 + t]``
 (round to nearest): vLLM's in-place block rule (docs/semantics.md §6), without a NULL-block skip.
 The adapter makes exactly that call, layer by layer, on drift's ``vllm`` flow (each row's own tokens
-packed by its length, as :func:`drift.plug.vllm_kernel.varlen` packs them; a row on vLLM's NULL
-block, drift's padded row, passed as vllm-ascend's builder pads one: 0 tokens, accept count 0).
+packed by its length, as :func:`drift.plug.vllm_kernel.varlen` packs them, and the index table
+flattened unpacked, as vllm-ascend passes it: under ``--drafts ragged`` a short row shifts the next
+rows' indices, docs/semantics.md §6; a row on vLLM's NULL block, drift's padded row, passed as
+vllm-ascend's builder pads one: 0 tokens, accept count 0).
 """
 
 from __future__ import annotations
@@ -71,7 +74,9 @@ class VllmAscendAdapter(LayerOpAdapter):
         v = args.mix_qkv[..., 2 * HK * K:].reshape(*lead, HV, V)
         beta = torch.sigmoid(args.beta.to(F32)).to(self.input_dtype)  # fused_gdn_gating's beta_output
         pack = varlen(args)  # padded rows come last in drift's batch: their tokens are never reached
-        idx = pack.flat(args.ssm_state_indices.to(I32).reshape(B, S, 1))[:, 0]  # one per packed token
+        # spec_state_indices_tensor.flatten(): [B * S] as it is, while the kernel reads it by packed token
+        # (ssm_state_indices[seq0 + t]): aligned only when every live row runs all S tokens
+        idx = args.ssm_state_indices.to(I32).reshape(-1).contiguous()
         live = kernels.start_blocks(args)[0] > 0  # not on the NULL block
         zero = torch.zeros(1, dtype=I32, device=live.device)
         lengths = torch.cat([zero, torch.where(live, args.actual_seq_lengths.to(I32), zero)])

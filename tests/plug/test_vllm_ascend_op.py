@@ -68,23 +68,45 @@ def _cache_copy(args):
     return replace(args, recurrent_state=c, intermediate_state=c.unsqueeze(2))
 
 
-def test_a_short_row_and_a_null_row_store_only_what_ran():
-    """Row 0 verifies 2 of its 4 tokens, row 2 is on the NULL block (vllm-ascend's builder gives it 0
-    tokens): the op stores only row 0's first two and row 1's states, bit for bit drift's op (fp32
-    inputs: the same fp32 maths, round to nearest stores), and leaves blocks 1, 9 and 0 alone."""
-    args = replace(blocks_case(), actual_seq_lengths=torch.tensor([2, 4, 4], dtype=torch.int32))
+def test_full_rows_and_a_null_row_store_what_drifts_op_stores():
+    """Rows 0 and 1 verify all 4 tokens, row 2 is on the NULL block (vllm-ascend's builder gives it 0
+    tokens, and the kernel skips it): the op stores rows 0 and 1's states where drift's op does (fp32
+    inputs: the same fp32 maths, round to nearest stores) and leaves block 0 alone."""
+    args = blocks_case()
     mine, theirs = _cache_copy(args), _cache_copy(args)
     o_mine = kernels.recurrent_gated_delta_rule(mine)
     o_theirs = vllm_ascend_adapter(load_kernel(SPEC).op, torch.float32)(theirs)
-    assert torch.equal(theirs.recurrent_state[:, [0, 1, 9]], args.recurrent_state[:, [0, 1, 9]])
+    assert torch.equal(theirs.recurrent_state[:, 0], args.recurrent_state[:, 0])  # the skipped row's block
     changed = (theirs.recurrent_state != args.recurrent_state).flatten(2).any(-1)
     assert changed.any() and torch.equal(changed, (mine.recurrent_state != args.recurrent_state).flatten(2).any(-1))
     # the same fp32 token loop in another reduction order: stores within one bf16 ulp (measured: equal)
     a, b = theirs.recurrent_state.float(), mine.recurrent_state.float()
     ulp = 2.0 ** (torch.floor(torch.log2(torch.maximum(a.abs(), b.abs()).clamp_min(1e-30))) - 7)
     assert ((a - b).abs() <= ulp).all()
-    assert (o_theirs[:, 0, 2:] == 0).all() and (o_theirs[:, 2] == 0).all()
-    assert torch.allclose(o_theirs[:, 1].float(), o_mine[:, 1].float(), rtol=2 ** -7, atol=0)  # one bf16 ulp
+    assert (o_theirs[:, 2] == 0).all()
+    assert torch.allclose(o_theirs[:, :2].float(), o_mine[:, :2].float(), rtol=2 ** -7, atol=0)  # one bf16 ulp
+
+
+def test_a_short_row_shifts_the_next_rows_blocks():
+    """vllm-ascend passes ``spec_state_indices_tensor.flatten()`` (``[B * S]``) and its kernel reads it
+    by packed token (``ssm_state_indices[seq0 + t]``): when row 0 verifies 2 of its 4 tokens, row 1's
+    tokens read row 0's last two indices. Modelled from the source, a finding about varlen batches on
+    vllm-ascend: row 1 writes its first states into row 0's blocks 1 and 9, which drift's op leaves
+    alone. Negative control: full rows (the test above) write neither."""
+    args = replace(blocks_case(), actual_seq_lengths=torch.tensor([2, 4, 4], dtype=torch.int32))
+    mine, theirs = _cache_copy(args), _cache_copy(args)
+    kernels.recurrent_gated_delta_rule(mine)
+    vllm_ascend_adapter(load_kernel(SPEC).op, torch.float32)(theirs)
+    assert torch.equal(mine.recurrent_state[:, [1, 9]], args.recurrent_state[:, [1, 9]])
+    assert not torch.equal(theirs.recurrent_state[:, [1, 9]], args.recurrent_state[:, [1, 9]])
+
+
+def test_ragged_drafts_fail_the_state_checks_as_vllm_ascend_calls_the_op():
+    """The same misalignment through a run (and the kernel's end of the launch where a row's accept
+    count exceeds this step's length): under --drafts ragged the states go wrong, not just the bounds."""
+    cfg = preset("ci-small", flow=FLOW, steps=64, drafts="ragged")
+    rep = run_checked(cfg, verify_kernel=vllm_ascend_adapter(load_kernel(SPEC).op, torch.float32), sync_scan=False)
+    assert {"committed_state", "outputs"} <= {c.key for c in rep.checks if c.failed}
 
 
 def test_the_op_runs_only_in_vllms_flow_and_says_what_an_npu_needs(capsys):
