@@ -229,7 +229,7 @@ def cmd_nightly(args: argparse.Namespace) -> int:
     resolve_device(args.device)
     layers = layers_for(args.device, args.layers)
     if args.flow and not args.update:  # that flow's own built-in, not the copy-commit default
-        from .sim.flows import flow_kind
+        from .flows.registry import flow_kind
 
         updates = [flow_kind(RunSpec(flow=args.flow).config()).default_update]
     updates = args.update or list(updates)

@@ -38,7 +38,7 @@ class Flow:
     """How an engine keeps MTP state between verify steps (docs/semantics.md §6): where each verify
     starts and what commits the accepted state. ``engine``: the engine and version modelled (or
     why none runs it); ``files``: the shipped files the model is read from; ``kind``: the state
-    machinery (drift/sim/flows.py): ``copy-commit`` (a scratch and a commit copy), ``in-place``
+    machinery (drift/flows/registry.py): ``copy-commit`` (a scratch and a commit copy), ``in-place``
     (blocks written in place, the accept count picks the next start) or ``kernel-commit`` (the
     verify writes records to a ring, the commit folds the accepted ones into the checkpoint)."""
 

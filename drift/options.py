@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Optional
 from .config import DEFAULT_PRESET, DRAFTS, FLOWS, PATTERNS, PRESETS, PROFILES, ROUNDINGS, SEED_MAX
 from .plug.loader import KERNELS
 from .plug.updates import BUILTINS
-from .sim.flows import FLOW_KINDS
+from .flows.registry import FLOW_KINDS
 from .simulate import MODES
 
 

@@ -17,7 +17,7 @@ from .check.registry import CHECKS, RunContext
 from .check.result import CheckResult
 from .config import Config
 from .plug.loader import Update, update_for
-from .plug.shim import kernels_in_use
+from .sim.shim import kernels_in_use
 from .sim.twin import F64
 from .simulate import ResumePoint, RunInfo, Simulation
 from .syncs.scan import sync_check

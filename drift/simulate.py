@@ -8,7 +8,7 @@ runs decode steps through them. Each step:
    buffer, the gating its ``g`` (docs/semantics.md §10);
 3. the verify op (the kernel under test) writes the state after every token into
    ``intermediate_ssm``, its arguments built as SGLang's Ascend backend builds them
-   (:mod:`drift.sim.backend`, docs/semantics.md §5-§6);
+   (:mod:`drift.flows.copy_commit.backend`, docs/semantics.md §5-§6);
 4. the update under test commits (``mtp`` mode) -- or, in ``sequential`` mode, the
    accepted tokens are decoded one by one with the state stored after each;
 5. the slot guard checks that every slot neither committed nor tracked this step is
@@ -32,9 +32,9 @@ from .devices import resolve_device
 from .errors import DriftError, LoadError, UpdateRaised, raise_if_interrupted
 from .plug.loader import Update, update_for
 from .plug.adapter import output_problem
-from .plug.shim import kernels_in_use
+from .sim.shim import kernels_in_use
 from .sim import kernels
-from .sim.flows import state_flow
+from .flows.registry import state_flow
 from .sim.graph import GraphStatus, StepGraph
 from .sim.kernels import VerifyKernel
 from .sim.pool import StatePool
@@ -205,7 +205,7 @@ class Simulation:
         self.cfg = cfg
         self.mode = mode
         self.device = device if device is not None else resolve_device(cfg.device)
-        self.flow = state_flow(cfg, self.device, mode)  # pool, harness, verify arguments (drift/sim/flows.py)
+        self.flow = state_flow(cfg, self.device, mode)  # pool, harness, verify arguments (drift/flows/registry.py)
         self.pool: StatePool = self.flow.pool
         self.harness = self.flow.harness
         self.update = None
@@ -216,7 +216,7 @@ class Simulation:
         if (mode == "mtp" and self.flow.start_rule == "ring" and self.verify_kernel is not kernels.recurrent_gated_delta_rule
                 and "ring" not in (rules or ())):
             raise LoadError(f"--flow {cfg.flow} verifies with drift's rendering of its engine's ring kernel "
-                            f"(drift.sim.replay.ring_verify); the verify kernel {getattr(verify_kernel, '__qualname__', '')} "
+                            f"(drift.flows.kernel_commit.flow.ring_verify); the verify kernel {getattr(verify_kernel, '__qualname__', '')} "
                             "writes per-token states, which this flow keeps none of: run it under a copy-commit or "
                             "in-place flow, or give it START_RULES = ('ring',) and write the ring's records")
         if mode == "mtp" and rules is not None and self.flow.start_rule not in rules:
@@ -272,7 +272,7 @@ class Simulation:
         return self._graph.status
 
     def _load_start(self, stored: torch.Tensor, window: torch.Tensor) -> None:
-        """The starting state as prefill leaves it, where the flow keeps it (drift/sim/flows.py)."""
+        """The starting state as prefill leaves it, where the flow keeps it (drift/flows/registry.py)."""
         self.flow.load_start(stored, window)
 
     # ------------------------------------------------------------------ loop

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from drift.plug.shim import sgl_kernels
+from drift.sim.shim import sgl_kernels
 
 # Under pytest-xdist every core runs a worker; torch's own intra-op threads on top would
 # oversubscribe the cores (OpenMP threads spinning against the other workers' processes). The

@@ -39,7 +39,7 @@ def test_sglang_32130_fails_only_on_its_tracking_sync(capsys):
     assert main(RUN + ["--update", "sglang-32130"]) == EXIT_FAIL
     out = capsys.readouterr().out
     assert out.rstrip().endswith("FAIL: " + CHECKS.title("host_syncs"))
-    assert "drift/plug/parts.py:" in out and "Tensor.__getitem__" in out and "track_boolean_mask" in out
+    assert "drift/flows/copy_commit/updates.py:" in out and "Tensor.__getitem__" in out and "track_boolean_mask" in out
 
 
 @pytest.mark.parametrize("args", [["--mode", "sequential"],

@@ -15,7 +15,7 @@ def test_mtp_run_adds_the_untouched_slot_and_graph_verdicts_sequential_does_not(
     seq = checks_of(small_cfg(20), mode="sequential")["report"]
     assert [c.key for c in mtp.checks][-2:] == ["untouched_slots", "graph_capture"]
     assert not {"untouched_slots", "graph_capture"} & {c.key for c in seq.checks}
-    assert mtp.info.meta["update_spec"] == "sglang-0.5.23" and "parts.py" in mtp.info.meta["update_source"]
+    assert mtp.info.meta["update_spec"] == "sglang-0.5.23" and "copy_commit/updates.py" in mtp.info.meta["update_source"]
     assert seq.info.update == "(sequential decode)"
 
 

@@ -26,12 +26,12 @@ from typing import Any, Callable, Optional
 from ..errors import HarnessLacks, LoadError
 from ..registry import Registry
 from ..sim import kernels
-from ..sim.flows import flow_kind
+from ..flows.registry import flow_kind
 from ..sim.kernels import VerifyKernel
 from ..sim.pool import HOW_TO_PROVIDE, PROVIDED
 from .mutants import MUTANTS, Mutant
 from .npu_op import check_op_signature, legacy_adapter, npu_op_adapter, sgl_kernel_npu_op, torch_npu_legacy_op
-from .shim import sgl_kernels
+from ..sim.shim import sgl_kernels
 from .specs import MUTANT_PREFIX, resolve_spec
 from .triton_kernel import TritonAdapter
 from .updates import BUILTINS, RENAMED, check_flow
@@ -296,7 +296,7 @@ def load_update(spec: "str | Callable | Update") -> Update:
 
 def update_for(cfg, update: "str | Callable | Update | None" = None) -> Update:
     """The update a run of ``cfg`` puts under test: ``update`` loaded (None: the state flow's own
-    built-in, drift/sim/flows.py), refused (LoadError, exit 2) when it is a built-in written for
+    built-in, drift/flows/registry.py), refused (LoadError, exit 2) when it is a built-in written for
     another kind of flow (:func:`drift.plug.updates.check_flow`)."""
     upd = update if isinstance(update, Update) else load_update(update or flow_kind(cfg).default_update)
     check_flow(upd.spec, cfg.flow)

@@ -18,10 +18,10 @@ from ..config import FLOWS, find_profile
 from ..sim import kernels
 from ..sim.kernels import VerifyArgs
 from ..sim.pool import raw_state
-from .parts import Batch, commit_all, commit_unless_all_step0, rollback_rows
+from ..flows.copy_commit.updates import Batch, commit_all, commit_unless_all_step0, rollback_rows
 from .updates import SGLANG_0523
-from . import replayssm_update as replay_parts
-from .vllm_update import align_copy, bookkeeping, kept_tokens
+from ..flows.kernel_commit import updates as replay_parts
+from ..flows.in_place.updates import align_copy, bookkeeping, kept_tokens
 
 BF16 = torch.bfloat16
 

@@ -7,7 +7,7 @@ from an installed ``sglang`` with ``triton`` (docs/semantics.md §6):
   the post-conv ``mix_qkv`` (the kernel L2-normalises them), the raw gate input ``a`` with
   ``A_log`` / ``dt_bias`` (the kernel computes g) and the beta logits, the checkpoint, the ring
   (``beta_cache=None``: compact records with low parts), the packed ``query_start_loc``, the
-  checkpoint and ring slots and the cursors of :class:`drift.sim.replay.ReplayPool`;
+  checkpoint and ring slots and the cursors of :class:`drift.flows.kernel_commit.flow.ReplayPool`;
 * ``--update drift.plug.replayssm_engine:sglang_commit``: SGLang's ``commit_gdn_replayssm_spec``
   and ``commit_gdn_replayssm_circular`` on the harness, as ``srt/speculative/spec_utils.py:
   commit_mamba_states_after_verify`` calls them, then drift's conv rollback (SGLang's conv
@@ -26,7 +26,7 @@ from ..errors import LoadError
 from ..sim.kernels import VerifyArgs
 from ..sim.pool import raw_state
 from .adapter import engine_function
-from .replayssm_update import Commit, conv_rollback
+from ..flows.kernel_commit.updates import Commit, conv_rollback
 
 MODULE = "sglang.kernels.ops.attention.linear.gdn_replayssm_spec_decode"
 ENGINE = "sglang (0.5.23 was modelled)"
@@ -84,7 +84,7 @@ def _commit_kernels():
 
 
 def sglang_commit(self, last_correct_step_indices, mamba_track_indices=None, mamba_steps_to_track=None):
-    """SGLang 0.5.23's ReplaySSM commit kernels on a :class:`drift.sim.replay.ReplayHarness`, then
+    """SGLang 0.5.23's ReplaySSM commit kernels on a :class:`drift.flows.kernel_commit.flow.ReplayHarness`, then
     drift's conv rollback (the engine's own code under test of the kernel-commit flow)."""
     spec, circular = _commit_kernels()
     ss, mp = self.spec_state, self.mamba_pool

@@ -23,7 +23,7 @@ import types
 from typing import Any
 
 from ..errors import LoadError
-from .shim import sgl_kernels
+from ..sim.shim import sgl_kernels
 
 MUTANT_PREFIX = "mutant:"
 

@@ -1,6 +1,6 @@
 """The built-in implementations of ``update_mamba_state_after_mtp_verify``, named after what they model.
 
-Each is a :class:`~drift.plug.parts.Recipe` of named parts, called as SGLang's Ascend backend
+Each is a :class:`~drift.flows.copy_commit.updates.Recipe` of named parts, called as SGLang's Ascend backend
 calls the method: ``fn(backend, last_correct_step_indices, mamba_track_indices,
 mamba_steps_to_track, model=None, req_pool_indices=None)``.
 
@@ -15,10 +15,10 @@ mamba_steps_to_track, model=None, req_pool_indices=None)``.
   unconditional copy (a self-copy for untracked rows); no sync anywhere. The copy-commit flows' default.
 - ``vllm-0.33.0``: vLLM 0.33.0's per-step bookkeeping of the in-place block flow (``--flow vllm``,
   whose default it is): the accept count and the state indices the next verify reads
-  (drift/plug/vllm_update.py).
+  (drift/flows/in_place/updates.py).
 - ``sglang-0.5.23-replayssm``: SGLang 0.5.23's ReplaySSM commit (``--flow sglang-replayssm``, whose
   default it is): advance the ring cursors by the accept length, fold the accepted records into
-  the checkpoint, restart the ring, roll the conv window back (drift/plug/replayssm_update.py).
+  the checkpoint, restart the ring, roll the conv window back (drift/flows/kernel_commit/updates.py).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from typing import Callable
 from ..config import FLOWS
 from ..errors import LoadError
 
-from .parts import Recipe, commit_unless_all_step0, track_boolean_mask
-from .replayssm_update import sglang_0523_replayssm
-from .vllm_update import vllm_0330
+from ..flows.copy_commit.updates import Recipe, commit_unless_all_step0, track_boolean_mask
+from ..flows.kernel_commit.updates import sglang_0523_replayssm
+from ..flows.in_place.updates import vllm_0330
 
 SGLANG_0523 = Recipe()
 SGLANG_32130 = SGLANG_0523.but(track=track_boolean_mask)
@@ -46,7 +46,7 @@ BUILTINS: dict[str, Callable] = {
     "vllm-0.33.0": vllm_0330,
     "sglang-0.5.23-replayssm": sglang_0523_replayssm,
 }
-# The state-flow kind (drift/sim/flows.py) each built-in is written for: the harness it gets as self.
+# The state-flow kind (drift/flows/registry.py) each built-in is written for: the harness it gets as self.
 BUILTIN_KINDS: dict[str, str] = {"sglang-31659": "copy-commit", "sglang-32130": "copy-commit",
                                  "sglang-0.5.23": "copy-commit", "vllm-0.33.0": "in-place",
                                  "sglang-0.5.23-replayssm": "kernel-commit"}

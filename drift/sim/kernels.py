@@ -8,7 +8,7 @@ The stages, in the order a decode step runs them (docs/semantics.md):
   log-decay ``g`` in float64 rounded once to fp32; the beta logit ``b`` goes to the op as is;
 * the verify op (§5-§6): :func:`recurrent_gated_delta_rule`, SGLang's NPU op semantics on
   :class:`VerifyArgs` built the way SGLang's Ascend backend builds them
-  (:mod:`drift.sim.backend`); sequential (non-MTP) decode: :func:`gdn_decode`;
+  (:mod:`drift.flows.copy_commit.backend`); sequential (non-MTP) decode: :func:`gdn_decode`;
 * the update kernels (§3): :func:`move_intermediate_cache` (a raw block copy, as
   sgl-kernel-npu's Triton kernel) and :func:`conv_state_rollback` (in place), the exact
   signatures of ``sgl_kernel_npu.mamba.mamba_state_update_triton``: the shim serves them when
@@ -356,7 +356,7 @@ class VerifyArgs:
     # The raw gate inputs g was computed from (gdn_gating): a fp32 [L, B, S, HV], A_log and dt_bias
     # [L, HV]; for a kernel that computes the gating itself (vLLM's Qwen path). None: not given.
     gate_inputs: Optional[tuple] = None
-    # The "ring" rule: the kernel-commit flow's pool (drift.sim.replay.ReplayPool), whose ring the
+    # The "ring" rule: the kernel-commit flow's pool (drift.flows.kernel_commit.flow.ReplayPool), whose ring the
     # verify writes its per-token records to. None elsewhere.
     ring: Optional[object] = None
 
@@ -398,7 +398,7 @@ def scratch_blocks(intermediate: torch.Tensor) -> torch.Tensor:
 #   ops/fused_recurrent.py) over one state cache -- always block i, and a row with i <= 0
 #   (NULL_BLOCK_ID) is skipped: no read, no store, its outputs left alone (drift: zeros); a token
 #   whose index is <= 0 is not stored.
-# * "ring": SGLang 0.5.23's ReplaySSM spec verify (drift/sim/replay.py: ring_verify, reached through
+# * "ring": SGLang 0.5.23's ReplaySSM spec verify (drift/flows/kernel_commit/flow.py: ring_verify, reached through
 #   args.ring.verify, so this module does not import the flow's) -- the row's
 #   checkpoint with its ring's records folded in; per-token records go to the ring, no state is stored.
 START_RULES = ("npu", "blocks", "ring")
@@ -415,7 +415,7 @@ def start_blocks(args: VerifyArgs) -> tuple[torch.Tensor, torch.Tensor]:
         return start, torch.zeros_like(start, dtype=torch.bool)
     if args.start_rule != "npu":
         raise ValueError(f"start_rule {args.start_rule!r}: the recurrent op reads the npu and blocks rules "
-                         "(the ring rule is drift.sim.replay.ring_verify's)")
+                         "(the ring rule is drift.flows.kernel_commit.flow.ring_verify's)")
     return start, (start % S) == 0
 
 
@@ -447,10 +447,10 @@ def recurrent_gated_delta_rule(args: VerifyArgs, compute_dtype: torch.dtype = F3
     On plain CPU tensors the C kernel of :mod:`drift.sim.native` runs when it applies
     (:func:`uses_native`); everywhere else :func:`recurrent_gated_delta_rule_torch`.
     """
-    if args.start_rule == "ring":  # the kernel-commit flow's op, over the ring it writes (drift/sim/replay.py)
+    if args.start_rule == "ring":  # the kernel-commit flow's op, over the ring it writes (drift/flows/kernel_commit/flow.py)
         if args.ring is None:
             raise ValueError("start_rule 'ring' needs args.ring, the ReplayPool whose ring the verify writes "
-                             "(drift.sim.replay.KernelCommitFlow.verify_args builds it)")
+                             "(drift.flows.kernel_commit.flow.KernelCommitFlow.verify_args builds it)")
         return args.ring.verify(args)
     if not (_plain(args) and uses_native(args, compute_dtype)):
         return recurrent_gated_delta_rule_torch(args, compute_dtype)

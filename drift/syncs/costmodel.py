@@ -30,7 +30,7 @@ from ..config import Config
 from ..devices import resolve_device
 from ..plug.loader import Update, update_for
 from ..plug.updates import builtins_of
-from ..sim.flows import flow_kind, state_flow
+from ..flows.registry import flow_kind, state_flow
 from .detector import SyncDetector, to_virtual
 from .scan import step_indices, update_calls, virtual_harness
 

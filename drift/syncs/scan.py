@@ -19,7 +19,7 @@ from ..config import Config
 from ..devices import resolve_device
 from ..errors import DriftError, UpdateRaised
 from ..plug.loader import Update, update_for
-from ..sim.flows import state_flow
+from ..flows.registry import state_flow
 from ..sim.pool import Harness, StatePool
 from ..sim.stream import InputStream
 from .detector import VIRTUAL_DEVICE, SyncDetector, SyncEvent, SyncReport, VirtualTensor, npu_present, to_virtual

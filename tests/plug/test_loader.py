@@ -16,7 +16,7 @@ from helpers import checks_of, small_cfg
 from drift.sim import kernels
 from drift.errors import LoadError
 from drift.plug.loader import load_update
-from drift.plug.shim import SHIM_MODULE, kernels_in_use, sgl_kernels
+from drift.sim.shim import SHIM_MODULE, kernels_in_use, sgl_kernels
 from drift.sim.pool import Harness
 from drift.plug.updates import BUILTIN_KINDS, BUILTINS
 

@@ -1,4 +1,4 @@
-"""drift.plug.replayssm_update: SGLang 0.5.23's ReplaySSM commit, part by part (docs/semantics.md §6)."""
+"""drift.flows.kernel_commit.updates: SGLang 0.5.23's ReplaySSM commit, part by part (docs/semantics.md §6)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import torch
 from helpers import same_bits
 from drift.check.registry import find_result
 from drift.config import FLOWS, preset
-from drift.plug import replayssm_update as rs
+from drift.flows.kernel_commit import updates as rs
 from drift.runner import run_checked
 from drift.sim import kernels
-from drift.sim.flows import state_flow
-from drift.sim.replay import fold_records, gather_records
+from drift.flows.registry import state_flow
+from drift.flows.kernel_commit.flow import fold_records, gather_records
 
 CPU = torch.device("cpu")
 FLOW = next(f for f in FLOWS if FLOWS[f].kind == "kernel-commit")

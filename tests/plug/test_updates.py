@@ -14,7 +14,7 @@ import torch
 
 from helpers import checks_of, pool_digests, run_sim, small_cfg
 from drift.sim.pool import StatePool
-from drift.plug import parts
+from drift.flows.copy_commit import updates as parts
 from drift.plug.updates import BUILTINS, SGLANG_0523, SGLANG_31659, SGLANG_32130, builtins_of
 
 guarded, sync_free = BUILTINS["sglang-31659"], BUILTINS["sglang-32130"]

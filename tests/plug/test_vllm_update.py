@@ -1,4 +1,4 @@
-"""drift.plug.vllm_update: vLLM 0.33.0's per-step bookkeeping, and its prefix-cache align copy in
+"""drift.flows.in_place.updates: vLLM 0.33.0's per-step bookkeeping, and its prefix-cache align copy in
 particular (mamba_utils.postprocess_mamba_fused_kernel; docs/semantics.md §6).
 
 One verify of the portable op through the vllm flow leaves every token's state in its block; the
@@ -17,9 +17,9 @@ from helpers import same_bits
 from drift.config import preset
 from drift.plug.loader import load_update
 from drift.sim import kernels
-from drift.sim.flows import InPlaceBlockFlow
+from drift.flows.in_place.flow import InPlaceBlockFlow
 from drift.sim.stream import StreamParams
-from drift.plug.vllm_update import vllm_0330
+from drift.flows.in_place.updates import vllm_0330
 
 CPU = torch.device("cpu")
 I64 = torch.int64

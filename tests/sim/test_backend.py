@@ -1,4 +1,4 @@
-"""drift.sim.backend: the verify op's arguments as SGLang 0.5.23's Ascend backend builds them, and
+"""drift.flows.copy_commit.backend: the verify op's arguments as SGLang 0.5.23's Ascend backend builds them, and
 where the op then starts each row (docs/semantics.md §6)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from helpers import run_sim, small_cfg
 from drift.dtypes import as_bits
 from drift.sim import kernels
-from drift.sim.backend import VerifyArgsBuilder
+from drift.flows.copy_commit.backend import VerifyArgsBuilder
 from drift.sim.pool import StatePool
 
 CPU = torch.device("cpu")

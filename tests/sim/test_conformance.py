@@ -335,11 +335,12 @@ def test_sglang_replayssm_kernels_match_drifts_ring_flow_and_run_the_checks():
     out = _run(REPLAYSSM_STUBS + """
     from drift.check.registry import find_result
     from drift.config import preset
-    from drift.plug import replayssm_engine as eng, replayssm_update as rs
+    from drift.plug import replayssm_engine as eng
+    from drift.flows.kernel_commit import updates as rs
     from drift.plug.loader import load_kernel
     from drift.runner import run_checked
     from drift.sim import kernels
-    from drift.sim.flows import state_flow
+    from drift.flows.registry import state_flow
     cfg = preset("ci-small", flow="sglang-replayssm")
     L, N, R, D, HV = cfg.num_layers, cfg.num_rows, cfg.num_requests, cfg.num_draft_tokens, cfg.num_v_heads
     gen = torch.Generator().manual_seed(5)

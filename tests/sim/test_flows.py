@@ -1,4 +1,4 @@
-"""drift.sim.flows: the state flows, and vLLM's in-place block flow in particular (docs/semantics.md §6).
+"""drift.flows.registry: the state flows, and vLLM's in-place block flow in particular (docs/semantics.md §6).
 
 The vllm flow keeps no commit copy, yet its numerics are the copy-commit flow's: each step starts
 from the stored (rounded once) state after the last accepted token, whichever buffer holds it. So
@@ -20,7 +20,8 @@ from drift.config import FLOWS, preset
 from drift.errors import HarnessLacks
 from drift.runner import run_checked
 from drift.sim import kernels
-from drift.sim.flows import FLOW_KINDS, NULL_BLOCK_ID, InPlaceBlockFlow, state_flow
+from drift.flows.in_place.flow import NULL_BLOCK_ID, InPlaceBlockFlow
+from drift.flows.registry import FLOW_KINDS, state_flow
 
 IN_PLACE = [f for f in FLOWS if FLOWS[f].kind == "in-place"]
 COPY_COMMIT = [f for f in FLOWS if FLOWS[f].kind == "copy-commit"]

@@ -215,7 +215,7 @@ def test_a_sync_in_the_update_fails_capture_naming_the_line_and_the_run_goes_on_
     sim, info, captured = run(CI, graph=True, update="sglang-31659")
     st = sim.graph_status
     assert st.failed and "operation not permitted when stream is capturing" in st.error
-    assert "drift/plug/parts.py" in st.where and ".item()" in st.where
+    assert "drift/flows/copy_commit/updates.py" in st.where and ".item()" in st.where
     assert same(eager, captured) and info.steps == 40
     res = graph_result(st, None, sim.device)
     assert res.failed and res.where == st.where and "graph mode" in res.detail
@@ -240,7 +240,7 @@ def test_on_the_cpu_the_virtual_device_answers_for_capture():
     assert good.passed and good.extra["answered_by"] == "host_syncs" and good.verdict == "info"
     bad = capture_check("sglang-31659")  # negative control: .item() in the update
     # Not passed, named at the line; informational because "host_syncs" gates the same finding.
-    assert not bad.passed and "parts.py" in bad.where and bad.verdict == "info" and not bad.failed
+    assert not bad.passed and "copy_commit/updates.py" in bad.where and bad.verdict == "info" and not bad.failed
 
 
 def test_stochastic_rounding_and_sequential_decode_run_eagerly_and_say_why():
@@ -274,5 +274,5 @@ def test_cuda_capture_replays_bit_identical_to_eager(drift_device):
 @pytest.mark.cuda
 def test_cuda_capture_of_a_syncing_update_fails_with_its_line(drift_device):
     sim, info, _ = run(CI.replace(device=drift_device), graph=True, update="sglang-31659", steps=8)
-    assert sim.graph_status.failed and "parts.py" in (sim.graph_status.where or "")
+    assert sim.graph_status.failed and "copy_commit/updates.py" in (sim.graph_status.where or "")
     assert info.steps == 8

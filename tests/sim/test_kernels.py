@@ -54,7 +54,7 @@ from helpers import U32, U64, as_bits, bf16_ulp, gdn_state_bound, rel_fro, same_
 from drift.layouts import LAYOUTS
 from drift.plug.mutants import MUTANTS
 from drift.sim import kernels, naive, native
-from drift.sim.backend import VerifyArgsBuilder
+from drift.flows.copy_commit.backend import VerifyArgsBuilder
 from drift.sim.kernels import VerifyArgs
 from drift.sim.pool import StatePool, raw_state
 

@@ -1,4 +1,4 @@
-"""drift.sim.replay: the kernel-commit flow, SGLang 0.5.23's ReplaySSM spec verify (docs/semantics.md §6).
+"""drift.flows.kernel_commit.flow: the kernel-commit flow, SGLang 0.5.23's ReplaySSM spec verify (docs/semantics.md §6).
 
 The verify keeps no per-token state: it writes compact records to a ring, and the commit folds
 the accepted ones into the checkpoint. In exact arithmetic the fold of a row's first t + 1 records
@@ -15,8 +15,8 @@ from drift.check.registry import find_result
 from drift.config import FLOWS, preset
 from drift.runner import run_checked
 from drift.sim import kernels
-from drift.sim.flows import state_flow
-from drift.sim.replay import (NULL_SLOT, KernelCommitFlow, effective_states, fold_records, gather_records,
+from drift.flows.registry import state_flow
+from drift.flows.kernel_commit.flow import (NULL_SLOT, KernelCommitFlow, effective_states, fold_records, gather_records,
                               ring_length)
 
 CPU = torch.device("cpu")

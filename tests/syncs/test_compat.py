@@ -253,7 +253,7 @@ def _():
 @section("scan")
 def _():
     from drift.config import preset
-    from drift.plug import parts
+    from drift.flows.copy_commit import updates as parts
     from drift.syncs.scan import sync_check
 
     src, start = inspect.getsourcelines(parts.commit_unless_all_step0)
@@ -408,7 +408,7 @@ def test_update_scan_fails_the_guarded_update_at_its_item_line(child):
     _no_error(res, "scan")
     [line] = res["item_line"]
     guarded, clean = res["guarded"], res["device_select"]
-    assert not guarded["passed"] and f"parts.py:{line} " in guarded["where"], guarded
+    assert not guarded["passed"] and f"copy_commit/updates.py:{line} " in guarded["where"], guarded
     assert "commit_unless_all_step0" in guarded["where"] and guarded["worst"] >= 1.0, guarded
     assert clean["passed"] and clean["worst"] == 0.0, clean
     assert guarded["detectors"][0].startswith(_expected_detector(scenario)), guarded["detectors"]

@@ -5,7 +5,7 @@ specs, ``path/to/file.py:Class.method`` or ``module:qualname``); like ``sglang-0
 must be sync-free with tracking on and off.
 
 Every control is a one-line function, so the line a sync must be reported at is its
-``co_firstlineno``; the lines in drift/plug/parts.py are found by searching its source.
+``co_firstlineno``; the lines in drift/flows/copy_commit/updates.py are found by searching its source.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ import torch
 # one: FakeTensorDeviceMismatchError is RuntimeError there (torch raised that before pytorch#185412).
 from drift.compat import (DataDependentOutputException, DynamicOutputShapeException, FakeTensorDeviceMismatchError,
                           FakeTensorMode)
-from drift.plug import parts
+from drift.flows.copy_commit import updates as parts
 from drift.sim import kernels
 from drift.config import preset
 from drift.plug.loader import load_update
-from drift.plug.shim import kernels_in_use, sgl_kernels
+from drift.sim.shim import kernels_in_use, sgl_kernels
 from drift.sim.stream import InputStream
 from drift.syncs.detector import (DETECTOR_CUDA, DETECTOR_DISPATCH, DETECTOR_NPU, SyncDetector, VirtualDeviceError,
                                   VirtualTensor, _armed, _is_internal, detect_syncs, display_path, host_data,
@@ -430,7 +430,7 @@ def test_sync_check_sync_free(cfg, passed):
     res = sync_check(cfg, "sglang-32130", STEPS)
     assert res.passed is passed and (res.worst == 0.0) is passed
     if not passed:
-        assert f"parts.py:{min(SYNC_FREE_MASK)}" in res.where
+        assert f"copy_commit/updates.py:{min(SYNC_FREE_MASK)}" in res.where
 
 
 def test_sync_check_device_select_passes():

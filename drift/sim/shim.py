@@ -15,7 +15,7 @@ import sys
 import types
 
 from ..errors import LoadError
-from ..sim import kernels
+from . import kernels
 
 SHIM_MODULE = "sgl_kernel_npu.mamba.mamba_state_update_triton"
 

@@ -1,15 +1,15 @@
 """State flows: how an engine keeps MTP state from one verify step to the next (docs/semantics.md §6).
 
 Each entry of :data:`drift.config.FLOWS` names its ``kind``; :data:`FLOW_KINDS` maps it to one
-class (the copy-commit base in :mod:`drift.sim.copy_commit`, the in-place kind here, the
-kernel-commit kind in :mod:`drift.sim.replay`), which owns everything the kind decides: the state pool, the object the update under test gets as
+class (the copy-commit base in :mod:`drift.flows.copy_commit.flow`, the in-place kind here, the
+kernel-commit kind in :mod:`drift.flows.kernel_commit.flow`), which owns everything the kind decides: the state pool, the object the update under test gets as
 ``self`` (the harness), the verify op's arguments, the conv step, which state is "committed" (the
 state the next step reads) and which slots the update may write.
 
 * ``copy-commit`` (SGLang 0.5.23; the ``sglang`` and ``npu-accepted`` flows): the verify writes
   every token's state into a scratch buffer and ``update_mamba_state_after_mtp_verify`` copies
   the accepted one into the committed pool and rolls the conv window back
-  (:class:`~drift.sim.copy_commit.CopyCommitFlow`).
+  (:class:`~drift.flows.copy_commit.flow.CopyCommitFlow`).
 * ``in-place`` (vLLM 0.33.0; the ``vllm`` flow): one state cache of blocks, each request owning
   D of them; the verify writes token t's state in place into block ``idx[b, t]`` and the next step
   starts from ``idx[b, n - 1]``, n the previous step's accept count; there is no commit copy, and
@@ -19,7 +19,7 @@ state the next step reads) and which slots the update may write.
   (:class:`BlockPool`, :class:`BlockHarness`).
 * ``kernel-commit`` (SGLang 0.5.23's ReplaySSM spec verify; the ``sglang-replayssm`` flow): the
   verify writes per-token records to a ring and the update folds the accepted ones into the
-  checkpoint (:mod:`drift.sim.replay`).
+  checkpoint (:mod:`drift.flows.kernel_commit.flow`).
 """
 
 from __future__ import annotations
@@ -27,14 +27,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..config import FLOWS, Config
-from ..dtypes import as_bits
-from ..fileio import check_memory
-from ..layouts import LAYOUTS
-from . import kernels
-from .copy_commit import CopyCommitFlow, lacks
-from .pool import STALE, StatePool
-from .replay import KernelCommitFlow
+from ...config import FLOWS, Config
+from ...dtypes import as_bits
+from ...fileio import check_memory
+from ...layouts import LAYOUTS
+from ...sim import kernels
+from ...sim.pool import STALE, StatePool
+from ..copy_commit.flow import CopyCommitFlow, lacks
 
 I32 = torch.int32
 NULL_BLOCK_ID = 0  # vllm/v1/core/kv_cache_utils.py (0.33.0): block 0 is never allocated; kernels skip it
@@ -127,7 +126,7 @@ class BlockHarness:
     PROVIDED = (", ".join(f"self.{a}" for a in ATTRIBUTES) + " (vLLM's bookkeeping of the in-place flows, "
                 "docs/semantics.md §6; an SGLang update runs under --flow "
                 + " or ".join(f for f in FLOWS if FLOWS[f].kind == "copy-commit") + ")")
-    HOW_TO_PROVIDE = "extend drift.sim.flows.BlockHarness"
+    HOW_TO_PROVIDE = "extend drift.flows.registry.BlockHarness"
 
     def __init__(self, pool: BlockPool):
         self._drift_pool = pool
@@ -282,18 +281,3 @@ class InPlaceBlockFlow(CopyCommitFlow):
     def load_state_dict(self, state: dict) -> None:
         self.harness.num_accepted_tokens.copy_(state["num_accepted_tokens"])
         self.harness.spec_state_indices_tensor.copy_(state["spec_state_indices"])
-
-
-FLOW_KINDS = {"copy-commit": CopyCommitFlow, "in-place": InPlaceBlockFlow, "kernel-commit": KernelCommitFlow}
-
-
-def state_flow(cfg: Config, device: torch.device, mode: str = "mtp") -> CopyCommitFlow:
-    """The state flow ``cfg.flow`` on ``device``: its pool, harness and verify arguments. Sequential
-    decode (no drafts) keeps one state per request however the engine keeps MTP state: a plain pool."""
-    if mode != "mtp":
-        return CopyCommitFlow(cfg, device)
-    return FLOW_KINDS[FLOWS[cfg.flow].kind](cfg, device)
-
-
-def flow_kind(cfg: Config) -> type:
-    return FLOW_KINDS[FLOWS[cfg.flow].kind]

@@ -25,9 +25,9 @@ from typing import Optional
 
 import torch
 
-from ..config import FLOWS, Config
-from .kernels import VerifyArgs
-from .pool import StatePool
+from ...config import FLOWS, Config
+from ...sim.kernels import VerifyArgs
+from ...sim.pool import StatePool
 
 I32 = torch.int32
 

@@ -4,7 +4,7 @@
 vLLM keeps no commit copy: after the verify, the accept count alone says which block the next
 step starts from. Two places compute it, and drift runs them as one update, called after each
 verify as every update is (``fn(self, last_correct_step_indices, mamba_track_indices,
-mamba_steps_to_track)``, ``self`` a :class:`drift.sim.flows.BlockHarness`):
+mamba_steps_to_track)``, ``self`` a :class:`drift.flows.registry.BlockHarness`):
 
 * ``vllm/v1/worker/gpu_model_runner.py: _update_states_after_model_execute``:
   ``num_accepted_tokens.gpu[:num_reqs] = (output_token_ids != -1).sum(dim=1)`` -- on the device;
@@ -102,7 +102,7 @@ def bookkeeping(accept=runner_accept_counts, indices=builder_state_indices, alig
         indices(self)
 
     update.__name__ = update.__qualname__ = name.replace("-", "_").replace(".", "")
-    update.__doc__ = f"{name}: vLLM 0.33.0's per-step bookkeeping (drift/plug/vllm_update.py)."
+    update.__doc__ = f"{name}: vLLM 0.33.0's per-step bookkeeping (drift/flows/in_place/updates.py)."
     return update
 
 

@@ -22,7 +22,7 @@ advancing past it. Read from the wheel:
 drift: :class:`ReplayPool` (checkpoint, conv, ring, cursors), :class:`ReplayHarness` (what the
 commit path reads), :func:`ring_verify` (drift's rendering of the verify's semantics in fp32:
 the maths of the recurrent op, the records the kernel writes) and :class:`KernelCommitFlow`.
-The update under test is ``sglang-0.5.23-replayssm`` (``drift/plug/replayssm_update.py``).
+The update under test is ``sglang-0.5.23-replayssm`` (``drift/flows/kernel_commit/updates.py``).
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from ..config import Config
-from ..dtypes import as_bits
-from ..fileio import check_memory
-from . import kernels
-from .copy_commit import CopyCommitFlow, lacks
-from .pool import STALE, StatePool
+from ...config import Config
+from ...dtypes import as_bits
+from ...fileio import check_memory
+from ...sim import kernels
+from ...sim.pool import STALE, StatePool
+from ..copy_commit.flow import CopyCommitFlow, lacks
 
 F32, BF16, I32 = torch.float32, torch.bfloat16, torch.int32
 NULL_SLOT = -1  # spec_utils.py: null_block_id=-1, "SGLang: valid slots >= 0, padding == -1"
@@ -120,7 +120,7 @@ class ReplayHarness:
                   "fold_every_commit")
     PROVIDED = (", ".join(f"self.{a}" for a in ATTRIBUTES)
                 + " (SGLang's ReplaySSM commit path, docs/semantics.md §6)")
-    HOW_TO_PROVIDE = "extend drift.sim.replay.ReplayHarness"
+    HOW_TO_PROVIDE = "extend drift.flows.kernel_commit.flow.ReplayHarness"
     BUILT_FROM_POOL = True  # holds only the pool's tensors (the sync scan rebuilds it over a virtual pool)
 
     def __init__(self, pool: ReplayPool):

@@ -4,8 +4,8 @@
 The verify writes every token's state into a scratch buffer and ``update_mamba_state_after_mtp_verify``
 copies the accepted one into the committed pool and rolls the conv window back
 (:class:`~drift.sim.pool.StatePool`, :class:`~drift.sim.pool.Harness`,
-:class:`~drift.sim.backend.VerifyArgsBuilder`). The other kinds (:mod:`drift.sim.flows`,
-:mod:`drift.sim.replay`) subclass :class:`CopyCommitFlow`.
+:class:`~drift.flows.copy_commit.backend.VerifyArgsBuilder`). The other kinds (:mod:`drift.flows.registry`,
+:mod:`drift.flows.kernel_commit.flow`) subclass :class:`CopyCommitFlow`.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..config import Config
-from ..dtypes import as_bits
-from . import kernels
+from ...config import Config
+from ...dtypes import as_bits
+from ...sim import kernels
+from ...sim.pool import STALE, Harness, StatePool
 from .backend import VerifyArgsBuilder
-from .pool import STALE, Harness, StatePool
 
 
 class CopyCommitFlow:

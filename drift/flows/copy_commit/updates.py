@@ -14,7 +14,7 @@ four things in order, and every version drift models differs from another in one
 
 Each part is a function of one :class:`Batch`; :class:`Recipe` names the parts and builds a
 function with the method's signature. Kernels come from
-``sgl_kernel_npu.mamba.mamba_state_update_triton`` (:mod:`drift.plug.shim`).
+``sgl_kernel_npu.mamba.mamba_state_update_triton`` (:mod:`drift.sim.shim`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .shim import sgl_kernels
+from ...sim.shim import sgl_kernels
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""State flows, one package per kind (docs/semantics.md §6)."""

@@ -1,0 +1,1 @@
+"""The copy_commit flow kind."""

@@ -1,0 +1,1 @@
+"""The in_place flow kind."""

@@ -1,0 +1,1 @@
+"""The kernel_commit flow kind."""
