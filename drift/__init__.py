@@ -4,10 +4,12 @@ hybrid linear-attention models (Gated DeltaNet) -- SGLang's
 
 Packages follow the data flow, each importing only the ones before it:
   config, defaults, errors, devices, fileio, checkpoint   foundations
-  sim      input stream -> kernels (+ naive float64 definitions, native CPU kernel)
-           -> float64 twin -> state pool and backend harness
-  plug     the code under test: spec grammar, sgl_kernel_npu shim, built-in updates
-           (named parts), mutants, NPU op adapter, one loader
+  sim      input stream -> kernels, rule-free (+ naive float64 definitions, native CPU kernel,
+           the sgl_kernel_npu shim) -> float64 twin -> the state pool
+  flows    one package per flow kind: its pool, harness, verify rule, built-in updates, naive
+           reference and validation; the kinds, flows and updates registries
+  plug     the code under test: spec grammar, mutants, the engines' kernel adapters, one loader
+  runspec  a run asked for, resolved once (config, update, kernel) at the boundary
   simulate the decode loop
   check    result type, metrics, golden, comparison, checks, drift bound, sequential shadow
   syncs    host-sync detector, the scan of an update, cost model
@@ -21,10 +23,11 @@ from .version import __version__
 # Everything else on first use (PEP 562): `import drift` (and `drift --help`) stays free of torch.
 _LAZY = {"PRESETS": "config", "Config": "config", "preset": "config", "ConfigError": "errors",
          "DriftError": "errors", "LoadError": "errors", "load_kernel": "plug.loader",
-         "load_update": "plug.loader", "run_checked": "runner", "Simulation": "simulate"}
+         "load_update": "plug.loader", "resolve": "runspec", "RunSpec": "runspec", "run_checked": "runner",
+         "Simulation": "simulate"}
 
 __all__ = ["Config", "ConfigError", "DriftError", "LoadError", "PRESETS", "preset", "load_update", "load_kernel",
-           "Simulation", "run_checked", "__version__"]
+           "resolve", "RunSpec", "Simulation", "run_checked", "__version__"]
 
 
 def __getattr__(name: str):

@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -32,9 +33,8 @@ from .errors import (EXIT_FAIL, EXIT_PASS, ConfigError, DriftError, Terminated, 
                      raise_if_interrupted)
 from .fileio import output_file, output_files, writable_dir
 from .options import CONFIG_OPTIONS, RUN_OPTIONS, add_options, dest, positive_int
-from .plug.loader import load_kernel, load_update, update_for
 from .plug.mutants import MUTANTS
-from .runspec import RunSpec
+from .runspec import Resolved, RunSpec
 from .version import __version__
 
 PROG = "drift"
@@ -43,14 +43,31 @@ NIGHTLY_FILES = REPORT_FILES + ("mtp_vs_sequential.png", "rounding_modes.png")
 
 
 # ------------------------------------------------------------------ helpers
+def spec_from_args(args: argparse.Namespace, **fixed) -> RunSpec:
+    """The :class:`RunSpec` of the options this command has (drift/runspec.py)."""
+    return RunSpec.from_options(lambda name: getattr(args, dest("", name), None), **fixed)
+
+
 def config_from_args(args: argparse.Namespace, **fixed) -> Config:
-    """The :class:`RunSpec` of the options this command has (drift/runspec.py), as a validated Config
-    whose states fit this machine (refused here, not by the allocator)."""
+    """:func:`spec_from_args` as a validated Config whose states fit this machine (refused here, not
+    by the allocator), its flow and that kind's rules checked."""
+    from .flows.registry import check
     from .sim.pool import check_fits
 
-    cfg = RunSpec.from_options(lambda name: getattr(args, dest("", name), None), **fixed).config()
+    cfg = spec_from_args(args, **fixed).config()
+    check(cfg)
     check_fits(cfg)
     return cfg
+
+
+def resolve_args(args: argparse.Namespace, **fixed) -> Resolved:
+    """:func:`spec_from_args` resolved once (the code under test loaded and accepted by the flow
+    kind), its states fitting this machine."""
+    from .sim.pool import check_fits
+
+    run = spec_from_args(args, **fixed).resolve()
+    check_fits(run.cfg)
+    return run
 
 
 def _output_format(p: argparse.ArgumentParser) -> None:
@@ -81,19 +98,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .runner import run_checked
     from .syncs.scan import RUN_SAMPLE
 
-    cfg = config_from_args(args)
+    run = resolve_args(args)
+    cfg = run.cfg
     report_dir = output_files(args.report, REPORT_FILES, "--report") if args.report else None
-    update = load_update(args.update) if args.mode == "mtp" and args.update else None  # None: the flow's
-    kernel = load_kernel(args.kernel)
     golden = None
     if cfg.trace:  # the trace's golden data beside it, generated on first use (saying so), before the run
         from .check.golden import load_golden
 
         golden, _ = load_golden(cfg)
     progress = None if args.quiet else progress_printer(f"drift run {cfg.name}")
-    rep = run_checked(cfg, update, mode=args.mode, progress=progress, vs_sequential=args.vs_sequential,
-                      verify_kernel=kernel, golden=golden, sync_first=not args.all_checks, fail_fast=args.fail_fast,
-                      sync_sample=RUN_SAMPLE)
+    rep = run_checked(run, progress=progress, vs_sequential=args.vs_sequential, golden=golden,
+                      sync_first=not args.all_checks, fail_fast=args.fail_fast, sync_sample=RUN_SAMPLE)
     print(summary_text(rep))
     if report_dir is not None:
         for path in write_report(rep, report_dir):
@@ -165,10 +180,11 @@ def add_bench_update(p: argparse.ArgumentParser) -> None:
 def cmd_bench_update(args: argparse.Namespace) -> int:
     from .syncs.costmodel import format_table, measure, to_json
 
-    cfg = RunSpec(preset=args.preset, device=args.device, flow=args.flow).config()
-    updates = [load_update(u) for u in args.update] or None  # None: the built-ins of the flow
-    rows = measure(cfg, updates=updates, batch_sizes=args.batches, steps=args.steps,
-                   progress=_item_progress(args, f"drift bench-update {cfg.name}"))
+    spec = RunSpec(preset=args.preset, device=args.device, flow=args.flow)
+    kind = spec.resolve().kind  # the built-ins of the flow's kind when no --update is given
+    runs = [replace(spec, update=u).resolve() for u in (args.update or kind.updates())]
+    rows = measure(runs, batch_sizes=args.batches, steps=args.steps,
+                   progress=_item_progress(args, f"drift bench-update {runs[0].cfg.name}"))
     print(to_json(rows) if args.json else format_table(rows))
     return EXIT_PASS
 
@@ -228,10 +244,10 @@ def cmd_nightly(args: argparse.Namespace) -> int:
     presets, updates = args.nightly_defaults
     resolve_device(args.device)
     layers = layers_for(args.device, args.layers)
-    if args.flow and not args.update:  # that flow's own built-in, not the copy-commit default
-        from .flows.registry import flow_kind
+    if args.flow and not args.update:  # that flow's own default, not the preset flow's
+        from .flows.registry import FLOWS, default_update
 
-        updates = [flow_kind(RunSpec(flow=args.flow).config()).default_update]
+        updates = [default_update(FLOWS[args.flow].kind)]
     updates = args.update or list(updates)
     steps = args.steps if (args.steps is not None or args.trace) else DEFAULT_STEPS
     variants = args.variant or _variants_of_flow(VARIANTS, args, (args.preset or presets)[0], updates[0], steps, layers)
@@ -241,10 +257,7 @@ def cmd_nightly(args: argparse.Namespace) -> int:
     from .sim.pool import check_fits
 
     for e in entries:  # a bad trace, option, steps past a trace's end, states too large, an update of
-        cfg = e.config(args.device)  # another flow: an error now, not after hours
-        check_fits(cfg)
-        if e.update != "-":
-            update_for(cfg, e.update)
+        check_fits(e.resolve(args.device).cfg)  # another flow: an error now, not after hours
     k, n = parse_shard(args.shard)
     mine = shard(entries, k, n)
     baseline = read_report(args.baseline) if args.baseline else None

@@ -4,7 +4,8 @@ A :class:`Config` describes one tensor-parallel rank of a hybrid Gated DeltaNet
 model in MTP decode: the shapes, the request batch, the input stream and the
 state-store profile (dtypes, layout, store rounding). Every field is checked in
 ``__post_init__``; a bad value raises :class:`ConfigError` naming the field and
-what is allowed.
+what is allowed. The state flow (``flow``) names an entry of a registry above this module
+(drift/flows/registry.py), which checks it and its kind's rules (``drift.flows.registry.check``).
 """
 
 from __future__ import annotations
@@ -31,63 +32,6 @@ PATTERNS = ("model", "all-1", "all-D", "mixed")
 # "ragged" -- a seeded count 1..D per row and step, as vLLM's varlen verify takes them (cu_seqlens).
 DRAFTS = ("full", "ragged")
 DEVICES = ("cpu", "cuda", "npu")
-
-
-@dataclass(frozen=True)
-class Flow:
-    """How an engine keeps MTP state between verify steps (docs/semantics.md §6): where each verify
-    starts and what commits the accepted state. ``engine``: the engine and version modelled (or
-    why none runs it); ``files``: the shipped files the model is read from; ``kind``: the state
-    machinery (drift/flows/registry.py): ``copy-commit`` (a scratch and a commit copy), ``in-place``
-    (blocks written in place, the accept count picks the next start) or ``kernel-commit`` (the
-    verify writes records to a ring, the commit folds the accepted ones into the checkpoint)."""
-
-    name: str
-    description: str
-    engine: str
-    files: tuple[str, ...]
-    kind: str = "copy-commit"
-    ragged: bool = False  # whether the engine verifies rows with fewer than D drafts (--drafts ragged)
-    accept_counts: bool = False  # copy-commit: the op gets the previous step's accept lengths, not ones
-
-
-# State flows (docs/semantics.md §6).
-FLOWS: Registry[Flow] = Registry("flow")
-FLOWS.register("sglang", Flow(
-    "sglang", "SGLang's copy-commit: num_accepted_tokens = ones and ssm_state_indices = arange, so every "
-    "row starts from its committed state; update_mamba_state_after_mtp_verify copies the accepted "
-    "scratch state into it", "SGLang 0.5.23 (Ascend NPU)",
-    ("srt/hardware_backend/npu/attention/ascend_gdn_backend.py: prepare_gdn_inputs",
-     "srt/hardware_backend/npu/attention/ascend_hybrid_linear_attn_backend.py: _replay_metadata, "
-     "update_mamba_state_after_mtp_verify")))
-FLOWS.register("npu-accepted", Flow(
-    "npu-accepted", "the NPU op's accepted-count argument form (a row continues from the previous step's "
-    "scratch block; one that accepted one token from its committed state) under SGLang's commit copy: "
-    "a hybrid no engine drift has read runs", "none: SGLang 0.5.23 passes ones; vLLM 0.33.0 has no commit copy",
-    ("sgl-kernel-npu: the op's num_accepted_tokens / ssm_state_indices arguments (docs/semantics.md §5-§6)",),
-    accept_counts=True))
-FLOWS.register("vllm", Flow(
-    "vllm", "vLLM's in-place block flow: each request owns D blocks of one state cache; token t's state is "
-    "written in place to block idx[b, t], the next step starts from idx[b, n - 1] (n the accept count), "
-    "with no commit copy; the conv cache is read at offset n - 1; padded rows carry NULL block 0",
-    "vLLM 0.33.0 (CUDA; vllm-ascend follows its flow)",
-    ("vllm/v1/attention/backends/gdn_attn.py: GDNAttentionMetadataBuilder.build",
-     "vllm/v1/worker/gpu_model_runner.py: _update_states_after_model_execute",
-     "vllm/third_party/flash_linear_attention/ops/fused_recurrent.py",
-     "vllm/model_executor/layers/mamba/ops/causal_conv1d.py: causal_conv1d_update",
-     "vllm/v1/worker/mamba_utils.py: postprocess_mamba_fused_kernel (prefix caching, align mode)"),
-    kind="in-place", ragged=True))
-FLOWS.register("sglang-replayssm", Flow(
-    "sglang-replayssm", "SGLang's ReplaySSM kernel-side commit (--enable-linear-replayssm-spec): the verify "
-    "writes each draft token's compact record (delta, key, log-decay) into a per-request ring and keeps no "
-    "per-token state; the commit advances the ring's cursors by the accept length and folds the accepted "
-    "records into the checkpoint (every step for a 16-bit checkpoint, when the ring fills for fp32)",
-    "SGLang 0.5.23 (CUDA Triton; NPU and CPU fall back to the recurrent verify)",
-    ("sglang/kernels/ops/attention/linear/gdn_replayssm_spec_decode.py: gdn_replayssm_spec_circular_kernel, "
-     "commit_gdn_replayssm_spec, commit_gdn_replayssm_circular",
-     "sglang/srt/speculative/spec_utils.py: commit_mamba_states_after_verify",
-     "sglang/srt/layers/attention/linear/gdn_backend.py: _replayssm_target_verify",
-     "sglang/srt/mem_cache/memory_pool.py: MambaPool (the ring buffers and cursors)"), kind="kernel-commit"))
 
 
 @dataclass(frozen=True)
@@ -181,7 +125,7 @@ class Config:
     conv_dtype: str = "bfloat16"
     layout: str = "contiguous"
     store_rounding: str = "rne"  # how fp32 states are stored into ssm_dtype
-    flow: str = "sglang"  # where the verify op starts each row: an entry of FLOWS
+    flow: str = "sglang"  # how the engine keeps MTP state: an entry of drift.flows.registry.FLOWS (checked there)
     graph_mode: bool = True  # the verify op's metadata as SGLang's graph mode builds it (else eager)
     device: str = "cpu"
     description: str = ""
@@ -349,18 +293,9 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"key_rank={cfg.key_rank} exceeds head_k_dim={cfg.head_k_dim}; "
                           f"allowed: 0 (full rank) .. {cfg.head_k_dim}")
     for name, allowed in (("ssm_dtype", STORE_DTYPES.names()), ("conv_dtype", STORE_DTYPES.names()),
-                          ("store_rounding", ROUNDINGS), ("layout", LAYOUTS.names()), ("flow", FLOWS.names()),
+                          ("store_rounding", ROUNDINGS), ("layout", LAYOUTS.names()),
                           ("pattern", PATTERNS), ("drafts", DRAFTS), ("device", DEVICES)):
         _choice(cfg, name, allowed)
-    if cfg.drafts == "ragged" and not FLOWS[cfg.flow].ragged:
-        raise ConfigError(f"drafts='ragged' under flow={cfg.flow!r}: {FLOWS[cfg.flow].engine} verifies every row's "
-                          f"D draft tokens; allowed with ragged drafts: "
-                          f"{', '.join(f for f in FLOWS if FLOWS[f].ragged)}")
-    if cfg.store_rounding != "rne" and FLOWS[cfg.flow].kind == "kernel-commit":
-        raise ConfigError(f"store_rounding={cfg.store_rounding!r} under flow={cfg.flow!r}: its verify stores no state; "
-                          "the commit's fold rounds to nearest as the engine's kernel does (store_rounding='rne'), "
-                          "or pick a flow whose verify stores states: "
-                          + ", ".join(f for f in FLOWS if FLOWS[f].kind != "kernel-commit"))
     if cfg.drafts == "ragged" and cfg.trace:
         raise ConfigError("drafts='ragged' with a trace: a trace replays the accept lengths it recorded; "
                           "allowed with a trace: drafts='full'")

@@ -24,11 +24,10 @@ import argparse
 import re
 from typing import Callable, Iterable, Optional
 
-from .config import DEFAULT_PRESET, DRAFTS, FLOWS, PATTERNS, PRESETS, PROFILES, ROUNDINGS, SEED_MAX
+from .config import DEFAULT_PRESET, DRAFTS, PATTERNS, PRESETS, PROFILES, ROUNDINGS, SEED_MAX
+from .flows.registry import FLOW_KINDS, FLOWS, UPDATES, default_update, flows_of
 from .plug.loader import KERNELS
-from .plug.updates import BUILTINS
-from .flows.registry import FLOW_KINDS
-from .simulate import MODES
+from .runspec import MODES
 
 
 
@@ -87,13 +86,14 @@ SPECS: dict[str, dict] = {
     "pattern": dict(type=_choice(PATTERNS, "pattern"), metavar="P",
                     help=f"acceptance pattern: {', '.join(PATTERNS)}"),
     "drafts": dict(type=_choice(DRAFTS, "drafts"), metavar="K",
-                   help="draft tokens per row: full (all D) or ragged (a seeded 1..D per row and step; "
+                   help=lambda: "draft tokens per row: full (all D) or ragged (a seeded 1..D per row and step; "
                         "flows whose engine verifies varlen: " + ", ".join(f for f in FLOWS if FLOWS[f].ragged) + ")"),
     "mode": dict(type=_choice(MODES, "mode"), metavar="M", help="mtp or sequential (non-MTP) decode"),
-    "update": dict(metavar="SPEC", help=lambda: f"update under test: a built-in ({', '.join(BUILTINS)}), "
+    "update": dict(metavar="SPEC", help=lambda: f"update under test: a built-in ({', '.join(UPDATES)}), "
                    "mutant:<name>, package.module:qualname or path/to/file.py:qualname (default: the flow's "
-                   "own built-in: " + "; ".join(f"{FLOW_KINDS[kind].default_update} under {', '.join(fl)}"
-                                                for kind, fl in _flows_by_kind().items()) + ")"),
+                   "own built-in: " + "; ".join(f"{default_update(kind)} under {', '.join(flows_of(kind))}"
+                                                for kind in FLOW_KINDS if flows_of(kind)) + "; without --flow, "
+                   "an update written for another flow's kind runs in its own flow)"),
     "kernel": dict(metavar="SPEC", help=lambda: "verify kernel under test: "
                    f"{', '.join(n + (':<spec>' if KERNELS[n].takes_arg else '') for n in KERNELS)}, "
                    "mutant:<name>, package.module:qualname or path/to/file.py:qualname"),
@@ -114,13 +114,6 @@ SPECS: dict[str, dict] = {
 }
 # The shared options (every entry point that runs a simulation has them; docs/extending.md): the
 # options that make a Config, and those plus what is under test.
-def _flows_by_kind() -> dict[str, list[str]]:
-    out: dict[str, list[str]] = {}
-    for name in FLOWS:
-        out.setdefault(FLOWS[name].kind, []).append(name)
-    return out
-
-
 CONFIG_OPTIONS = ("preset", "steps", "seed", "device", "profile", "rounding", "pattern", "drafts", "flow")
 RUN_OPTIONS = CONFIG_OPTIONS + ("update", "kernel", "mode", "trace", "loop", "no-graph")
 DEFAULTS: dict[str, object] = {"preset": DEFAULT_PRESET, "device": "cpu", "update": None,

@@ -20,6 +20,8 @@ ask for the device, and fails when it asked and the device is absent) and ``nigh
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from drift.check.golden import GOLDEN_PRESETS, load_golden, regenerate, write_trace_golden
@@ -28,7 +30,7 @@ from drift.devices import resolve_device
 from drift.errors import DeviceUnavailable, DriftError
 from drift.options import DEFAULTS, RUN_OPTIONS, add_options, dest
 from drift.plug.extensions import load_extensions
-from drift.plug.loader import load_kernel
+from drift.runspec import Resolved
 from drift.sim import native
 
 DEVICE_MARKERS = ("cuda", "npu")
@@ -106,26 +108,21 @@ def spec_from_options(getoption) -> RunSpec:
 
 
 @pytest.fixture
-def drift_config(drift_spec: RunSpec):
-    """The validated Config of :func:`drift_spec`: the preset with every --drift-* option applied; with
-    --drift-trace replaying that trace on the preset's batch (drift.config.Config.from_trace). A bad
+def drift_run(drift_spec: RunSpec, drift_update) -> Resolved:
+    """The run under test, resolved once (drift.runspec.RunSpec.resolve): the preset with every
+    --drift-* option applied (with --drift-trace replaying that trace on the preset's batch), this
+    test's --drift-update and the --drift-kernel loaded and accepted by the flow's kind. A bad
     combination fails the test naming the option (never a traceback)."""
     try:
-        return drift_spec.config()
+        return replace(drift_spec, update=drift_update).resolve()
     except DriftError as exc:
         pytest.fail(f"{type(exc).__name__}: {exc}", pytrace=False)
 
 
 @pytest.fixture
-def drift_mode(drift_spec: RunSpec) -> str:
-    """mtp (default) or sequential (--drift-mode)."""
-    return drift_spec.mode
-
-
-@pytest.fixture
-def drift_kernel(request: pytest.FixtureRequest):
-    """The verify kernel under test (--drift-kernel; drift's portable kernel by default)."""
-    return load_kernel(request.config.getoption(dest(PREFIX, "kernel")))
+def drift_config(drift_run: Resolved):
+    """The validated Config of :func:`drift_run`."""
+    return drift_run.cfg
 
 
 @pytest.fixture

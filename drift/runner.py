@@ -16,7 +16,7 @@ from .check.compare import Comparison
 from .check.registry import CHECKS, RunContext
 from .check.result import CheckResult
 from .config import Config
-from .plug.loader import Update, update_for
+from .runspec import Resolved
 from .sim.shim import kernels_in_use
 from .sim.twin import F64
 from .simulate import ResumePoint, RunInfo, Simulation
@@ -62,21 +62,22 @@ def versions() -> dict:
 
 
 class CheckedRun:
-    """A simulation wired to its checks: every applicable check of the registry
-    (drift/check/registry.py) in report order -- the float64 twin (golden-validated), the semantic
-    checks, the drift bound and what reads it, the sequential shadow when asked, and the run-level
-    verdicts -- unless ``checks`` replaces the per-step ones. ``run`` then ``results`` / ``report``.
+    """A simulation of a :class:`~drift.runspec.Resolved` run wired to its checks: every applicable
+    check of the registry (drift/check/registry.py) in report order -- the float64 twin
+    (golden-validated), the semantic checks, the drift bound and what reads it, the sequential shadow
+    when asked, and the run-level verdicts -- unless ``checks`` replaces the per-step ones. ``run``
+    then ``results`` / ``report``.
 
     golden: as for :class:`Comparison`. vs_sequential: also run the stream through sequential
     decode in lockstep and report the divergence. start / env2_start: resume every row from a
     :class:`ResumePoint` with the bound envelope it carries there.
     """
 
-    def __init__(self, cfg: Config, update=None, mode: str = "mtp",
-                 checks: Optional[Sequence[Check]] = None, verify_kernel=None, golden=None,
+    def __init__(self, run: Resolved, checks: Optional[Sequence[Check]] = None, golden=None,
                  vs_sequential: bool = False, start: Optional[ResumePoint] = None,
                  env2_start: Optional[np.ndarray] = None, observers: Sequence = (), fail_fast: bool = False):
-        self.cfg, self.mode = cfg, mode
+        cfg, mode = self.cfg, self.mode = run.cfg, run.mode
+        self.resolved = run
         self.ctx = RunContext(cfg, mode, vs_sequential, env2_start)
         specs = [s for s in CHECKS.in_order() if s.applies(self.ctx)]
         if checks is not None:  # the caller's per-step checks replace the registry's
@@ -94,8 +95,7 @@ class CheckedRun:
         self.comparison = Comparison(self.checks, golden=golden)
         self.comparison.fail_fast = fail_fast
         shadows = [self.ctx.checks[s.key] for s in specs if s.shape == "observer"]
-        self.sim = Simulation(cfg, update, mode=mode, observers=[self.comparison, *shadows, *observers],
-                              verify_kernel=verify_kernel, start=start)
+        self.sim = Simulation(run, observers=[self.comparison, *shadows, *observers], start=start)
         self.ctx.sim, self.ctx.comparison = self.sim, self.comparison
 
     def run(self, steps: Optional[int] = None, **kwargs) -> RunInfo:
@@ -115,7 +115,7 @@ class CheckedRun:
         if syncs is not None:
             ctx.sync_scan = lambda: syncs
         else:
-            ctx.sync_scan = (lambda: sync_check(self.cfg, self.sim.update)) if sync_scan else None
+            ctx.sync_scan = (lambda: sync_check(self.resolved)) if sync_scan else None
         registered = {s.key for s in self.specs}
         for key, obj in ctx.checks.items():
             if key not in registered:  # a caller's own per-step check
@@ -134,39 +134,36 @@ class CheckedRun:
                          self.comparison.reference_description())
 
 
-def run_checked(cfg: Config, update=None, mode: str = "mtp", steps: Optional[int] = None,
-                checks: Optional[Sequence[Check]] = None,
-                progress: Optional[Callable[[int, int], None]] = None,
-                verify_kernel=None, golden=None, vs_sequential: bool = False,
+def run_checked(run: Resolved, steps: Optional[int] = None, checks: Optional[Sequence[Check]] = None,
+                progress: Optional[Callable[[int, int], None]] = None, golden=None, vs_sequential: bool = False,
                 start: Optional[ResumePoint] = None, env2_start: Optional[np.ndarray] = None,
                 observers: Sequence = (), sync_scan: bool = True, sync_first: bool = False,
                 fail_fast: bool = False, sync_sample: int = 0) -> RunReport:
-    """Run ``cfg`` through ``update`` under every check (see :class:`CheckedRun`) and report.
+    """Run the resolved ``run`` under every check (see :class:`CheckedRun`) and report.
     sync_scan: also run the update on the virtual accelerator and fail on any host sync; the scan
     runs before the simulation (cheap, and a sync fails the run whatever else it finds).
     sync_first: when the scan finds a sync, report at once (the precision checks not run).
     fail_fast: stop the simulation at the end of the first chunk in which a check failed.
     sync_sample: real steps of the run's horizon the scan re-checks beyond its representative ones."""
     syncs = None
-    if sync_scan and mode == "mtp":
-        update = update_for(cfg, update)
+    if sync_scan and run.mode == "mtp":
         t0 = time.perf_counter()
-        syncs = sync_check(cfg, update, sample=sync_sample)
+        syncs = sync_check(run, sample=sync_sample)
         if syncs.failed and sync_first:
-            return sync_failed_report(cfg, update, syncs, time.perf_counter() - t0, verify_kernel)
-    run = CheckedRun(cfg, update, mode, checks, verify_kernel, golden, vs_sequential, start, env2_start,
-                     observers, fail_fast)
-    return run.report(run.run(steps, progress=progress), sync_scan, syncs)
+            return sync_failed_report(run, syncs, time.perf_counter() - t0)
+    checked = CheckedRun(run, checks, golden, vs_sequential, start, env2_start, observers, fail_fast)
+    return checked.report(checked.run(steps, progress=progress), sync_scan, syncs)
 
 
-def sync_failed_report(cfg: Config, update: Update, syncs: CheckResult, wall_s: float, verify_kernel) -> RunReport:
+def sync_failed_report(run: Resolved, syncs: CheckResult, wall_s: float) -> RunReport:
     """The report of a run stopped by the host-sync scan before its first decode step."""
+    cfg, update = run.cfg, run.update
     skipped = CheckResult("precision checks", True, None, None, "",
                           "not run: the host-sync scan runs first and a sync fails the run at once "
                           "(drift run --all-checks runs every check anyway)", {"applicable": False},
                           key="precision_checks")
     info = RunInfo(steps=0, wall_s=wall_s, mode="mtp", update=update.name, kernels=kernels_in_use(),
-                   device=str(cfg.device), verify_kernel=str(getattr(verify_kernel, "__qualname__", "") or "portable"),
+                   device=str(cfg.device), verify_kernel=run.kernel.name,
                    meta={"update_spec": update.spec, "update_source": update.source,
                          "graph_note": "not run: stopped after the host-sync scan"})
     return RunReport(cfg, info, [syncs, skipped], "not run (stopped after the host-sync scan)")
@@ -246,17 +243,17 @@ class SnapshotCatcher:
         return point, env2
 
 
-def capture_snapshots(cfg: Config, update=None, after_step: int = 256,
+def capture_snapshots(run: Resolved, after_step: int = 256,
                       steps: Optional[int] = None) -> tuple[RunReport, ResumePoint, np.ndarray]:
-    """Run ``cfg`` (checked) and capture every row's first tracked snapshot after ``after_step``:
+    """Run ``run`` (checked) and capture every row's first tracked snapshot after ``after_step``:
     the prefix-cache entry a later request with the same prefix would load (cache hit)."""
-    if cfg.track_interval <= 0:
+    if run.cfg.track_interval <= 0:
         raise ValueError("capture_snapshots needs tracking on (track_interval > 0)")
-    run = CheckedRun(cfg, update)
-    catcher = SnapshotCatcher(run.comparison, run.bound, after_step)
-    run.comparison.consumers.append(catcher)
-    run.comparison.twin_listeners.append(catcher.on_twin_step)
-    run.sim.observers.append(catcher)
-    info = run.run(steps)
+    checked = CheckedRun(run)
+    catcher = SnapshotCatcher(checked.comparison, checked.bound, after_step)
+    checked.comparison.consumers.append(catcher)
+    checked.comparison.twin_listeners.append(catcher.on_twin_step)
+    checked.sim.observers.append(catcher)
+    info = checked.run(steps)
     point, env2 = catcher.resume_point()
-    return run.report(info, sync_scan=False), point, env2
+    return checked.report(info, sync_scan=False), point, env2

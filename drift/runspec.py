@@ -1,11 +1,13 @@
-"""One run spec: what a checked run is asked to do, assembled once for every entry point.
+"""One run spec: what a checked run is asked to do, assembled and resolved once for every entry point.
 
 The ``drift`` command, the pytest plugin and the nightly each read the shared options
 (drift/options.py: ``--preset --steps --seed --device --profile --rounding --pattern --drafts --flow
 --update --kernel --mode --trace --loop --no-graph``; ``--drift-`` prefixed in pytest) into a
-:class:`RunSpec`, and :meth:`RunSpec.config` turns it into the validated :class:`Config`. Every
-rule that ties options together (``--loop`` needs ``--trace``; a trace fixes the model) is
-written here, once, naming the options as the caller spells them (``prefix``).
+:class:`RunSpec`; :meth:`RunSpec.config` turns it into the validated :class:`Config` and
+:meth:`RunSpec.resolve` into a :class:`Resolved` run (the code under test loaded and accepted by
+the config's flow kind), which is all the layers below take. Every rule that ties options together
+(``--loop`` needs ``--trace``; a trace fixes the model) is written here, once, naming the options
+as the caller spells them (``prefix``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from typing import Any, Callable, Optional
 
 from .config import Config, preset
 from .devices import resolve_device
-from .errors import ConfigError
+from .errors import ConfigError, LoadError
+from .flows.registry import FLOW_KINDS, FLOWS, check, default_update, flows_of
+from .plug.loader import Kernel, Update, load_kernel, load_update
 
 # Spec field -> the Config field it sets (None: not a Config field).
 CONFIG_FIELDS = {"steps": "steps", "seed": "seed", "device": "device", "rounding": "store_rounding",
@@ -92,3 +96,63 @@ class RunSpec:
             cfg = cfg.replace(num_layers=self.layers)
         resolve_device(cfg.device)
         return cfg
+
+    def resolve(self) -> "Resolved":
+        """The run: :meth:`config` with the update and kernel loaded and accepted by its flow kind
+        (:func:`resolve`; without ``flow`` an update written for another kind runs in its own flow)."""
+        return resolve(self.config(), self.update, self.kernel, self.mode, choose_flow=self.flow is None, opt=self.opt)
+
+
+MODES = ("mtp", "sequential")
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A run ready to go, resolved once at the boundary (:meth:`RunSpec.resolve`, :func:`resolve`): the
+    validated config, the update and the verify kernel loaded and accepted by the config's flow kind,
+    and the decode mode. The simulation, the runner, the sync scan, the cost model, the nightly and
+    the plugin take only these."""
+
+    cfg: Config
+    update: Update
+    kernel: Kernel
+    mode: str = "mtp"
+
+    @property
+    def kind(self) -> type:
+        """The flow kind of ``cfg.flow`` (a :class:`drift.flows.base.FlowKind` subclass)."""
+        return FLOW_KINDS[FLOWS[self.cfg.flow].kind]
+
+    def replace(self, **changes: Any) -> "Resolved":
+        """The same code under test on ``cfg.replace(**changes)``, checked again (a changed flow must
+        still take the update and the kernel)."""
+        return resolve(self.cfg.replace(**changes), self.update, self.kernel, self.mode)
+
+
+def resolve(cfg: Config, update: Any = None, kernel: Any = None, mode: str = "mtp", choose_flow: bool = False,
+            opt: Callable[[str], str] = lambda name: f"--{name}") -> Resolved:
+    """``cfg`` with the code under test loaded (drift/plug/loader.py) and checked against its flow kind:
+    the flow and the kind's rules (:func:`drift.flows.registry.check`), the update written for that
+    kind (None: the kind's default), the kernel accepted by it (``FlowKind.accepts``). With
+    ``choose_flow`` (the run named no flow) an update written for other kinds picks its own flow: a
+    mutant's, else the first of its first kind. LoadError / ConfigError (exit 2) name what to pass;
+    ``opt(name)`` spells an option as the caller does."""
+    if mode not in MODES:
+        raise ConfigError(f"mode={mode!r} is not known; allowed: {', '.join(MODES)}")
+    upd = None if update is None else load_update(update)
+    if choose_flow and upd is not None and upd.kinds and cfg.flow in FLOWS and FLOWS[cfg.flow].kind not in upd.kinds:
+        cfg = cfg.replace(flow=upd.flow or flows_of(upd.kinds[0])[0])
+    kind = check(cfg)
+    if upd is None:
+        upd = load_update(default_update(kind.name))
+    if upd.kinds and kind.name not in upd.kinds:
+        mine = [f for k in upd.kinds for f in flows_of(k)]
+        raise LoadError(f"update {upd.spec} is written for the {' and '.join(upd.kinds)} flow kind "
+                        f"({', '.join(mine)}), not for {opt('flow')} {cfg.flow} ({kind.name}): pass {opt('flow')} "
+                        f"{upd.flow or mine[0]}, or an update written for {kind.name} ({', '.join(kind.updates())})")
+    k = load_kernel(kernel)
+    if mode == "mtp":
+        ok, why = kind.accepts(k)
+        if not ok:
+            raise LoadError(f"{opt('flow')} {cfg.flow} ({kind.name}): {why}")
+    return Resolved(cfg, upd, k, mode)

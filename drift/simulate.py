@@ -27,21 +27,17 @@ import numpy as np
 import torch
 
 from .checkpoint import restore, saveable
-from .config import Config
 from .devices import resolve_device
-from .errors import DriftError, LoadError, UpdateRaised, raise_if_interrupted
-from .plug.loader import Update, update_for
-from .plug.adapter import output_problem
-from .sim.shim import kernels_in_use
-from .sim import kernels
+from .errors import DriftError, UpdateRaised, raise_if_interrupted
 from .flows.registry import state_flow
+from .plug.adapter import output_problem
+from .runspec import MODES, Resolved
+from .sim import kernels
 from .sim.graph import GraphStatus, StepGraph
-from .sim.kernels import VerifyKernel
 from .sim.pool import StatePool
+from .sim.shim import kernels_in_use
 from .sim.stream import InputStream
 from .sim.twin import prefill
-
-MODES = ("mtp", "sequential")
 
 
 class StopRun(Exception):
@@ -189,41 +185,24 @@ class RunInfo:
 
 
 class Simulation:
-    """MTP (or sequential) decode of ``cfg`` through the update under test.
-
-    update: a spec string, an :class:`~drift.plug.loader.Update` or a callable (mtp mode).
-    verify_kernel: replaces :func:`drift.sim.kernels.recurrent_gated_delta_rule` (a :data:`VerifyKernel`).
+    """MTP (or sequential) decode of a :class:`~drift.runspec.Resolved` run: its config, through its
+    update (mtp mode) and its verify kernel, in its flow kind's machinery (drift/flows).
     """
 
-    def __init__(self, cfg: Config, update: str | Update | Callable | None = None,
-                 mode: str = "mtp", observers: Sequence[Observer] = (),
-                 verify_kernel: Optional[VerifyKernel] = None, check_untouched: bool = True,
+    def __init__(self, run: Resolved, observers: Sequence[Observer] = (), check_untouched: bool = True,
                  device: Optional[torch.device] = None, start: Optional[ResumePoint] = None,
                  graph: Optional[bool] = None):
-        if mode not in MODES:
-            raise ValueError(f"mode={mode!r} is not known; allowed: {', '.join(MODES)}")
-        self.cfg = cfg
-        self.mode = mode
+        if not isinstance(run, Resolved):
+            raise TypeError(f"Simulation takes a resolved run (drift.runspec.resolve), not {type(run).__name__}")
+        self.resolved = run
+        cfg = self.cfg = run.cfg
+        mode = self.mode = run.mode
         self.device = device if device is not None else resolve_device(cfg.device)
-        self.flow = state_flow(cfg, self.device, mode)  # pool, harness, verify arguments (drift/flows/registry.py)
+        self.flow = state_flow(cfg, self.device, mode)  # pool, harness, verify rule (drift/flows)
         self.pool: StatePool = self.flow.pool
         self.harness = self.flow.harness
-        self.update = None
-        if mode == "mtp":  # None: the flow's own default
-            self.update = update_for(cfg, update)
-        self.verify_kernel = verify_kernel or kernels.recurrent_gated_delta_rule
-        rules = getattr(self.verify_kernel, "START_RULES", None)  # what an adapter of an engine's op implements
-        if (mode == "mtp" and self.flow.start_rule == "ring" and self.verify_kernel is not kernels.recurrent_gated_delta_rule
-                and "ring" not in (rules or ())):
-            raise LoadError(f"--flow {cfg.flow} verifies with drift's rendering of its engine's ring kernel "
-                            f"(drift.flows.kernel_commit.flow.ring_verify); the verify kernel {getattr(verify_kernel, '__qualname__', '')} "
-                            "writes per-token states, which this flow keeps none of: run it under a copy-commit or "
-                            "in-place flow, or give it START_RULES = ('ring',) and write the ring's records")
-        if mode == "mtp" and rules is not None and self.flow.start_rule not in rules:
-            raise LoadError(f"the verify kernel {getattr(self.verify_kernel, '__qualname__', '')} reads its arguments "
-                            f"by the {', '.join(rules)} rule, but --flow {cfg.flow} needs {self.flow.start_rule!r} "
-                            f"(drift.sim.kernels.START_RULES): run it under a flow of kind "
-                            f"{'copy-commit' if 'npu' in rules else 'in-place'}")
+        self.update = run.update if mode == "mtp" else None
+        self.kernel = run.kernel
         self.stream = InputStream(cfg, self.device)
         self.params = self.stream.params.to(self.device)
         self.observers = list(observers)
@@ -335,12 +314,11 @@ class Simulation:
             meta={"graph": self.graph_status.state, "graph_note": self.graph_status.note})
 
     def verify_description(self) -> str:
-        """Which GDN verify ran: the portable kernel (native C or torch ops) or a plugged one."""
-        fn = self.verify_kernel
+        """Which GDN verify ran: the portable kernel (native C or torch ops) or a plugged one, by name."""
         if self.mode != "mtp":
             return "none (sequential decode)"
-        if fn is not kernels.recurrent_gated_delta_rule:
-            return getattr(fn, "__qualname__", repr(fn))
+        if not self.kernel.portable:
+            return self.kernel.name
         cfg = self.cfg
         args = self.flow.verify_args(torch.empty(cfg.num_layers, cfg.num_rows, cfg.num_draft_tokens, cfg.conv_channels,
                                                  device="meta"), None, None, cfg.store_rounding, 0)
@@ -458,10 +436,10 @@ class Simulation:
         """The verify kernel's call. A plugged kernel is code under test: one that raises, or
         returns anything but a bf16 ``[L, B, S, HV, V]`` tensor, fails the run (UpdateRaised, exit
         1) naming the kernel, the step and (through the NPU op adapter) the layer."""
-        fn = self.verify_kernel
-        if fn is kernels.recurrent_gated_delta_rule:
+        fn = self.kernel
+        if fn.portable:
             return fn(args)
-        name = f"the verify kernel under test ({getattr(fn, '__qualname__', fn)})"
+        name = f"the verify kernel under test ({fn.name})"
         try:
             out = fn(args)
         except UpdateRaised as exc:

@@ -22,30 +22,31 @@ def _failures(rep) -> str:
 # First (pytest runs a module's tests in order; with -x a sync stops the gate in seconds): the
 # scan's representative steps plus real steps sampled over the preset's horizon.
 @pytest.mark.parametrize("tracking", [True, False], ids=["tracking", "no-tracking"])
-def test_update_is_sync_free(drift_config, drift_update, tracking):
-    cfg = drift_config if tracking else drift_config.replace(track_interval=0)
-    res = sync_check(cfg.replace(device="cpu"), drift_update, sample=RUN_SAMPLE)
-    assert res.passed, f"{drift_update}: {res.where}; {res.detail}"
+def test_update_is_sync_free(drift_run, tracking):
+    run = drift_run if tracking else drift_run.replace(track_interval=0)
+    res = sync_check(run.replace(device="cpu"), sample=RUN_SAMPLE)
+    assert res.passed, f"{run.update.spec}: {res.where}; {res.detail}"
 
 
-def test_update_keeps_precision(drift_config, drift_mode, drift_update, drift_kernel, drift_golden):
-    drift_golden(drift_config)  # PR-gating presets must have golden data; fails, never skips
-    rep = run_checked(drift_config, drift_update, mode=drift_mode, verify_kernel=drift_kernel, sync_scan=False)
-    assert rep.passed, f"{drift_update}: {_failures(rep)}"
+def test_update_keeps_precision(drift_run, drift_golden):
+    drift_golden(drift_run.cfg)  # PR-gating presets must have golden data; fails, never skips
+    rep = run_checked(drift_run, sync_scan=False)
+    assert rep.passed, f"{drift_run.update.spec}: {_failures(rep)}"
 
 
-def _device_run(cfg, update, kernel):
-    rep = run_checked(cfg.replace(steps=min(cfg.steps, 512)), update, verify_kernel=kernel, sync_scan=False)
+def _device_run(run):
+    cfg = run.cfg
+    rep = run_checked(run.replace(steps=min(cfg.steps, 512)), sync_scan=False)
     assert rep.info.device.startswith(cfg.device), rep.info.device
-    assert rep.passed, f"{update} on {cfg.device}: {_failures(rep)}"
+    assert rep.passed, f"{run.update.spec} on {cfg.device}: {_failures(rep)}"
 
 
 @pytest.mark.cuda
-def test_cuda_simulation_and_sync_debug_mode(drift_config, drift_update, drift_kernel):
+def test_cuda_simulation_and_sync_debug_mode(drift_run):
     """The CUDA path: the simulation on the GPU, and the update under the sync detector with
     torch.cuda.set_sync_debug_mode('error') armed."""
-    _device_run(drift_config, drift_update, drift_kernel)
-    res = sync_check(drift_config, drift_update)
+    _device_run(drift_run)
+    res = sync_check(drift_run)
     assert any("cuda" in d for d in res.extra["detectors"]), res.extra["detectors"]
     assert res.passed, res.detail
     import torch
@@ -57,10 +58,10 @@ def test_cuda_simulation_and_sync_debug_mode(drift_config, drift_update, drift_k
 
 
 @pytest.mark.npu
-def test_npu_simulation_and_sync_debug_mode(drift_config, drift_update, drift_kernel):
+def test_npu_simulation_and_sync_debug_mode(drift_run):
     """The NPU path: the simulation on the NPU (real sgl_kernel_npu kernels when installed),
     and the update under torch.npu.set_sync_debug_mode('error')."""
-    _device_run(drift_config, drift_update, drift_kernel)
-    res = sync_check(drift_config, drift_update)
+    _device_run(drift_run)
+    res = sync_check(drift_run)
     assert any("npu" in d for d in res.extra["detectors"]), res.extra["detectors"]
     assert res.passed, res.detail

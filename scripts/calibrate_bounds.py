@@ -35,13 +35,14 @@ def one(args: tuple[str, str, int, int]) -> dict:
     from drift.check.bounds import BoundCheck
     from drift.config import preset
     from drift.runner import run_checked
+    from drift.runspec import resolve
 
     case, preset_name, seed, steps = args
     spec = CASES[case]
     cfg = preset(preset_name, seed=seed, store_rounding=spec["rounding"])
     bound = BoundCheck(constant=1.0)
     t0 = time.perf_counter()
-    run_checked(cfg, "sglang-0.5.23", mode=spec["mode"], steps=steps, checks=[bound], golden=False)
+    run_checked(resolve(cfg, "sglang-0.5.23", mode=spec["mode"]), steps=steps, checks=[bound], golden=False)
     s = bound.summary()
     out = bound.outputs.worst if bound.outputs.applies and bound.outputs.seen else None
     return {"case": case, "preset": preset_name, "seed": seed, "steps": steps,

@@ -15,13 +15,17 @@ from drift import preset
 from drift.check.checks import core_checks
 from drift.check.result import CheckResult
 from drift.dtypes import as_bits
+from drift.flows.copy_commit.rule import NpuRule
+from drift.flows.in_place.rule import BlockRule
+from drift.flows.registry import FLOWS, default_update
 from drift.plug.loader import Conformance
-from drift.plug.updates import DEFAULT_UPDATE
 from drift.runner import run_checked
+from drift.runspec import resolve
 from drift.sim.kernels import VerifyArgs
 from drift.simulate import Simulation
 
 BF16 = torch.bfloat16
+DEFAULT_UPDATE = default_update(FLOWS["sglang"].kind)  # the update ci-small's flow runs by default
 
 
 def blocks_case(seed=5, L=2, B=3, S=4, HK=1, HV=2, K=16, V=16, blocks=16):
@@ -34,7 +38,7 @@ def blocks_case(seed=5, L=2, B=3, S=4, HK=1, HV=2, K=16, V=16, blocks=16):
     return VerifyArgs(torch.randn(L, B, S, C, generator=g).to(torch.bfloat16),
                               torch.randn(L, B, S, HV, generator=g).to(torch.bfloat16), -torch.rand(L, B, S, HV, generator=g),
                               cache, cache.unsqueeze(2), idx[:, 0].clone(), idx, torch.tensor([2, 4, 1], dtype=torch.int32),
-                              torch.full((B,), S, dtype=torch.int32), HK, HV, K ** -0.5, start_rule="blocks")
+                              torch.full((B,), S, dtype=torch.int32), HK, HV, K ** -0.5, rule=BlockRule())
 
 
 def verify_case(seed: int = 3, L: int = 2, slots: int = 7, B: int = 3, S: int = 4, HK: int = 1, HV: int = 2,
@@ -51,7 +55,7 @@ def verify_case(seed: int = 3, L: int = 2, slots: int = 7, B: int = 3, S: int = 
                       torch.randn(L, B + 1, S, HV, V, K, generator=g).to(BF16),
                       torch.tensor([4, 1, 0][:B], dtype=torch.int32),
                       torch.arange(B * S, dtype=torch.int32).view(B, S), torch.tensor(accepted, dtype=torch.int32),
-                      torch.full((B,), S, dtype=torch.int32), HK, HV, K ** -0.5)
+                      torch.full((B,), S, dtype=torch.int32), HK, HV, K ** -0.5, rule=NpuRule())
     # The raw gate inputs of that g, for a kernel that computes its gating (A_log = dt_bias = 0:
     # g = -softplus(a), so a = log(expm1(-g)) in float64); no draw of the generator changes.
     a = torch.log(torch.expm1(-args.g.double())).float()
@@ -163,10 +167,12 @@ class StepHook:
         pass
 
 
-def run_sim(cfg, update=DEFAULT_UPDATE, on_step: Optional[Callable] = None, **kwargs) -> Simulation:
-    """Build and run a simulation; ``on_step(sim, view)`` sees every step."""
+def run_sim(cfg, update=DEFAULT_UPDATE, on_step: Optional[Callable] = None, kernel=None, mode: str = "mtp",
+            **kwargs) -> Simulation:
+    """Build (``cfg`` resolved with ``update``, ``kernel`` and ``mode``) and run a simulation;
+    ``on_step(sim, view)`` sees every step."""
     observers = [StepHook(on_step)] if on_step is not None else []
-    sim = Simulation(cfg, update, observers=observers, **kwargs)
+    sim = Simulation(resolve(cfg, update, kernel, mode), observers=observers, **kwargs)
     sim.info = sim.run()
     return sim
 
@@ -194,14 +200,14 @@ def committed_by_position(cfg, **kwargs) -> dict:
     return states
 
 
-def checks_of(cfg, update=DEFAULT_UPDATE, **kwargs) -> dict[str, CheckResult]:
+def checks_of(cfg, update=DEFAULT_UPDATE, kernel=None, mode: str = "mtp", **kwargs) -> dict[str, CheckResult]:
     """``run_checked`` with the semantic core checks (not the drift bound, which is
     calibrated on the presets' shapes, not on these small configs; nor the host-sync scan,
     which tests/syncs/test_syncs.py covers) as a dict check key -> result, plus the report under
     'report'."""
     kwargs.setdefault("checks", core_checks())
     kwargs.setdefault("sync_scan", False)
-    rep = run_checked(cfg, update, **kwargs)
+    rep = run_checked(resolve(cfg, update, kernel, mode), **kwargs)
     out = {c.key: c for c in rep.checks}
     out["report"] = rep
     return out
@@ -210,3 +216,18 @@ def checks_of(cfg, update=DEFAULT_UPDATE, **kwargs) -> dict[str, CheckResult]:
 def bad_spec(name: str) -> str:
     """File spec of a known-bad update in tests/fixtures/bad_updates.py."""
     return f"{BAD_UPDATES}:{name}"
+
+
+def naive_of(args: VerifyArgs, dtype: torch.dtype = torch.float64, store=None):
+    """The naive reference of ``args.rule``'s flow kind (``FlowKind.naive``) on a ``dtype`` copy of
+    the scratch: (outputs ``[L, B, S, HV, V]``, the scratch blocks it wrote ``[L, I, HV, V, K]``)."""
+    from drift.flows.registry import FLOW_KINDS
+    from drift.sim.kernels import scratch_blocks
+
+    kind = next(k for k in FLOW_KINDS.values() if isinstance(args.rule, k.RULE))
+    blocks = scratch_blocks(args.intermediate_state).to(dtype, copy=True)
+    L, I = blocks.shape[:2]
+    D = args.intermediate_state.shape[2]
+    inter = blocks.view(L, I // D, D, *blocks.shape[2:]) if D else args.intermediate_state
+    out = kind.naive(replace(args, intermediate_state=inter), dtype, store)
+    return out, blocks

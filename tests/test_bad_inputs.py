@@ -243,7 +243,7 @@ def op_positional(mix_qkv, recurrent_state, beta):
 
 
 @pytest.mark.parametrize("kernel, code, words", [
-    ("raises", EXIT_FAIL, "(raises) raised RuntimeError('kernel bug') at decode step 0"),
+    ("raises", EXIT_FAIL, "kern.py:raises) raised RuntimeError('kernel bug') at decode step 0"),
     ("returns_none", EXIT_FAIL, "returned NoneType, not a bfloat16 tensor"),
     ("short", EXIT_FAIL, "returned shape (2, 1, 4, 4, 64), expected (2, 5, 4, 4, 64) at decode step 0"),
     ("fp32", EXIT_FAIL, "returned a torch.float32 tensor, expected bfloat16"),

@@ -16,7 +16,7 @@ import pytest
 from helpers import bad_spec
 from drift.sim import native
 from drift.cli import main
-from drift.config import FLOWS
+from drift.flows.registry import FLOWS
 from drift.errors import EXIT_FAIL, EXIT_PASS, EXIT_USAGE
 from drift.check.registry import CHECKS
 

@@ -9,7 +9,9 @@ import math
 
 import pytest
 
-from drift.config import FLOWS, PRESETS, PROFILES, Config, Profile, find_profile, preset
+from drift.config import PRESETS, PROFILES, Config, Profile, find_profile, preset
+
+from drift.flows.registry import FLOWS, check
 from drift.jobs.nightly import FP32_PROFILE
 from drift.plug.mutants import MUTANTS
 from drift.layouts import LAYOUTS
@@ -133,12 +135,19 @@ def test_code_that_needs_a_kind_of_profile_finds_it_by_its_properties():
     assert PROFILES[FP32_PROFILE].ssm_dtype == "float32" and LAYOUTS[PROFILES[FP32_PROFILE].layout].dense
 
 
-@pytest.mark.parametrize("field, value, words", [("flow", "real", "flow='real' is not known; allowed: " + ", ".join(FLOWS)),
-                                                 ("graph_mode", 1, "graph_mode=1 is invalid"),
+@pytest.mark.parametrize("field, value, words", [("graph_mode", 1, "graph_mode=1 is invalid"),
                                                  ("layout", "npu", "layout='npu' is not known")])
-def test_flow_graph_mode_and_layout_are_checked(field, value, words):
+def test_graph_mode_and_layout_are_checked(field, value, words):
     with pytest.raises(ConfigError, match=re.escape(words)):
         BASE.replace(**{field: value})
+
+
+def test_the_flow_is_checked_by_the_flow_registry():
+    """A Config names its flow; the registry above it (drift.flows.registry.check) knows the flows."""
+    cfg = BASE.replace(flow="real")  # the config module cannot know the flows registered above it
+    with pytest.raises(ConfigError, match=re.escape("flow 'real' is not known; allowed: " + ", ".join(FLOWS))):
+        check(cfg)
+    assert check(BASE).name == FLOWS[BASE.flow].kind
 
 
 def test_ci_small_meets_the_issue():

@@ -15,8 +15,10 @@ import torch
 from helpers import small_cfg
 from drift import devices
 from drift.devices import DeviceUnavailable, resolve_device, supports_float64
-from drift.config import FLOWS, PROFILES, preset
+from drift.config import PROFILES, preset
+from drift.flows.registry import FLOWS
 from drift.simulate import Simulation
+from drift.runspec import resolve
 
 
 def test_cpu_resolves():
@@ -45,7 +47,7 @@ def test_absent_device_is_a_clear_error(cpu_only, name, words):
 def test_simulation_on_an_absent_device_raises_before_running(cpu_only, name):
     cfg = small_cfg(5, device=name)
     with pytest.raises(DeviceUnavailable, match=f"device='{name}'"):
-        Simulation(cfg)
+        Simulation(resolve(cfg))
 
 
 def test_npu_probe_survives_a_broken_cann_install(monkeypatch):
@@ -75,14 +77,14 @@ META = torch.device("meta")
 @pytest.mark.parametrize("flow", FLOWS.names())
 def test_every_tensor_of_a_step_lives_on_the_run_device(profile, flow):
     cfg = preset("ci-small").with_profile(profile).replace(flow=flow)
-    sim = Simulation(cfg, None, device=META, check_untouched=False, graph=False)  # the flow's own update
+    sim = Simulation(resolve(cfg, None), device=META, check_untouched=False, graph=False)  # the flow's own update
     sim.run(3)
     assert sim.pool.temporal.device == META and sim.pool.conv.device == META
 
 
 def test_sequential_decode_and_the_naive_loops_run_on_the_run_device():
     cfg = preset("ci-small")
-    Simulation(cfg, mode="sequential", device=META, check_untouched=False).run(2)
+    Simulation(resolve(cfg, mode="sequential"), device=META, check_untouched=False).run(2)
     from drift.sim import naive
     conv = torch.zeros(1, 3, 6, 8, device=META)
     mix = naive.conv_verify(conv, [0, 2], torch.zeros(1, 2, 3, 8, device=META), torch.zeros(1, 8, 4, device=META))

@@ -13,6 +13,7 @@ from drift.config import preset
 from drift.errors import EXIT_FAIL, EXIT_PASS
 from drift.flows.copy_commit import updates as parts
 from drift.syncs.scan import RUN_SAMPLE, sync_check
+from drift.runspec import resolve
 
 
 def _rows(out: str) -> dict[str, str]:
@@ -53,11 +54,11 @@ def test_fail_fast_leaves_a_passing_run_whole(capsys):
 
 def test_the_scan_rechecks_real_steps_sampled_over_the_horizon():
     cfg = preset("ci-small", steps=4096)
-    plain = sync_check(cfg, device="none")
-    res = sync_check(cfg, device="none", sample=RUN_SAMPLE)
+    plain = sync_check(resolve(cfg), device="none")
+    res = sync_check(resolve(cfg), device="none", sample=RUN_SAMPLE)
     assert plain.extra["steps_checked"] == 4 and plain.extra["sampled"] == 0
     assert res.passed and res.extra["sampled"] >= RUN_SAMPLE - 1  # step 0 may coincide with a probe step
     assert res.extra["steps_checked"] == 4 + res.extra["sampled"]
     assert max(res.extra["steps"]) == 4095 and "sampled over steps 0-4095" in res.detail
-    bad = sync_check(cfg, "sglang-32130", device="none", sample=RUN_SAMPLE)
+    bad = sync_check(resolve(cfg, "sglang-32130"), device="none", sample=RUN_SAMPLE)
     assert not bad.passed and bad.extra["steps_checked"] == res.extra["steps_checked"]

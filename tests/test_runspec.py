@@ -10,7 +10,8 @@ import dataclasses
 import pytest
 
 from drift import cli, pytest_plugin
-from drift.config import DEFAULT_PRESET, FLOWS, PROFILES, ROUNDINGS, preset
+from drift.config import DEFAULT_PRESET, PROFILES, ROUNDINGS, preset
+from drift.flows.registry import FLOWS
 from drift.errors import ConfigError
 from drift.options import RUN_OPTIONS, SPECS
 from drift.runspec import RunSpec

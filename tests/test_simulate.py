@@ -11,6 +11,7 @@ from helpers import (bad_spec, committed_by_position, pool_digests, rel_fro, run
                       small_cfg)
 from drift.check.checks import SEMANTIC_TOL
 from drift.simulate import Simulation, StopRun
+from drift.runspec import resolve
 
 # Golden invariance tolerance for fp32-state runs (relative Frobenius per layer and head).
 # Two runs of the same true stream compute the same fp32 recurrence; only the grouping of
@@ -88,7 +89,7 @@ def test_each_step_gets_its_own_rounding_key():
         keys.append(args.key)
         return recurrent_gated_delta_rule(args)
 
-    run_sim(small_cfg(40, store_rounding="stochastic"), verify_kernel=spy)
+    run_sim(small_cfg(40, store_rounding="stochastic"), kernel=spy)
     assert len(keys) == 40 and len(set(keys)) == 40
 
 
@@ -98,7 +99,7 @@ def test_seed_changes_the_run():
 
 def test_prefill_is_loaded_like_sglang_prefill():
     cfg = small_cfg(1)
-    sim = Simulation(cfg, "sglang-32130")
+    sim = Simulation(resolve(cfg, "sglang-32130"))
     pool, slots = sim.pool, sim.pool.active_slots
     # The prompt state stored once in the state dtype (RNE), the conv window at the end of
     # the extended buffer, its first D-1 rows stale (NaN), track slots stale until tracked.
@@ -136,7 +137,7 @@ class Recorder:
 def test_observers_see_every_step_in_order():
     cfg = small_cfg(300)  # two chunks of the stream (256 + 44 steps)
     rec = Recorder()
-    sim = Simulation(cfg, "sglang-32130", observers=[rec])
+    sim = Simulation(resolve(cfg, "sglang-32130"), observers=[rec])
     info = sim.run()
     assert info.steps == cfg.steps and info.stopped_early is None and sim.step == cfg.steps
     assert rec.events[0] == "start" and rec.events[-1] == "end"
@@ -153,7 +154,7 @@ def test_observers_see_every_step_in_order():
 
 def test_an_observer_can_stop_the_run():
     rec = Recorder(stop_at=9)
-    info = Simulation(small_cfg(50), "sglang-32130", observers=[rec]).run()
+    info = Simulation(resolve(small_cfg(50), "sglang-32130"), observers=[rec]).run()
     assert info.stopped_early == "enough" and rec.events.count("step") == 10
     assert rec.events[-2:] == ["flush", "end"]  # flushed what it had, then ended
 
@@ -168,4 +169,4 @@ def test_slot_guard_records_the_first_write_to_the_dummy():
 
 def test_unknown_mode_is_rejected():
     with pytest.raises(ValueError, match="mode='batch'.*allowed: mtp, sequential"):
-        Simulation(small_cfg(1), mode="batch")
+        Simulation(resolve(small_cfg(1), mode="batch"))

@@ -56,7 +56,7 @@ class Measure:
 MEASURES: Registry[Measure] = Registry("measure")
 
 
-def resolve(keys: Iterable[str]) -> list[Measure]:
+def with_needs(keys: Iterable[str]) -> list[Measure]:
     """The measures ``keys`` and everything they need, in registry order (a need comes first)."""
     wanted: set[str] = set()
 
@@ -76,7 +76,7 @@ def declared(consumers) -> list[Measure]:
     keys: list[str] = []
     for c in consumers:
         keys.extend(getattr(c, "measures", None) or MEASURES.names())
-    return resolve(keys)
+    return with_needs(keys)
 
 
 @dataclass

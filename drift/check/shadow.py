@@ -4,6 +4,7 @@ the MTP-vs-sequential divergence of the committed states (sglang #25587), report
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Optional
 
 import numpy as np
@@ -32,7 +33,7 @@ class SequentialShadow:
 
     def on_start(self, sim) -> None:
         self.main = sim
-        self.seq = Simulation(sim.cfg, mode="sequential", check_untouched=False, device=sim.device)
+        self.seq = Simulation(replace(sim.resolved, mode="sequential"), check_untouched=False, device=sim.device)
         cfg = sim.cfg
         self._buf = torch.zeros(sim.stream.chunk_steps, cfg.num_layers, cfg.num_requests, cfg.num_v_heads,
                                 dtype=F64, device=sim.device)

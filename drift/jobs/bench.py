@@ -24,14 +24,15 @@ from typing import Callable, Optional
 
 import torch
 
-from ..config import FLOWS, Config
+from ..config import Config
 from ..errors import ConfigError
-from ..plug.updates import DEFAULT_UPDATE
+from ..flows.registry import FLOWS, UPDATES, flows_of
+from ..runspec import resolve
 from ..sim import kernels, naive, native
 from ..sim.stream import StepChunk
 from ..simulate import Simulation, StageClock
 
-UPDATE = DEFAULT_UPDATE  # the update the vectorised simulator runs (and the naive loop mirrors)
+UPDATE = "sglang-0.5.23"  # the update the vectorised simulator runs (and the naive loop mirrors)
 COPY_BYTES = 256 << 20  # copy-bandwidth buffer: 8x the 32 MiB L3 of the reference machine
 COPY_REPEATS = 5
 WARMUP_STEPS = 2
@@ -168,10 +169,10 @@ def bench(cfg: Config, layers: Optional[int] = None, steps: int = 20, naive_step
     (copy_bandwidth_GBps * 1e9)`` and the ``verdict`` on :data:`TARGETS`.
     ``progress(done, total, what)`` after each timed part (probe, block, naive step, profile).
     """
-    if FLOWS[cfg.flow].kind != "copy-commit":
-        raise ConfigError(f"drift bench times the copy-commit flows (its naive loop mirrors SGLang's update); "
-                          f"--flow {cfg.flow} is not benchmarked yet: pass --flow "
-                          f"{', '.join(f for f in FLOWS if FLOWS[f].kind == 'copy-commit')}")
+    kinds = UPDATES[UPDATE].kinds
+    if FLOWS[cfg.flow].kind not in kinds:
+        raise ConfigError(f"drift bench times the flows {UPDATE} runs in (its naive loop mirrors it); --flow "
+                          f"{cfg.flow} is not benchmarked yet: pass --flow {' or '.join(f for k in kinds for f in flows_of(k))}")
     for name, value in (("steps", steps), ("naive_steps", naive_steps), ("repeats", repeats),
                         ("copy_bytes", copy_bytes)):
         _positive(name, value)
@@ -183,10 +184,10 @@ def bench(cfg: Config, layers: Optional[int] = None, steps: int = 20, naive_step
     if layers is not None:
         _positive("layers", layers)
         cfg = cfg.replace(num_layers=layers)
-    sim = Simulation(cfg, update=UPDATE, observers=(), check_untouched=False, graph=False)
+    sim = Simulation(resolve(cfg, UPDATE), observers=(), check_untouched=False, graph=False)
     dev = sim.device
     # The captured step where the device has graphs (drift.sim.graph), timed in the same run.
-    captured = Simulation(cfg, update=UPDATE, observers=(), check_untouched=False, graph=True)
+    captured = Simulation(resolve(cfg, UPDATE), observers=(), check_untouched=False, graph=True)
     if captured._graph.api is None:
         captured = None
     start_threads = torch.get_num_threads()
@@ -313,10 +314,10 @@ def stage_profile(cfg: Config, steps: int = PROFILE_STEPS) -> dict:
     from ..runner import CheckedRun  # the checked step's assembly (drift run's)
 
     out = {}
-    sim = Simulation(cfg, update=UPDATE, observers=(), check_untouched=False, graph=False)
+    sim = Simulation(resolve(cfg, UPDATE), observers=(), check_untouched=False, graph=False)
     sim.run(steps=1)
     out["eager_step"] = _clocked(sim, steps, None)
-    checked = CheckedRun(cfg, UPDATE)
+    checked = CheckedRun(resolve(cfg, UPDATE))
     if checked.sim.graph_status.state != "eager":  # a replayed graph is one unit: nothing to split
         out["checked_step"] = {"note": f"not split: {checked.sim.graph_status.note}"}
         return out

@@ -40,11 +40,11 @@ from .. import checkpoint
 from ..config import PRESETS, Config, find_profile
 from ..errors import ConfigError, DataError, DriftError
 from ..fileio import atomic_write_json, atomic_write_text, read_json
+from ..flows.registry import FLOWS, default_update
 from ..plug.loader import load_update
-from ..plug.updates import DEFAULT_UPDATE
 from ..runner import CheckedRun, versions
 from ..check.registry import find_result, result_key
-from ..runspec import RunSpec
+from ..runspec import Resolved, RunSpec
 from ..version import __version__
 from .plots import nightly_plots
 from .report import nightly_markdown
@@ -55,7 +55,7 @@ FP32_PROFILE = find_profile("fp32 states in dense tensors", lambda p, lay: p.ssm
 DEFAULT_PRESETS = ("qwen3.5-397b-tp16",)
 # The released, sync-free update; add `--update sglang-32130` (which syncs on its tracking path
 # by design) or a plug-in to compare. A default that always fails would hide regressions.
-DEFAULT_UPDATES = (DEFAULT_UPDATE,)
+DEFAULT_UPDATES = (default_update(FLOWS[PRESETS[DEFAULT_PRESETS[0]].flow].kind),)
 DEFAULT_STEPS = 100_000
 # On a CPU the night fits ~4 layers of the 45-layer preset at 100,000 steps (measured
 # ~15 ms per step for 4 layers with the twin on 2 cores); layers are independent streams
@@ -93,13 +93,23 @@ class Entry:
             return f"{self.preset}.trace-{stem}{'-loop' if self.loop else ''}.seed{self.seed}.{update}.{self.variant}"
         return f"{self.preset}.seed{self.seed}.{update}.{self.variant}"
 
-    def config(self, device: str) -> Config:
-        """The entry's run (drift/runspec.py): the variant picks the rounding or the fp32 profile."""
+    def spec(self, device: str) -> RunSpec:
+        """The entry's run (drift/runspec.py): the variant picks the rounding or the fp32 profile, and
+        sequential decode (its update is the flow's default, loaded and checked but not run)."""
         return RunSpec(preset=self.preset, seed=self.seed, steps=self.steps, device=device, flow=self.flow or None,
                        trace=self.trace or None, loop=self.loop, no_graph=not self.graph, layers=self.layers,
                        profile=FP32_PROFILE if self.variant == "fp32" else None,
                        rounding=None if self.variant == "fp32" else
-                       ("stochastic" if self.variant == "stochastic" else "rne")).config()
+                       ("stochastic" if self.variant == "stochastic" else "rne"),
+                       update=None if self.update == "-" else self.update,
+                       mode="sequential" if self.variant == "sequential" else "mtp")
+
+    def resolve(self, device: str) -> Resolved:
+        """The entry's run resolved (the update's own flow when the entry names none)."""
+        return self.spec(device).resolve()
+
+    def config(self, device: str) -> Config:
+        return self.resolve(device).cfg
 
 
 def build_matrix(presets: Sequence[str], seeds: Sequence[int], updates: Sequence[str], variants: Sequence[str],
@@ -227,9 +237,9 @@ def run_entry(entry: Entry, device: str, ckpt_dir: Optional[Path] = None,
               progress: Optional[Callable[[int, int], None]] = None,
               log: Optional[TextIO] = None) -> tuple[dict, float]:
     """Run one entry (resuming from its newest good checkpoint when asked); returns (result, seconds)."""
-    cfg = entry.config(device)
-    mode = "sequential" if entry.variant == "sequential" else "mtp"
-    run = CheckedRun(cfg, None if mode == "sequential" else entry.update, mode)
+    resolved = entry.resolve(device)
+    cfg = resolved.cfg
+    run = CheckedRun(resolved)
     ident = identity(entry, device)
     state = load_resume_state(ckpt_dir, entry, log, ident) if (resume and ckpt_dir is not None) else None
     prior = float(state.get("elapsed", 0.0)) if state else 0.0

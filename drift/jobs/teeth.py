@@ -11,11 +11,12 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 from ..check.registry import CHECKS, find_result
-from ..config import FLOWS, Config
-from ..plug.loader import load_kernel, mutant_config
+from ..config import Config
+from ..flows.registry import FLOWS, UPDATES
+from ..plug.loader import load_update, mutant_config
 from ..plug.mutants import MUTANTS
-from ..plug.updates import BUILTIN_KINDS, BUILTINS
 from ..runner import run_checked
+from ..runspec import resolve
 from ..syncs.costmodel import measure
 
 # Decode steps per run: every mutant is caught well within it (measured 16/16 at 512 steps; the
@@ -47,22 +48,22 @@ def _verdicts(rep) -> tuple[list[str], Optional[float], Optional[float]]:
 
 def run_spec(cfg: Config, update: Optional[str] = None, kernel: Optional[str] = None):
     """A checked run of ``update`` (None: the flow's default) with ``kernel``, under the config a
-    mutant spec asks for."""
+    mutant spec asks for, in the update's own flow where it is written for another kind."""
     overrides = {**mutant_config(update), **mutant_config(kernel)}
     profile = overrides.pop("profile", None)
     if profile:
         cfg = cfg.with_profile(profile)
-    return run_checked(cfg.replace(**overrides) if overrides else cfg, update, verify_kernel=load_kernel(kernel))
+    return run_checked(resolve(cfg.replace(**overrides) if overrides else cfg, update, kernel, choose_flow=True))
 
 
 def evaluate_mutant(name: str, cfg: Config) -> dict:
     """Run one mutant through every PR-gating check; which checks caught it."""
     m = MUTANTS[name]
     cfg = cfg.replace(steps=mutant_steps(m.direction, cfg.steps))
-    rep = run_spec(cfg, f"mutant:{name}") if m.kind == "update" else run_spec(cfg, kernel=f"mutant:{name}")
+    rep = run_spec(cfg, f"mutant:{name}") if m.target == "update" else run_spec(cfg, kernel=f"mutant:{name}")
     failed, ratio, syncs = _verdicts(rep)
-    flow = mutant_config(f"mutant:{name}").get("flow", cfg.flow)
-    return {"mutant": name, "flow": flow, "direction": m.direction, "kind": m.kind, "description": m.description,
+    return {"mutant": name, "flow": rep.config.flow, "direction": m.direction, "target": m.target,
+            "description": m.description,
             "thread": m.thread, "steps": cfg.steps, "caught": bool(failed), "caught_by": failed,
             "worst_bound_ratio": ratio, "syncs_per_step": syncs}
 
@@ -80,16 +81,18 @@ def catalogue(cfg: Config, names: Optional[Sequence[str]] = None,
     return rows
 
 
-def tradeoff(cfg: Config, impls: Sequence[str] = tuple(BUILTINS), unpadded_guard: bool = True,
-             flows: Sequence[str] = FLOWS.names(), progress: Optional[Callable[..., None]] = None) -> list[dict]:
-    """One row per state flow (docs/semantics.md §6) and each of ``impls`` written for it (its
-    kind: :data:`drift.plug.updates.BUILTIN_KINDS`) on ``cfg``; with ``unpadded_guard`` also
-    ``sglang-31659`` on the same batch without padded rows (its guard never fires while a padded
-    row carries step -1). Syncs and bytes are the update's own; precision is the flow's.
-    ``progress(done, total, what)`` after each checked run."""
+def tradeoff(cfg: Config, impls: Optional[Sequence[str]] = None, unpadded_guard: bool = True,
+             flows: Optional[Sequence[str]] = None, progress: Optional[Callable[..., None]] = None) -> list[dict]:
+    """One row per state flow (docs/semantics.md §6; default all) and each of ``impls`` (default every
+    built-in) written for its kind (the update's entry says which; a plug-in runs in ``cfg``'s flow)
+    on ``cfg``; with ``unpadded_guard`` also ``sglang-31659`` on the same batch without padded rows
+    (its guard never fires while a padded row carries step -1). Syncs and bytes are the update's
+    own; precision is the flow's. ``progress(done, total, what)`` after each checked run."""
+    impls = tuple(UPDATES) if impls is None else tuple(impls)
+    kinds = {i: load_update(i).kinds for i in impls}
     plan = []
-    for flow in flows:
-        mine = [i for i in impls if BUILTIN_KINDS.get(i, "copy-commit") == FLOWS[flow].kind]
+    for flow in (FLOWS.names() if flows is None else flows):
+        mine = [i for i in impls if FLOWS[flow].kind in kinds[i] or (not kinds[i] and flow == cfg.flow)]
         c0 = cfg.replace(flow=flow)
         plan += [(flow, impl, c0, impl) for impl in mine]
         if unpadded_guard and GUARDED in mine and cfg.num_padded > 0:
@@ -98,8 +101,8 @@ def tradeoff(cfg: Config, impls: Sequence[str] = tuple(BUILTINS), unpadded_guard
     for flow, impl, c, label in plan:
         key = (label, FLOWS[flow].kind)
         if key not in costs:  # the same in every flow of one kind
-            costs[key] = measure(c, [impl], [c.num_requests])[0]
-        rep = run_checked(c, impl)
+            costs[key] = measure([resolve(c, impl)], [c.num_requests])[0]
+        rep = run_checked(resolve(c, impl))
         if progress is not None:
             progress(len(rows) + 1, len(plan), f"{label}, {flow} flow")
         failed, ratio, syncs = _verdicts(rep)

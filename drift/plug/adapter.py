@@ -70,11 +70,9 @@ def output_problem(out: object, shape: tuple[int, ...], exact: bool = False) -> 
 
 
 class LayerOpAdapter:
-    """A verify kernel (``adapter(args) -> bf16 [L, B, S, HV, V]``) calling ``op`` once per layer.
-    ``START_RULES``: the argument rules it implements (drift.sim.kernels.START_RULES); a flow whose
-    rule is not among them refuses it (exit 2) rather than misread its arguments."""
-
-    START_RULES: tuple[str, ...] = ("npu",)
+    """A verify kernel (``adapter(args) -> bf16 [L, B, S, HV, V]``) calling ``op`` once per layer. The
+    verify rules it implements are its registry entry's (drift/plug/loader.py: ``KernelEntry.rules``):
+    a flow whose kind verifies by another refuses it (exit 2) rather than misread its arguments."""
 
     def __init__(self, op: Callable, name: str):
         self.op = op
@@ -92,10 +90,11 @@ class LayerOpAdapter:
     # ---------------------------------------------------------------- helpers
     @staticmethod
     def start_states(args: VerifyArgs, layer: int) -> torch.Tensor:
-        """Each row's start state of ``layer`` gathered into a new dense ``[B, HV, V, K]`` tensor: the
-        committed state ``recurrent_state[cache_indices[b]]`` or the scratch block the accept count
-        names (:func:`drift.sim.kernels.start_blocks`), read without a host sync."""
-        start, from_rec = kernels.start_blocks(args)
+        """Each row's start state of ``layer`` gathered into a new dense ``[B, HV, V, K]`` tensor where
+        the flow kind's rule says (``args.plan()``: the committed state ``recurrent_state[cache_indices[b]]``
+        or a scratch block), read without a host sync."""
+        plan = args.plan()
+        start, from_rec = plan.start, plan.from_committed
         rec = raw_state(args.recurrent_state)[layer]
         blocks = kernels.scratch_blocks(args.intermediate_state)[layer]
         slots = args.cache_indices.to(torch.int64)

@@ -1,9 +1,9 @@
 """The front door for code under test: an update or a verify kernel from a spec.
 
-Update specs: a built-in (:data:`drift.plug.updates.BUILTINS`), ``mutant:<name>``,
-``package.module:qualname`` or ``path/to/file.py:qualname``. The callee is called as
-``fn(self, last_correct_step_indices, mamba_track_indices, mamba_steps_to_track, **extra)``.
-A function's ``self`` is drift's harness (:class:`drift.sim.pool.Harness`); a ``Class.method``'s
+Update specs: a built-in (:data:`drift.flows.registry.UPDATES`, each written for the flow kinds its
+entry names), ``mutant:<name>``, ``package.module:qualname`` or ``path/to/file.py:qualname``. The
+callee is called as ``fn(self, last_correct_step_indices, mamba_track_indices, mamba_steps_to_track,
+**extra)``. A function's ``self`` is the flow kind's harness (:class:`drift.flows.base.Harness`); a ``Class.method``'s
 ``self`` is a real instance of that class, made without running its constructor
 (``cls.__new__(cls)``), with the harness's attributes attached, so the method's own helpers,
 properties and ``super()`` work. Every parameter beyond those four (``model``,
@@ -13,7 +13,8 @@ properties and ``super()`` work. Every parameter beyond those four (``model``,
 Kernel specs: a built-in of :data:`KERNELS` (``portable``, the default, and the engines' ops
 through their adapters; ``npu-op:<module|file.py>:<qualname>`` takes any callable with the NPU op's
 signature), ``mutant:<name>``, or a ``module|file.py:qualname`` that is itself a
-:data:`drift.sim.kernels.VerifyKernel` (``kernel(args: VerifyArgs) -> bf16 out``).
+:data:`drift.sim.kernels.VerifyKernel` (``kernel(args: VerifyArgs) -> bf16 out``). A loaded kernel
+(:class:`Kernel`) answers for itself which flow kinds' verify rules it implements (:meth:`Kernel.verify`).
 """
 
 from __future__ import annotations
@@ -24,22 +25,22 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from ..errors import HarnessLacks, LoadError
+from ..flows.registry import FLOW_KINDS, FLOWS, UPDATES
 from ..registry import Registry
 from ..sim import kernels
-from ..flows.registry import flow_kind
 from ..sim.kernels import VerifyKernel
-from ..sim.pool import HOW_TO_PROVIDE, PROVIDED
 from .mutants import MUTANTS, Mutant
 from .npu_op import check_op_signature, legacy_adapter, npu_op_adapter, sgl_kernel_npu_op, torch_npu_legacy_op
 from ..sim.shim import sgl_kernels
 from .specs import MUTANT_PREFIX, resolve_spec
 from .triton_kernel import TritonAdapter
-from .updates import BUILTINS, RENAMED, check_flow
 from .replayssm_engine import ReplayVerifyAdapter
 from .vllm_ascend_op import vllm_ascend_adapter, vllm_ascend_op
 from .vllm_kernel import VllmQwenAdapter, VllmTritonAdapter
 
 REQUIRED = ("self", "last_correct_step_indices", "mamba_track_indices", "mamba_steps_to_track")
+# Names earlier drift releases used for the built-in updates, for a message that points at the new one.
+RENAMED = {"guarded": "sglang-31659", "sync_free": "sglang-32130", "device_select": "sglang-0.5.23"}
 
 
 @dataclass(frozen=True)
@@ -65,16 +66,17 @@ REORDERED_FP32 = Conformance(2 ** -7, 1e-3, 2 ** -7, 2e-3, "fp32 math in another
 class KernelEntry:
     """A built-in verify kernel: ``factory(arg)`` loads it (LoadError saying what is missing when it
     cannot run here: the availability probe); ``arg`` is the text after ``name:`` for kernels that
-    take one (``npu-op:<spec>``); ``conformance`` is what it must meet against the portable op."""
+    take one (``npu-op:<spec>``); ``conformance`` is what it must meet against the portable op;
+    ``rules`` the flow kinds' verify rules it implements (``VerifyRule.name``: a flow whose kind
+    verifies by another refuses it), None for drift's portable op, which implements every rule
+    through ``args.plan()``."""
 
     name: str
     description: str
     factory: Callable[[Optional[str]], VerifyKernel]
     conformance: Conformance
     takes_arg: bool = False
-    # The argument rules it runs (drift.sim.kernels.START_RULES): "ring" kernels verify in the
-    # kernel-commit flow only and are held against drift's ring op (tests/sim/test_conformance.py).
-    start_rules: tuple[str, ...] = ("npu", "blocks")
+    rules: Optional[tuple[str, ...]] = ("npu",)
 
 
 def _npu_op(arg: Optional[str]) -> VerifyKernel:
@@ -100,7 +102,7 @@ KERNELS: Registry[KernelEntry] = Registry("verify kernel")
 for _k in (
     KernelEntry("portable", "drift's own op (drift.sim.kernels.recurrent_gated_delta_rule)",
                 lambda arg: kernels.recurrent_gated_delta_rule,
-                Conformance(0.0, 0.0, 0.0, 0.0, "the reference itself")),
+                Conformance(0.0, 0.0, 0.0, 0.0, "the reference itself"), rules=None),
     KernelEntry("npu", "torch.ops.npu.recurrent_gated_delta_rule from sgl_kernel_npu, called as SGLang 0.5.23 "
                 "calls it (srt/hardware_backend/npu/attention/ascend_gdn_backend.py)",
                 lambda arg: npu_op_adapter(sgl_kernel_npu_op()), REORDERED_FP32),
@@ -115,23 +117,23 @@ for _k in (
                 lambda arg: TritonAdapter.load(), REORDERED_FP32),
     KernelEntry("vllm-triton", "vLLM 0.33.0's Triton fused_recurrent_gated_delta_rule (CUDA; "
                 "vllm/third_party/flash_linear_attention/ops/fused_recurrent.py) through drift's flows",
-                lambda arg: VllmTritonAdapter.load(), REORDERED_FP32),
+                lambda arg: VllmTritonAdapter.load(), REORDERED_FP32, rules=("npu", "blocks")),
     KernelEntry("vllm-triton-qwen", "vLLM 0.33.0's Qwen-path Triton fused_sigmoid_gating_delta_rule_update "
                 "(the gating computed in the kernel in fp32) through drift's flows",
                 # g from fp32 softplus/exp in the kernel against drift's float64 one rounded once: an fp32
                 # ulp or so per gate, carried through the decay, on top of the reordered fp32 sums
-                lambda arg: VllmQwenAdapter.load(), REORDERED_FP32),
+                lambda arg: VllmQwenAdapter.load(), REORDERED_FP32, rules=("npu", "blocks")),
     KernelEntry("vllm-ascend", "vllm-ascend 0.23.0.post1's AscendC torch.ops._C_ascend.npu_recurrent_gated_delta_rule, "
                 "called as vllm_ascend/ops/gdn.py calls it (bf16 normalised q, k and post-sigmoid beta), under --flow vllm",
-                lambda arg: vllm_ascend_adapter(vllm_ascend_op()), BF16_INPUTS, start_rules=("blocks",)),
+                lambda arg: vllm_ascend_adapter(vllm_ascend_op()), BF16_INPUTS, rules=("blocks",)),
     KernelEntry("vllm-ascend-op", "any callable with that op's signature through the same adapter (a stand-in or a "
                 "new build): vllm-ascend-op:<module|file.py>:<qualname>", _vllm_ascend_op, BF16_INPUTS, takes_arg=True,
-                start_rules=("blocks",)),
+                rules=("blocks",)),
     KernelEntry("sglang-replayssm-triton", "SGLang 0.5.23's ReplaySSM spec verify gdn_replayssm_spec_decode (CUDA; "
                 "kernels/ops/attention/linear/gdn_replayssm_spec_decode.py), under --flow sglang-replayssm",
                 lambda arg: ReplayVerifyAdapter.load(),
                 # the chunked UT form with bf16 tensor-core dots against drift's fp32 recurrence
-                Conformance(2 ** -6, 1e-2, 2 ** -6, 1e-2, "chunked form, bf16 dot operands"), start_rules=("ring",)),
+                Conformance(2 ** -6, 1e-2, 2 ** -6, 1e-2, "chunked form, bf16 dot operands"), rules=("ring",)),
 ):
     KERNELS.register(_k.name, _k)
 
@@ -141,6 +143,9 @@ class Update:
     """A loaded update implementation, callable as the simulation calls it (with the harness).
 
     owner: the class of a ``Class.method`` spec (its ``self`` is then an instance of it), else None.
+    kinds: the flow kinds it is written for (a built-in's entry, a mutant's flow); empty for a
+    plug-in, which may run in any (the harness says what it lacks when it reads it). flow: the flow
+    it runs in when the run names none (a mutant's); "" for the first flow of its first kind.
     """
 
     name: str
@@ -149,6 +154,8 @@ class Update:
     extra: tuple[str, ...] = field(default_factory=tuple)
     source: str = ""
     owner: Optional[type] = None
+    kinds: tuple[str, ...] = ()
+    flow: str = ""
 
     def __call__(self, backend, last_correct_step_indices, mamba_track_indices, mamba_steps_to_track):
         kwargs = {name: None for name in self.extra}
@@ -190,11 +197,14 @@ class Update:
             what = f"self.{name}"
         else:
             what = f"{name!r} of {type(obj).__name__.lstrip('_')}"
-        provided = getattr(type(harness), "PROVIDED", PROVIDED)
-        how = getattr(type(harness), "HOW_TO_PROVIDE", HOW_TO_PROVIDE)
+        provided, how = type(harness).PROVIDED, type(harness).HOW_TO_PROVIDE
+        on_instance = obj is me and me is not harness  # the engine class's own attribute, not drift's harness
+        elsewhere = [f for f in FLOWS if not on_instance and name in FLOW_KINDS[FLOWS[f].kind].HARNESS.ATTRIBUTES]
+        hint = (f" The harness of --flow {' or '.join(elsewhere)} provides self.{name}: if the update is written for "
+                f"that engine, pass --flow {elsewhere[0]}." if elsewhere else "")
         return HarnessLacks(f"the update under test ({self.spec}) read {what}, which drift's harness does "
                             f"not provide, so drift could not run it (not a regression). drift provides "
-                            f"{provided}. To provide it: {how}.")
+                            f"{provided}. To provide it: {how}.{hint}")
 
 
 def _bare_instance(cls: type, spec: str) -> Any:
@@ -235,12 +245,14 @@ def _owner(fn: Callable, spec: str) -> Optional[type]:
     return None if isinstance(raw, (staticmethod, classmethod)) or not inspect.isfunction(raw) else holder
 
 
-def mutant(spec: str, kind: str) -> Mutant:
-    """The catalogue entry a ``mutant:<name>`` spec names; LoadError lists those of ``kind``."""
-    m = MUTANTS.get(spec[len(MUTANT_PREFIX):])
-    if m is None or m.kind != kind:
-        known = ", ".join(f"{MUTANT_PREFIX}{n}" for n, x in MUTANTS.items() if x.kind == kind)
-        raise LoadError(f"{kind} spec {spec!r} is not {'an' if kind == 'update' else 'a'} {kind} mutant; "
+def mutant(spec: str, target: str) -> Mutant:
+    """The catalogue entry a ``mutant:<name>`` spec names; LoadError lists those of ``target``
+    ("update" or "kernel", the plug point it replaces)."""
+    name = spec[len(MUTANT_PREFIX):]
+    m = MUTANTS[name] if name in MUTANTS else None
+    if m is None or m.target != target:
+        known = ", ".join(f"{MUTANT_PREFIX}{n}" for n, x in MUTANTS.items() if x.target == target)
+        raise LoadError(f"{target} spec {spec!r} is not {'an' if target == 'update' else 'a'} {target} mutant; "
                         f"known: {known}")
     return m
 
@@ -268,19 +280,22 @@ def load_update(spec: "str | Callable | Update") -> Update:
     if isinstance(spec, Update):
         return spec
     sgl_kernels()  # code under test imports its kernels at module import time
+    kinds, flow = (), ""
     if callable(spec):
         fn, name, text = spec, getattr(spec, "__qualname__", repr(spec)), getattr(spec, "__qualname__", "")
-    elif spec in BUILTINS:
-        fn, name, text = BUILTINS[spec], spec, spec
+    elif spec in UPDATES:
+        fn, name, text, kinds = UPDATES[spec].fn, spec, spec, UPDATES[spec].kinds
     elif spec in RENAMED:
         raise LoadError(f"update spec {spec!r} was renamed: use {RENAMED[spec]!r} (built-ins: "
-                        f"{', '.join(BUILTINS)})")
+                        f"{', '.join(UPDATES)})")
     elif spec.startswith(MUTANT_PREFIX):
-        fn, name, text = mutant(spec, "update").fn, spec, spec
+        m = mutant(spec, "update")
+        fn, name, text, flow = m.fn, spec, spec, m.flow
+        kinds = (FLOWS[m.flow].kind,) if m.flow else ()
     elif ":" in spec:
         fn, name, text = resolve_spec(spec, "update"), spec.rsplit(":", 1)[1], spec
     else:
-        raise LoadError(f"update spec {spec!r} is not a built-in ({', '.join(BUILTINS)}) and has no "
+        raise LoadError(f"update spec {spec!r} is not a built-in ({', '.join(UPDATES)}) and has no "
                         "':'; expected package.module:qualname or path/to/file.py:qualname")
     if not callable(fn):
         raise LoadError(f"update spec {text!r} resolves to a {type(fn).__name__}, not a function")
@@ -289,32 +304,68 @@ def load_update(spec: "str | Callable | Update") -> Update:
         source = f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}"
     except (TypeError, OSError):
         source = ""
-    resolved = isinstance(spec, str) and not spec.startswith(MUTANT_PREFIX) and spec not in BUILTINS
+    resolved = isinstance(spec, str) and not spec.startswith(MUTANT_PREFIX) and spec not in UPDATES
     owner = _owner(fn, spec if resolved else None) if resolved or callable(spec) else None
-    return Update(name=name, spec=text, fn=fn, extra=extra, source=source, owner=owner)
+    return Update(name=name, spec=text, fn=fn, extra=extra, source=source, owner=owner, kinds=kinds, flow=flow)
 
 
-def update_for(cfg, update: "str | Callable | Update | None" = None) -> Update:
-    """The update a run of ``cfg`` puts under test: ``update`` loaded (None: the state flow's own
-    built-in, drift/flows/registry.py), refused (LoadError, exit 2) when it is a built-in written for
-    another kind of flow (:func:`drift.plug.updates.check_flow`)."""
-    upd = update if isinstance(update, Update) else load_update(update or flow_kind(cfg).default_update)
-    check_flow(upd.spec, cfg.flow)
-    return upd
+@dataclass(frozen=True)
+class Kernel:
+    """A loaded verify kernel: ``fn(args: VerifyArgs) -> bf16 [L, B, S, HV, V]``. ``name``: what ran
+    (the report names it); ``rules``: the flow kinds' verify rules it implements (``VerifyRule.name``),
+    None where it declares none (it is then taken to store per-token states where ``args.plan()``
+    says); ``portable``: drift's own op, which implements every rule."""
 
-def load_kernel(spec: "str | VerifyKernel | None") -> VerifyKernel:
-    """A verify kernel from a spec (see the module docstring); LoadError names the spec."""
-    if spec is None:
-        return kernels.recurrent_gated_delta_rule
-    if callable(spec):
+    name: str
+    fn: VerifyKernel
+    rules: Optional[tuple[str, ...]] = None
+    portable: bool = False
+
+    def __call__(self, args) -> Any:
+        return self.fn(args)
+
+    def verify(self, rule: type) -> tuple[bool, str]:
+        """Whether this kernel implements ``rule`` (a :class:`~drift.sim.kernels.VerifyRule` class), and
+        why not: the kernel answers for itself, as flash-linear-attention's backends do."""
+        if self.portable or (self.rules is None and rule.per_token_states) or rule.name in (self.rules or ()):
+            return True, ""
+        if self.rules is None:
+            return False, (f"the verify kernel {self.name} declares no verify rules, so it is taken to store the state "
+                           f"after each token, which the {rule.name} rule keeps none of: run it under a flow whose "
+                           f"rule stores them ({', '.join(flows_verifying(lambda r: r.per_token_states))}), or give "
+                           f"it RULES = ({rule.name!r},) and implement that rule")
+        return False, (f"the verify kernel {self.name} implements the {' and '.join(self.rules)} rule"
+                       f"{'s' if len(self.rules) > 1 else ''}, not the {rule.name} rule this flow verifies by: run it "
+                       f"under --flow {' or '.join(flows_verifying(lambda r: r.name in self.rules)) or '(none registered)'}")
+
+
+def flows_verifying(test: Callable[[type], bool]) -> tuple[str, ...]:
+    """The flows whose kind's verify rule passes ``test``, in registry order."""
+    return tuple(f for f in FLOWS if test(FLOW_KINDS[FLOWS[f].kind].RULE))
+
+
+def load_kernel(spec: "str | VerifyKernel | Kernel | None") -> Kernel:
+    """A verify kernel from a spec (see the module docstring), as a :class:`Kernel`; LoadError names
+    the spec, and refuses a factory that yields no callable."""
+    if isinstance(spec, Kernel):
         return spec
+    if spec is None or spec == "portable":
+        return Kernel("portable", kernels.recurrent_gated_delta_rule, portable=True)
+    if callable(spec):
+        return Kernel(getattr(spec, "__qualname__", repr(spec)), spec, getattr(spec, "RULES", None))
     name, _, arg = spec.partition(":")
     if name in KERNELS and KERNELS[name].takes_arg and not arg:
         raise LoadError(f"kernel spec {spec!r} needs its argument: {name}:<module|file.py>:<qualname>")
     if name in KERNELS and KERNELS[name].takes_arg == bool(arg):
-        return KERNELS[name].factory(arg or None)
+        entry = KERNELS[name]
+        fn = entry.factory(arg or None)
+        if not callable(fn):
+            raise LoadError(f"kernel {spec!r}: its factory returned {type(fn).__name__}, not a kernel; the entry "
+                            f"{name!r} must return kernel(args) -> bf16 out or raise LoadError saying what is missing")
+        return Kernel(spec, fn, entry.rules, portable=fn is kernels.recurrent_gated_delta_rule)
     if spec.startswith(MUTANT_PREFIX):
-        return mutant(spec, "kernel").fn
+        fn = mutant(spec, "kernel").fn
+        return Kernel(spec, fn, getattr(fn, "RULES", None))
     if ":" not in spec:
         raise LoadError(f"kernel spec {spec!r} is not a built-in ({', '.join(KERNELS)}) and has no ':'; "
                         "expected npu-op:<spec>, mutant:<name>, package.module:qualname or path/to/file.py:qualname")
@@ -330,12 +381,10 @@ def load_kernel(spec: "str | VerifyKernel | None") -> VerifyKernel:
                         "op's signature") from None
     except ValueError:  # a signature that cannot be read (a builtin): taken on trust
         pass
-    return fn
+    return Kernel(spec, fn, getattr(fn, "RULES", None))
 
 
 def mutant_config(spec: Optional[str]) -> dict:
     """Config overrides a ``mutant:`` spec needs to show its bug (empty for other specs)."""
-    if isinstance(spec, str) and spec.startswith(MUTANT_PREFIX):
-        m = MUTANTS.get(spec[len(MUTANT_PREFIX):])
-        return dict(m.config or {}) if m else {}
-    return {}
+    name = spec[len(MUTANT_PREFIX):] if isinstance(spec, str) and spec.startswith(MUTANT_PREFIX) else ""
+    return dict(MUTANTS[name].config or {}) if name in MUTANTS else {}

@@ -2,9 +2,11 @@
 
 A mutant is an update under test (the ``update_mamba_state_after_mtp_verify`` plug point) or a
 verify-kernel variant (the verify-kernel plug point), with a one-line description and the
-thread it is modelled on. An update mutant is the released update (``sglang-0.5.23``,
-:data:`drift.plug.updates.SGLANG_0523`) with exactly one part replaced: the replacement is the
-bug. Load one as ``mutant:<name>`` wherever an update or kernel spec is accepted.
+thread it is modelled on. An update mutant is a flow's released update (``sglang-0.5.23``'s
+recipe, ``vllm-0.33.0``'s bookkeeping, ``sglang-0.5.23-replayssm``'s commit) with exactly one part
+replaced: the replacement is the bug; its entry names the flow it runs in. Load one as
+``mutant:<name>`` wherever an update or kernel spec is accepted; :data:`MUTANTS` is a registry, so an
+extension adds its own.
 """
 
 from __future__ import annotations
@@ -14,27 +16,33 @@ from typing import Callable, Optional
 
 import torch
 
-from ..config import FLOWS, find_profile
+from ..config import find_profile
+from ..flows.copy_commit.updates import SGLANG_0523, Batch, commit_all, commit_unless_all_step0, rollback_rows
+from ..flows.in_place.updates import align_copy, bookkeeping, kept_tokens
+from ..flows.kernel_commit import updates as replay_parts
+from ..registry import Registry
 from ..sim import kernels
 from ..sim.kernels import VerifyArgs
 from ..sim.pool import raw_state
-from ..flows.copy_commit.updates import Batch, commit_all, commit_unless_all_step0, rollback_rows
-from .updates import SGLANG_0523
-from ..flows.kernel_commit import updates as replay_parts
-from ..flows.in_place.updates import align_copy, bookkeeping, kept_tokens
 
 BF16 = torch.bfloat16
 
 
 @dataclass(frozen=True)
 class Mutant:
+    """One known regression: ``direction`` what it costs ("sync", "semantics" or "precision");
+    ``target`` the plug point it replaces ("update" or "kernel"); ``thread`` the public thread it is
+    modelled on ('' when none); ``config`` overrides under which the bug shows (a profile); ``flow``
+    the flow it runs in (an update mutant is written for its flow's kind; '' for the run's flow)."""
+
     name: str
-    direction: str  # "sync", "semantics" or "precision"
-    kind: str  # "update" or "kernel"
+    direction: str
+    target: str
     description: str
-    thread: str  # the public thread it is modelled on ('' when none)
+    thread: str
     fn: Callable
-    config: Optional[dict] = None  # config overrides under which the bug shows (e.g. a layout)
+    config: Optional[dict] = None
+    flow: str = ""
 
 
 # ------------------------------------------------------------ commit parts: syncs
@@ -145,7 +153,8 @@ def _kernel_round_every_token(args: VerifyArgs) -> torch.Tensor:
     inputs = args.inputs()
     blocks = kernels.scratch_blocks(args.intermediate_state)
     rec = raw_state(args.recurrent_state)
-    start, from_rec = kernels.start_blocks(args)
+    plan = args.plan()
+    start, from_rec = plan.start, plan.from_committed
     dev = blocks.device
     running = torch.where(from_rec.to(dev)[None, :, None, None, None],
                           rec.index_select(1, args.cache_indices.to(device=rec.device, dtype=torch.int64)).to(dev),
@@ -166,6 +175,9 @@ def _kernel_round_every_token(args: VerifyArgs) -> torch.Tensor:
     return torch.cat(outs, dim=2)
 
 
+_kernel_round_every_token.RULES = ("npu",)  # one-token calls over SGLang's scratch rows
+
+
 def _kernel_padded_alias(args: VerifyArgs) -> torch.Tensor:
     """Padded graph rows write their scratch into request row 0's (after row 0 was written)."""
     out = kernels.recurrent_gated_delta_rule(args)
@@ -178,6 +190,9 @@ def _kernel_padded_alias(args: VerifyArgs) -> torch.Tensor:
     keep = blocks[:, :D].clone()
     blocks[:, :D] = torch.where(last_pad >= 0, blocks.index_select(1, src), keep)
     return out
+
+
+_kernel_padded_alias.RULES = ("npu",)  # SGLang's scratch rows: row r's blocks are r * D .. r * D + D - 1
 
 
 # The bug shows on strided views (of the state, the scratch and the conv windows):
@@ -232,8 +247,7 @@ def builder_counts_rows_on_host(self) -> None:
     self.spec_state_indices_tensor[R:].fill_(0)
 
 
-# vLLM's bookkeeping mutants run under the in-place flow that models it (drift.config.FLOWS)
-VLLM_FLOW = {"flow": next(f for f in FLOWS if FLOWS[f].kind == "in-place")}
+VLLM = "vllm"  # the flow whose bookkeeping these mutants break (drift/flows/in_place)
 
 
 # ---------------------------------------------------------- the kernel-commit flow's commit parts
@@ -258,43 +272,44 @@ def fold_if_any_flush(c) -> None:
         replay_parts.fold_checkpoints(c)
 
 
-# The ReplaySSM commit's mutants run under the kernel-commit flow that models it (drift.config.FLOWS)
-REPLAY_FLOW = {"flow": next(f for f in FLOWS if FLOWS[f].kind == "kernel-commit")}
+REPLAY = "sglang-replayssm"  # the flow whose commit these mutants break (drift/flows/kernel_commit)
+SGLANG = "sglang"  # the flow of SGLang's copy-commit update, whose recipe the first mutants break
 
 
 def _replay(name: str, **part) -> Callable:
     return replay_parts.SGLANG_0523_REPLAYSSM.but(**part).build(f"mutant:{name}")
 
 
-MUTANTS: dict[str, Mutant] = {m.name: m for m in [
+MUTANTS: Registry[Mutant] = Registry("mutant")
+for _m in (
     Mutant("item_guard", "sync", "update", "precision guard (last_steps == 0).all().item() skips the commit",
-           "sglang #31659", _update("item_guard", "guard with .item()", commit=commit_unless_all_step0)),
+           "sglang #31659", _update("item_guard", "guard with .item()", commit=commit_unless_all_step0), flow=SGLANG),
     Mutant("any_branch", "sync", "update", "commit only `if bool((last >= 0).any())`", "",
-           _update("any_branch", "commit behind bool()", commit=commit_if_any)),
+           _update("any_branch", "commit behind bool()", commit=commit_if_any), flow=SGLANG),
     Mutant("mask_slots", "sync", "update", "select committed rows with a boolean mask (dst[last >= 0])",
-           "sglang #32130 tracking path", _update("mask_slots", "commit by mask", commit=commit_masked_rows)),
+           "sglang #32130 tracking path", _update("mask_slots", "commit by mask", commit=commit_masked_rows), flow=SGLANG),
     Mutant("tolist_steps", "sync", "update", "loop over last_steps.tolist() in Python", "",
-           _update("tolist_steps", "commit in a Python loop", commit=commit_python_loop)),
+           _update("tolist_steps", "commit in a Python loop", commit=commit_python_loop), flow=SGLANG),
     Mutant("nonzero_rows", "sync", "update", "find valid rows with torch.nonzero", "",
-           _update("nonzero_rows", "commit by nonzero", commit=commit_nonzero_rows)),
+           _update("nonzero_rows", "commit by nonzero", commit=commit_nonzero_rows), flow=SGLANG),
     Mutant("step_plus1", "semantics", "update", "commit draft step last + 1 (off by one forward)", "",
-           _update("step_plus1", "commit one step late", commit=commit_next_step)),
+           _update("step_plus1", "commit one step late", commit=commit_next_step), flow=SGLANG),
     Mutant("step_minus1", "semantics", "update", "commit draft step last - 1 (off by one back)", "",
-           _update("step_minus1", "commit one step early", commit=commit_previous_step)),
+           _update("step_minus1", "commit one step early", commit=commit_previous_step), flow=SGLANG),
     Mutant("skip_step0", "semantics", "update", "skip the commit for rows at step 0 (device-side guard: "
            "sync free, loses a token's update)", "sglang #31659 intent",
-           _update("skip_step0", "device-side guard", commit=commit_skipping_step0)),
+           _update("skip_step0", "device-side guard", commit=commit_skipping_step0), flow=SGLANG),
     Mutant("rollback_shift", "semantics", "update", "conv rollback shifted by one row", "sglang #34794 class",
-           _update("rollback_shift", "rollback off by one", rollback=rollback_shifted)),
+           _update("rollback_shift", "rollback off by one", rollback=rollback_shifted), flow=SGLANG),
     Mutant("rollback_contiguous", "semantics", "update", "conv rollback on a .contiguous() copy of a strided "
            "tensor: silently a no-op (ascend-transposed layout)", "sgl-kernel-npu #748",
-           _update("rollback_contiguous", "rollback on a copy", rollback=rollback_on_contiguous_copy), TRANSPOSED),
+           _update("rollback_contiguous", "rollback on a copy", rollback=rollback_on_contiguous_copy), TRANSPOSED, flow=SGLANG),
     Mutant("reshape_commit", "semantics", "update", "commit through reshape of the transposed state view: "
            "writes a temporary (ascend-transposed layout)", "sgl-kernel-npu #748 class",
-           _update("reshape_commit", "commit through reshape", commit=commit_through_reshape), TRANSPOSED),
+           _update("reshape_commit", "commit through reshape", commit=commit_through_reshape), TRANSPOSED, flow=SGLANG),
     Mutant("logical_commit", "semantics", "update", "commit copies by logical index, honouring the destination's "
            "strides: a second transpose (ascend-mixed layout)", "sgl-kernel-npu #748",
-           _update("logical_commit", "commit by logical index", commit=commit_logically), MIXED),
+           _update("logical_commit", "commit by logical index", commit=commit_logically), MIXED, flow=SGLANG),
     Mutant("truncate_store", "precision", "kernel", "verify kernel stores states by truncation, not "
            "round-to-nearest", "", _kernel_truncate),
     Mutant("beta_bf16", "precision", "kernel", "beta rounded to bf16 after the sigmoid in the verify kernel",
@@ -303,32 +318,33 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
            "store dtype after every draft token", "sglang #25587, sgl-kernel-npu #651", _kernel_round_every_token),
     Mutant("vllm_start_plus1", "semantics", "update", "vllm flow: num_accepted_tokens one too high, so the next "
            "verify starts from the block after the last accepted one", "vllm gdn_attn.py class",
-           bookkeeping(accept=accept_one_ahead, name="mutant:vllm_start_plus1"), VLLM_FLOW),
+           bookkeeping(accept=accept_one_ahead, name="mutant:vllm_start_plus1"), flow=VLLM),
     Mutant("vllm_stale_accept", "semantics", "update", "vllm flow: num_accepted_tokens never refreshed from the "
            "sampled tokens (stays 1)", "vllm gpu_model_runner.py async-scheduling race",
-           bookkeeping(accept=accept_never_refreshed, name="mutant:vllm_stale_accept"), VLLM_FLOW),
+           bookkeeping(accept=accept_never_refreshed, name="mutant:vllm_stale_accept"), flow=VLLM),
     Mutant("vllm_null_row_read", "semantics", "update", "vllm flow: padded rows get request 0's blocks instead "
            "of NULL_BLOCK_ID, so the kernel reads and overwrites them", "vllm NULL_BLOCK_ID padding",
-           bookkeeping(indices=padded_rows_read_row0, name="mutant:vllm_null_row_read"), VLLM_FLOW),
+           bookkeeping(indices=padded_rows_read_row0, name="mutant:vllm_null_row_read"), flow=VLLM),
     Mutant("vllm_accept_sync", "sync", "update", "vllm flow: accept counts computed on the host with .tolist()",
-           "", bookkeeping(accept=accept_on_host, name="mutant:vllm_accept_sync"), VLLM_FLOW),
+           "", bookkeeping(accept=accept_on_host, name="mutant:vllm_accept_sync"), flow=VLLM),
     Mutant("vllm_builder_sync", "sync", "update", "vllm flow: the metadata builder counts its speculative rows "
            "with int(tensor.sum()) on the device", "vllm gdn_attn.py builder",
-           bookkeeping(indices=builder_counts_rows_on_host, name="mutant:vllm_builder_sync"), VLLM_FLOW),
+           bookkeeping(indices=builder_counts_rows_on_host, name="mutant:vllm_builder_sync"), flow=VLLM),
     Mutant("vllm_align_wrong_block", "semantics", "update", "vllm flow: the prefix-cache align copy takes the "
            "last accepted token's block (n - 1), not the boundary token's", "vllm mamba_utils.py align-mode class",
-           bookkeeping(align=align_from_last_accepted, name="mutant:vllm_align_wrong_block"), VLLM_FLOW),
+           bookkeeping(align=align_from_last_accepted, name="mutant:vllm_align_wrong_block"), flow=VLLM),
     Mutant("replay_no_restart", "semantics", "update", "sglang-replayssm flow: the ring is not restarted after "
            "a fold (the finish launch dropped), so the next verify folds the same records again", "",
-           _replay("replay_no_restart", finish=ring_not_restarted), REPLAY_FLOW),
+           _replay("replay_no_restart", finish=ring_not_restarted), flow=REPLAY),
     Mutant("replay_no_bonus", "semantics", "update", "sglang-replayssm flow: the cursors advance by the accepted "
            "draft steps, forgetting the bonus token accept_lens includes", "sglang spec_utils.py accept_lens",
-           _replay("replay_no_bonus", advance=advance_without_bonus), REPLAY_FLOW),
+           _replay("replay_no_bonus", advance=advance_without_bonus), flow=REPLAY),
     Mutant("replay_high_only", "precision", "update", "sglang-replayssm flow: the fold drops the low-part "
            "records (replayssm_rawv / rawk), folding deltas and keys at bf16 precision", "",
-           _replay("replay_high_only", fold=fold_high_parts_only), REPLAY_FLOW),
+           _replay("replay_high_only", fold=fold_high_parts_only), flow=REPLAY),
     Mutant("replay_fold_sync", "sync", "update", "sglang-replayssm flow: the fold launched only "
-           "`if bool(is_flush.any())`", "", _replay("replay_fold_sync", fold=fold_if_any_flush), REPLAY_FLOW),
+           "`if bool(is_flush.any())`", "", _replay("replay_fold_sync", fold=fold_if_any_flush), flow=REPLAY),
     Mutant("padded_alias_row0", "semantics", "kernel", "padded graph rows alias request 0's scratch slot",
            "sglang #26906 / #27202", _kernel_padded_alias),
-]}
+):
+    MUTANTS.register(_m.name, _m)

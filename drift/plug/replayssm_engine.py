@@ -37,8 +37,6 @@ BF16, F32, I32 = torch.bfloat16, torch.float32, torch.int32
 class ReplayVerifyAdapter:
     """SGLang's ReplaySSM verify kernel as a drift verify kernel of the ``ring`` rule (the mapping above)."""
 
-    START_RULES = ("ring",)
-
     def __init__(self, op):
         self.op = op
         self.__qualname__ = KERNEL
@@ -48,7 +46,7 @@ class ReplayVerifyAdapter:
         return cls(engine_function(MODULE, "gdn_replayssm_spec_decode", KERNEL, ENGINE))
 
     def __call__(self, args: VerifyArgs) -> torch.Tensor:
-        pool = args.ring
+        pool = getattr(args.rule, "pool", None)  # the ring rule's ReplayPool (drift/flows/kernel_commit/rule.py)
         if pool is None:
             raise LoadError(f"--kernel {KERNEL} verifies by the ring rule: run it under --flow sglang-replayssm")
         if args.gate_inputs is None:

@@ -10,7 +10,7 @@ it per layer with:
 
 * ``initial_state_source`` = each row's start block gathered into a contiguous ``[B, HV, V, K]``
   tensor (the committed state ``temporal[slot]`` in SGLang's flow, the previous step's scratch
-  block in the npu-accepted flow: :func:`drift.sim.kernels.start_blocks`) and
+  block in the npu-accepted flow: ``args.plan()``) and
   ``initial_state_indices = arange(B)`` (int32): the same start states as the committed states
   with the slots as indices, read without a host sync so a captured step can replay it;
 * ``disable_state_update=True``; ``intermediate_states_buffer`` a contiguous ``[B, D, HV, V, K]``

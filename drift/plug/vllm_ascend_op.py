@@ -41,7 +41,6 @@ import torch
 
 from ..devices import npu_available
 from ..errors import LoadError
-from ..sim import kernels
 from ..sim.kernels import VerifyArgs, VerifyKernel
 from ..sim.pool import raw_state
 from .adapter import LayerOpAdapter
@@ -53,8 +52,6 @@ L2NORM_EPS = 1e-6  # vllm fla/ops/l2norm.py: l2norm_fwd(x, eps=1e-6)
 
 class VllmAscendAdapter(LayerOpAdapter):
     """Calls ``op`` (the signature above) once per layer as vllm-ascend does, over the flow's cache."""
-
-    START_RULES = ("blocks",)  # vLLM's in-place block flow only: the op's state is the cache itself
 
     def __init__(self, op: Callable, name: str, input_dtype: torch.dtype = BF16):
         super().__init__(op, name)
@@ -77,7 +74,7 @@ class VllmAscendAdapter(LayerOpAdapter):
         # spec_state_indices_tensor.flatten(): [B * S] as it is, while the kernel reads it by packed token
         # (ssm_state_indices[seq0 + t]): aligned only when every live row runs all S tokens
         idx = args.ssm_state_indices.to(I32).reshape(-1).contiguous()
-        live = kernels.start_blocks(args)[0] > 0  # not on the NULL block
+        live = args.accepted_index() > 0  # not on the NULL block
         zero = torch.zeros(1, dtype=I32, device=live.device)
         lengths = torch.cat([zero, torch.where(live, args.actual_seq_lengths.to(I32), zero)])
         accepted = torch.where(live, args.num_accepted_tokens.to(I32), zero)

@@ -44,13 +44,13 @@ class VllmTritonAdapter(FlaKernelAdapter):
     FUNCTION = "fused_recurrent_gated_delta_rule"
     KERNEL, ENGINE = "vllm-triton", "vllm (0.33.0 was modelled)"
 
-    START_RULES = ("npu", "blocks")  # drift's copy-commit flows through the mapping above; its own natively
+    NATIVE_RULE = "blocks"  # vLLM's own arguments (drift/flows/in_place/rule.py); other rules through the mapping
 
     def indices(self, args: VerifyArgs, device: torch.device) -> tuple:
         """Block indices ``[B, S]`` (block 0: the NULL block), accept counts ``[B]`` (int32), and the
         block each row's kernel reads first ``[B]`` (int64)."""
         L, B, S, HV, V, K = args.dims
-        if args.start_rule == "blocks":
+        if args.rule.name == self.NATIVE_RULE:
             return None  # the vllm flow hands the op vLLM's own arguments
         idx = (1 + torch.arange(B * S, dtype=I32, device=device)).view(B, S)
         n = args.num_accepted_tokens.to(torch.int64)
@@ -115,14 +115,14 @@ class Varlen:
 
 
 def varlen(args: VerifyArgs) -> Varlen:
-    """The packing of this call: rows shorter than S under the blocks rule (``--drafts ragged``) run
+    """The packing of this call: rows shorter than S under a ragged rule (``--drafts ragged``) run
     only their own tokens, as vLLM's varlen batch does; the lengths are read on the host where they
     live there (plain CPU tensors). On a device they would be a host read the step cannot have
     (a captured step replays fixed shapes): every row then runs S tokens, the extra states going to
     blocks the next step does not read (docs/semantics.md §6)."""
     L, B, S = args.dims[:3]
     lengths = args.actual_seq_lengths
-    if args.start_rule != "blocks" or lengths.device.type != "cpu":
+    if not getattr(args.rule, "ragged", False) or lengths.device.type != "cpu":
         return Varlen(B, S)
     lens = lengths.tolist()
     if all(n == S for n in lens):

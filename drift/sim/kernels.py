@@ -1,14 +1,15 @@
 """Portable kernels of the simulated deployment (torch only), vectorised over layers, rows and heads.
 
-Each has a float64 per-head definition in :mod:`drift.sim.naive` that tests compare it to.
+Each has a float64 loop definition that tests compare it to: the arithmetic in
+:mod:`drift.sim.naive`, and each flow kind's read/write rule in ``drift/flows/<kind>/naive.py``.
 The stages, in the order a decode step runs them (docs/semantics.md):
 
 * input stages (§10): :func:`conv_verify` -- the conv + SiLU of each row's verify window, in
   float64, rounded once to the op's input ``mix_qkv`` (bf16) -- and :func:`gdn_gating` -- the
   log-decay ``g`` in float64 rounded once to fp32; the beta logit ``b`` goes to the op as is;
-* the verify op (§5-§6): :func:`recurrent_gated_delta_rule`, SGLang's NPU op semantics on
-  :class:`VerifyArgs` built the way SGLang's Ascend backend builds them
-  (:mod:`drift.flows.copy_commit.backend`); sequential (non-MTP) decode: :func:`gdn_decode`;
+* the verify op (§5-§6): :func:`recurrent_gated_delta_rule` on :class:`VerifyArgs`, rule-free: the
+  flow kind's :class:`VerifyRule` (``args.rule``, drift/flows) says where each row starts and where
+  each token's state goes; sequential (non-MTP) decode: :func:`gdn_decode`;
 * the update kernels (§3): :func:`move_intermediate_cache` (a raw block copy, as
   sgl-kernel-npu's Triton kernel) and :func:`conv_state_rollback` (in place), the exact
   signatures of ``sgl_kernel_npu.mamba.mamba_state_update_triton``: the shim serves them when
@@ -23,6 +24,7 @@ S <- S + delta k^T; o = S q``.
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -325,6 +327,57 @@ def _layer_chunk(shape_per_layer: tuple[int, ...], itemsize: int = 4) -> int:
 
 # ------------------------------------------------------------------------ GDN
 @dataclass
+class Plan:
+    """Where each row of one verify call starts and where the state after each token goes: a flow
+    kind's :class:`VerifyRule` applied to the call's arguments. Tensors on the indices' device.
+
+    * ``start`` int64 ``[B]``, ``from_committed`` bool ``[B]``: row b starts from slot ``start[b]``
+      of ``recurrent_state`` where ``from_committed[b]``, else from flat scratch block ``start[b]``
+      (:func:`scratch_blocks`);
+    * ``states`` fp32 ``[L, B, HV, V, K]``: the start states themselves, when the rule computes them
+      (then ``start`` is unused);
+    * ``run`` bool ``[B]``: the rows computed; a row not run reads and stores nothing and its
+      outputs are zero, as are a row's outputs past its ``actual_seq_lengths``. None: every row;
+    * ``dest`` int64 ``[B, S]``: the flat scratch block that receives the state after token t;
+      None: the verify stores no state;
+    * ``stores`` bool ``[B, S]``: which tokens of ``dest`` are stored (a token not stored leaves its
+      block as it was). None: all of them;
+    * ``deltas``: the rule wants each token's delta ``(v - S k) beta`` (:meth:`VerifyRule.finish`).
+    """
+
+    start: Optional[torch.Tensor] = None
+    from_committed: Optional[torch.Tensor] = None
+    states: Optional[torch.Tensor] = None
+    run: Optional[torch.Tensor] = None
+    dest: Optional[torch.Tensor] = None
+    stores: Optional[torch.Tensor] = None
+    deltas: bool = False
+
+
+class VerifyRule(abc.ABC):
+    """A flow kind's read/write rule for the verify op (docs/semantics.md §6): where each row of a
+    call starts and which states it stores. The kernels here (the portable op, its C kernel) and
+    the engine adapters (drift/plug) implement the arithmetic; the rule, which the flow kind
+    (drift/flows) hands them in ``VerifyArgs.rule``, says where it reads and writes. A kernel
+    names the rules it implements by :attr:`name` (its entry's ``rules``)."""
+
+    name: str = ""
+    ragged: bool = False  # rows may run 1..S tokens (actual_seq_lengths); otherwise every row runs S
+    per_token_states: bool = True  # the verify stores the state after each token (into the scratch)
+    native: bool = True  # its plans fit the C kernel (a start slot or block per row, -1 for a store not made)
+
+    @abc.abstractmethod
+    def plan(self, args: "VerifyArgs") -> Plan:
+        """This call's :class:`Plan`, read from ``args`` without a host sync."""
+
+    def finish(self, args: "VerifyArgs", plan: Plan, out: torch.Tensor,
+               deltas: Optional[torch.Tensor]) -> torch.Tensor:
+        """After the arithmetic: what the rule writes besides states (``deltas`` fp32 ``[L, B, S, HV,
+        V]`` when the plan asked for them); returns the call's bf16 outputs ``[L, B, S, HV, V]``."""
+        return out
+
+
+@dataclass
 class VerifyArgs:
     """The verify op's arguments for every layer at once: what SGLang's Ascend backend passes
     ``torch.ops.npu.recurrent_gated_delta_rule`` per layer (docs/semantics.md §5-§6).
@@ -336,6 +389,9 @@ class VerifyArgs:
     ssm_state_indices int32 ``[B, S]``; num_accepted_tokens int32 ``[B]``; actual_seq_lengths
     int32 ``[B]``; nk / nv key / value heads; scale (``K ** -0.5``). rounding / key: how states are
     stored -- the op's own is ``"rne"``; ``stochastic`` and ``truncate`` are drift's variants.
+    rule: the flow kind's :class:`VerifyRule` (where rows start, what is stored). gate_inputs: the
+    raw inputs g was computed from (:func:`gdn_gating`: a fp32 ``[L, B, S, HV]``, A_log and dt_bias
+    ``[L, HV]``), which every flow passes, for a kernel that computes the gating itself.
     """
 
     mix_qkv: torch.Tensor
@@ -352,13 +408,8 @@ class VerifyArgs:
     scale: float
     rounding: str = "rne"
     key: int = 0
-    start_rule: str = "npu"  # where a row starts and what is stored: START_RULES
-    # The raw gate inputs g was computed from (gdn_gating): a fp32 [L, B, S, HV], A_log and dt_bias
-    # [L, HV]; for a kernel that computes the gating itself (vLLM's Qwen path). None: not given.
+    rule: Optional[VerifyRule] = None
     gate_inputs: Optional[tuple] = None
-    # The "ring" rule: the kernel-commit flow's pool (drift.flows.kernel_commit.flow.ReplayPool), whose ring the
-    # verify writes its per-token records to. None elsewhere.
-    ring: Optional[object] = None
 
     @property
     def dims(self) -> tuple[int, int, int, int, int, int]:
@@ -372,9 +423,23 @@ class VerifyArgs:
         L, B, S, HV, V, K = self.dims
         return op_inputs(self.mix_qkv, self.beta, self.g, self.nk, K, HV, V, self.scale, dtype)
 
+    def accepted_index(self) -> torch.Tensor:
+        """``ssm_state_indices[b, num_accepted_tokens[b] - 1]`` int64 ``[B]`` (a count of 0 reads column
+        0): the index the accept count names, where the rules of drift's flows start a row."""
+        idx = self.ssm_state_indices.to(torch.int64)
+        n = self.num_accepted_tokens.to(torch.int64)
+        return idx.gather(1, (n - 1).clamp(min=0)[:, None]).squeeze(1)
 
-# The verify-kernel plug point: ``kernel(args: VerifyArgs) -> bf16 [L, B, S, HV, V]``, writing the
-# state after every token into ``args.intermediate_state`` where the indices say.
+    def plan(self) -> Plan:
+        """The rule's :class:`Plan` for this call (ValueError when no rule was given)."""
+        if self.rule is None:
+            raise ValueError("VerifyArgs.rule is None: the flow kind's verify rule says where each row starts and "
+                             "what is stored (drift.flows: its flow's verify_args passes it)")
+        return self.rule.plan(self)
+
+
+# The verify-kernel plug point: ``kernel(args: VerifyArgs) -> bf16 [L, B, S, HV, V]``, reading and
+# writing states where ``args.rule`` says (``args.plan()``).
 VerifyKernel = Callable[[VerifyArgs], torch.Tensor]
 
 
@@ -383,6 +448,8 @@ def scratch_blocks(intermediate: torch.Tensor) -> torch.Tensor:
     HV, V, K]`` raw blocks by flat index ``row * D + step`` (a view)."""
     raw = raw_state(intermediate)
     L, R, D = raw.shape[:3]
+    if D == 0:  # a flow whose verify keeps no per-token states: no blocks
+        return raw.new_empty((L, 0, *raw.shape[3:]))
     if raw.stride(1) != D * raw.stride(2):
         raise ValueError("the scratch's rows and draft steps are not one flat run of blocks; the verify op "
                          f"addresses them by flat index (strides {raw.stride()})")
@@ -390,46 +457,20 @@ def scratch_blocks(intermediate: torch.Tensor) -> torch.Tensor:
                             raw.storage_offset())
 
 
-# Where a row starts and which tokens are stored (docs/semantics.md §6), both from
-# i = ssm_state_indices[b, num_accepted[b] - 1]:
-# * "npu": sgl-kernel-npu's op -- the committed state recurrent_state[cache_indices[b]] when
-#   i % S == 0 (the row's first block), else the scratch block i; every token stored;
-# * "blocks": vLLM 0.33.0's fused_recurrent_gated_delta_rule (third_party/flash_linear_attention/
-#   ops/fused_recurrent.py) over one state cache -- always block i, and a row with i <= 0
-#   (NULL_BLOCK_ID) is skipped: no read, no store, its outputs left alone (drift: zeros); a token
-#   whose index is <= 0 is not stored.
-# * "ring": SGLang 0.5.23's ReplaySSM spec verify (drift/flows/kernel_commit/flow.py: ring_verify, reached through
-#   args.ring.verify, so this module does not import the flow's) -- the row's
-#   checkpoint with its ring's records folded in; per-token records go to the ring, no state is stored.
-START_RULES = ("npu", "blocks", "ring")
-
-
-def start_blocks(args: VerifyArgs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where each row starts (:data:`START_RULES`). Returns (i int64 ``[B]``, from_committed bool
-    ``[B]``), on the indices' device."""
-    S = args.mix_qkv.shape[2]
-    idx = args.ssm_state_indices.to(torch.int64)
-    n = args.num_accepted_tokens.to(torch.int64)
-    start = idx.gather(1, (n - 1).clamp(min=0)[:, None]).squeeze(1)
-    if args.start_rule == "blocks":
-        return start, torch.zeros_like(start, dtype=torch.bool)
-    if args.start_rule != "npu":
-        raise ValueError(f"start_rule {args.start_rule!r}: the recurrent op reads the npu and blocks rules "
-                         "(the ring rule is drift.flows.kernel_commit.flow.ring_verify's)")
-    return start, (start % S) == 0
-
-
-def _gdn_token(h: torch.Tensor, q, k, v, decay, beta, o_out) -> None:
+def _gdn_token(h: torch.Tensor, q, k, v, decay, beta, o_out, u_out=None) -> None:
     """One gated delta-rule token on flattened heads, in place, ``[V, K]`` orientation.
 
     h ``[B, V, K]`` (float32 or float64); q, k ``[B, K]``; v ``[B, V]``; decay, beta ``[B]``.
-    ``h <- h*decay; u = (v - h k)*beta; h <- h + u k^T; o = h q`` (o written to o_out ``[B, V]``).
+    ``h <- h*decay; u = (v - h k)*beta; h <- h + u k^T; o = h q`` (o written to o_out ``[B, V]``,
+    the delta u to u_out ``[B, V]`` when given).
     """
     h.mul_(decay[:, None, None])
     hk = torch.bmm(h, k.unsqueeze(2))  # [B, V, 1]
     u = (v.unsqueeze(2) - hk).mul_(beta[:, None, None])
     h.addcmul_(u, k.unsqueeze(1))  # rank-1 update (elementwise: faster than a k=1 baddbmm)
     torch.bmm(h, q.unsqueeze(2), out=o_out.unsqueeze(2))
+    if u_out is not None:
+        u_out.copy_(u.squeeze(2))
 
 
 def _layer_major(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -438,49 +479,44 @@ def _layer_major(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def recurrent_gated_delta_rule(args: VerifyArgs, compute_dtype: torch.dtype = F32) -> torch.Tensor:
-    """The verify op, SGLang's NPU semantics (docs/semantics.md §5-§6), for every layer at once.
-
-    Each row b starts where :func:`start_blocks` says, runs its ``actual_seq_lengths[b]`` tokens
-    in ``compute_dtype`` (the op: fp32) and stores the state after token t into the scratch block
-    ``ssm_state_indices[b, t]`` (``args.rounding``); the committed states are never written.
-    Returns the outputs ``o = S q`` (of the unrounded running state) as bf16 ``[L, B, S, HV, V]``.
-    On plain CPU tensors the C kernel of :mod:`drift.sim.native` runs when it applies
-    (:func:`uses_native`); everywhere else :func:`recurrent_gated_delta_rule_torch`.
-    """
-    if args.start_rule == "ring":  # the kernel-commit flow's op, over the ring it writes (drift/flows/kernel_commit/flow.py)
-        if args.ring is None:
-            raise ValueError("start_rule 'ring' needs args.ring, the ReplayPool whose ring the verify writes "
-                             "(drift.flows.kernel_commit.flow.KernelCommitFlow.verify_args builds it)")
-        return args.ring.verify(args)
-    if not (_plain(args) and uses_native(args, compute_dtype)):
-        return recurrent_gated_delta_rule_torch(args, compute_dtype)
+    """The verify op (docs/semantics.md §5-§6) for every layer at once, rule-free: each row starts
+    where the flow kind's rule says (``args.plan()``), runs its tokens in ``compute_dtype`` (the op:
+    fp32) and stores the state after token t where the plan says (``args.rounding``); the
+    committed states are never written. Returns the outputs ``o = S q`` (of the unrounded running
+    state) as bf16 ``[L, B, S, HV, V]``, after the rule's :meth:`VerifyRule.finish`. On plain CPU
+    tensors the C kernel of :mod:`drift.sim.native` runs when the plan fits it (:func:`uses_native`);
+    everywhere else :func:`recurrent_gated_delta_rule_torch`."""
+    plan = args.plan()
+    if not (plan.states is None and not plan.deltas and _plain(args) and uses_native(args, compute_dtype)):
+        return _torch_verify(args, plan, compute_dtype)
     L, B, S, HV, V, K = args.dims
     q, k, v, decay, beta = args.inputs(compute_dtype)
     check_lengths(args)
-    start, from_rec = start_blocks(args)
-    dst = args.ssm_state_indices.to(torch.int64).tolist()
-    rows = list(range(B))
+    start, from_rec = plan.start.tolist(), plan.from_committed.tolist()
+    run = [True] * B if plan.run is None else plan.run.tolist()
+    rows = [b for b in range(B) if run[b]]
     lengths = args.actual_seq_lengths.tolist()
-    if args.start_rule == "blocks":  # the C kernel runs the rows that are not skipped, and stores no
-        rows = [b for b, i in enumerate(start.tolist()) if i > 0]  # NULL block nor a token past a row's length
-        dst = [[i if (i > 0 and t < n) else -1 for t, i in enumerate(d)] for d, n in zip(dst, lengths)]
-    fr = from_rec.tolist()
-    src = [slot if f else i for slot, f, i in zip(args.cache_indices.tolist(), fr, start.tolist())]
+    dest = plan.dest.tolist() if plan.dest is not None else [[-1] * S for _ in range(B)]
+    if plan.stores is not None:
+        stores = plan.stores.tolist()
+        dest = [[i if keep else -1 for i, keep in zip(d, s)] for d, s in zip(dest, stores)]
+    src = [slot if f else i for slot, f, i in zip(args.cache_indices.tolist(), from_rec, start)]
     out = torch.zeros(L, B, S, HV, V, dtype=compute_dtype)
+    rec, blocks = raw_state(args.recurrent_state), scratch_blocks(args.intermediate_state)
     if len(rows) == B:
-        native.recurrent_gated_delta_rule(raw_state(args.recurrent_state), scratch_blocks(args.intermediate_state), src,
-                                          fr, dst, *(t.contiguous() for t in (q, k, v, decay, beta)), out)
+        native.recurrent_gated_delta_rule(rec, blocks, src, from_rec, dest, *(t.contiguous() for t in (q, k, v, decay, beta)),
+                                          out)
     elif rows:
         sel = torch.tensor(rows, dtype=torch.int64)
         part = torch.empty(L, len(rows), S, HV, V, dtype=compute_dtype)
-        native.recurrent_gated_delta_rule(raw_state(args.recurrent_state), scratch_blocks(args.intermediate_state),
-                                          [src[b] for b in rows], [fr[b] for b in rows], [dst[b] for b in rows],
+        native.recurrent_gated_delta_rule(rec, blocks, [src[b] for b in rows], [from_rec[b] for b in rows],
+                                          [dest[b] for b in rows],
                                           *(t.index_select(1, sel).contiguous() for t in (q, k, v, decay, beta)), part)
         out.index_copy_(1, sel, part)
-    if args.start_rule == "blocks" and any(n < S for n in lengths):  # a short row's extra tokens: zero
+    if plan.run is not None and any(n < S for n in lengths):  # a short row's extra tokens: zero
         ran = (torch.arange(S)[None, :] < torch.tensor(lengths)[:, None])[None, :, :, None, None]
         out = torch.where(ran, out, torch.zeros_like(out))
-    return out.to(BF16)
+    return args.rule.finish(args, plan, out.to(BF16), None)
 
 
 def _plain(args: VerifyArgs) -> bool:
@@ -490,16 +526,17 @@ def _plain(args: VerifyArgs) -> bool:
 
 
 def check_lengths(args: VerifyArgs) -> None:
-    """ValueError unless every row runs all S tokens (the npu rule: SGLang's verify does) or 1..S
-    tokens (the blocks rule: vLLM's varlen verify), when ``args`` are plain CPU tensors; elsewhere
-    reading the lengths would be a host sync, and nothing is checked."""
+    """ValueError unless every row runs all S tokens, or 1..S tokens where the rule is ragged (vLLM's
+    varlen verify), when ``args`` are plain CPU tensors; elsewhere reading the lengths would be a
+    host sync, and nothing is checked."""
     if not _plain(args):
         return
     S = args.mix_qkv.shape[2]
+    ragged = bool(getattr(args.rule, "ragged", False))
     host_len = args.actual_seq_lengths.to(torch.int64).tolist()
-    if not all(0 < n <= S for n in host_len) or (args.start_rule != "blocks" and any(n != S for n in host_len)):
+    if not all(0 < n <= S for n in host_len) or (not ragged and any(n != S for n in host_len)):
         raise ValueError(f"actual_seq_lengths {host_len}: drift's verify runs every row's S = {S} tokens"
-                         + (" (1..S by the blocks rule)" if args.start_rule == "blocks" else ""))
+                         + (f" (1..S by the {args.rule.name} rule)" if ragged else ""))
 
 
 def recurrent_gated_delta_rule_torch(args: VerifyArgs, compute_dtype: torch.dtype = F32) -> torch.Tensor:
@@ -507,6 +544,10 @@ def recurrent_gated_delta_rule_torch(args: VerifyArgs, compute_dtype: torch.dtyp
     the C kernel, which agrees with it to float32 rounding, not bit for bit (:mod:`drift.sim.native`).
     The state after each token is stored (rounded to the scratch dtype) while the running state
     stays in ``compute_dtype``."""
+    return _torch_verify(args, args.plan(), compute_dtype)
+
+
+def _torch_verify(args: VerifyArgs, plan: Plan, compute_dtype: torch.dtype) -> torch.Tensor:
     L, B, S, HV, V, K = args.dims
     cd = compute_dtype
     q, k, v, decay, beta = args.inputs(cd)
@@ -514,64 +555,77 @@ def recurrent_gated_delta_rule_torch(args: VerifyArgs, compute_dtype: torch.dtyp
     inter = scratch_blocks(args.intermediate_state)
     sdt = inter.dtype
     plain = _plain(args)
-    start, from_rec = start_blocks(args)
     check_lengths(args)
     qt, kt, vt, dect, bt = (_layer_major(t, cd) for t in (q, k, v, decay, beta))
     out = torch.empty(S, L, B, HV, V, dtype=cd, device=q.device)
+    deltas = torch.empty(S, L, B, HV, V, dtype=cd, device=q.device) if plan.deltas else None
     step = _layer_chunk((B, HV, V, K), torch.finfo(cd).bits // 8)
     h_buf = torch.empty(min(step, L) * B * HV, V, K, dtype=cd, device=q.device)
-    dst_idx = args.ssm_state_indices.to(device=inter.device, dtype=torch.int64)
-    host = (start.tolist(), from_rec.tolist(), args.cache_indices.tolist(), dst_idx.tolist(),
-            args.actual_seq_lengths.tolist()) if plain else None
-    blocks_rule = args.start_rule == "blocks"  # skip NULL rows and NULL stores (START_RULES)
-    if not plain:
+    dest = plan.dest.to(device=inter.device) if plan.dest is not None else None
+    run = plan.run
+    host = None
+    if plain:  # host lists: one converting copy per row, one store per stored token
+        host = (None if plan.states is not None else (plan.start.tolist(), plan.from_committed.tolist(),
+                                                      args.cache_indices.tolist()),
+                None if run is None else run.tolist(), None if dest is None else dest.tolist(),
+                None if plan.stores is None else plan.stores.tolist())
+    given = plan.states
+    if given is not None and run is not None:
+        given = torch.where(run.to(given.device)[None, :, None, None, None], given, torch.zeros_like(given))
+    if not plain and given is None:
         slots = args.cache_indices.to(device=rec.device, dtype=torch.int64)
-        start_d, from_d = start.to(rec.device), from_rec.to(rec.device)
-        if blocks_rule:
-            live = (start_d > 0)[None, :, None, None, None]
-            stores = (dst_idx > 0) & (torch.arange(S, device=dst_idx.device)[None, :]
-                                      < args.actual_seq_lengths.to(device=dst_idx.device, dtype=torch.int64)[:, None])
+        start_d, from_d = plan.start.to(rec.device), plan.from_committed.to(rec.device)
+        live = None if run is None else run.to(rec.device)[None, :, None, None, None]
+    stores = None if plan.stores is None else plan.stores.to(inter.device)
     for l0 in range(0, L, step):
         l1 = min(L, l0 + step)
         nb = (l1 - l0) * B * HV
         h = h_buf[:nb]
         hv = h.view(l1 - l0, B, HV, V, K)
-        if host is not None:  # one converting copy per row
-            for b, (i, fr, slot) in enumerate(zip(host[0], host[1], host[2])):
-                if blocks_rule and i <= 0:
+        if given is not None:
+            hv.copy_(given[l0:l1])
+        elif host is not None:
+            (starts, fr, slot_list), runs = host[0], host[1]
+            for b in range(B):
+                if runs is not None and not runs[b]:
                     hv[:, b].zero_()
                 else:
-                    hv[:, b].copy_(rec[l0:l1, slot] if fr else inter[l0:l1, i])
+                    hv[:, b].copy_(rec[l0:l1, slot_list[b]] if fr[b] else inter[l0:l1, starts[b]])
         else:
             cand_rec = rec[l0:l1].index_select(1, slots)
             cand_int = inter[l0:l1].index_select(1, start_d)
             hv.copy_(torch.where(from_d[None, :, None, None, None], cand_rec, cand_int))
-            if blocks_rule:
+            if live is not None:
                 hv.copy_(torch.where(live, hv, torch.zeros_like(hv)))
         for t in range(S):
             _gdn_token(h, qt[t, l0:l1].view(nb, K), kt[t, l0:l1].view(nb, K), vt[t, l0:l1].view(nb, V),
-                       dect[t, l0:l1].view(nb), bt[t, l0:l1].view(nb), out[t, l0:l1].view(nb, V))
+                       dect[t, l0:l1].view(nb), bt[t, l0:l1].view(nb), out[t, l0:l1].view(nb, V),
+                       None if deltas is None else deltas[t, l0:l1].view(nb, V))
+            if dest is None:
+                continue
             stored = torch.empty(l1 - l0, B, HV, V, K, dtype=sdt, device=h.device)
             store_state(stored, hv, args.rounding, store_key(args.key, t), offset=l0 * B * HV * V * K)
             if host is not None:
                 for b in range(B):
-                    if not (blocks_rule and (host[0][b] <= 0 or host[3][b][t] <= 0 or t >= host[4][b])):
-                        inter[l0:l1, host[3][b][t]].copy_(stored[:, b])
+                    if host[3] is None or host[3][b][t]:
+                        inter[l0:l1, host[2][b][t]].copy_(stored[:, b])
             else:
-                if blocks_rule:  # a skipped store writes back what the block holds
-                    keep = (stores[:, t] & (start_d > 0))[None, :, None, None, None]
-                    stored = torch.where(keep, stored, inter[l0:l1].index_select(1, dst_idx[:, t]))
-                inter[l0:l1].index_copy_(1, dst_idx[:, t], stored)
-    if blocks_rule:  # a skipped row computes nothing, a short row its own tokens: the rest stays zero
+                if stores is not None:  # a token not stored writes back what its block holds
+                    keep = stores[:, t][None, :, None, None, None]
+                    stored = torch.where(keep, stored, inter[l0:l1].index_select(1, dest[:, t]))
+                inter[l0:l1].index_copy_(1, dest[:, t], stored)
+    if run is not None:  # a row not run computes nothing, a short row its own tokens: the rest stays zero
         ran = (torch.arange(S, device=out.device)[:, None] < args.actual_seq_lengths.to(out.device)[None, :]) \
-            & (start.to(out.device) > 0)[None, :]  # [S, B]
+            & run.to(out.device)[None, :]  # [S, B]
         out = torch.where(ran[:, None, :, None, None], out, torch.zeros_like(out))
-    return out.permute(1, 2, 0, 3, 4).to(BF16)
+    res = out.permute(1, 2, 0, 3, 4).to(BF16)
+    return args.rule.finish(args, plan, res, None if deltas is None else deltas.permute(1, 2, 0, 3, 4))
 
 
 def uses_native(args: VerifyArgs, compute_dtype: torch.dtype = F32) -> bool:
-    """Whether :func:`recurrent_gated_delta_rule` with these arguments runs the C kernel."""
-    if not USE_NATIVE or compute_dtype != F32:
+    """Whether :func:`recurrent_gated_delta_rule` with these arguments runs the C kernel (the rule's
+    plans fit it, plain CPU tensors, dense blocks, a store the C kernel makes)."""
+    if not USE_NATIVE or compute_dtype != F32 or not getattr(args.rule, "native", False):
         return False
     rec, inter = raw_state(args.recurrent_state), args.intermediate_state
     if not (_host_indexed(rec, inter, args.cache_indices, args.ssm_state_indices) and rec.is_contiguous()):

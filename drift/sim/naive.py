@@ -3,6 +3,8 @@
 A direct transcription of docs/semantics.md §3, §5 and §6 in Python loops, float64 by default:
 the definition the vectorised kernels are tested against, and the baseline ``drift bench``
 compares them with (run there in the simulator's own dtypes). States are ``[V, K]`` blocks.
+The verify op's arithmetic is :func:`verify_rows`; where it reads and writes is each flow kind's
+rule, defined in loops beside it (``drift/flows/<kind>/naive.py``).
 """
 
 from __future__ import annotations
@@ -77,46 +79,56 @@ def head_inputs(mix_token: torch.Tensor, HK: int, K: int, HV: int, V: int, scale
     return q.repeat_interleave(rep, 0, output_size=HV), k.repeat_interleave(rep, 0, output_size=HV), v
 
 
+def delta(S: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: float, beta: float) -> torch.Tensor:
+    """One head's delta for one token, ``u = beta (v - decay S k)`` ``[V]``: what the token writes,
+    ``S <- decay S + u k^T`` (the ReplaySSM ring's record ``d``)."""
+    return (v - (S * decay) @ k) * beta
+
+
 def gdn_token(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               decay: float, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One head, one token: ``S <- decay S; S <- S + beta (v - S k) k^T; o = S q``.
     S ``[V, K]``; returns (new S, output ``[V]``)."""
     S = S * decay
-    u = (v - S @ k) * beta
-    S = S + torch.outer(u, k)
+    S = S + torch.outer((v - S @ k) * beta, k)
     return S, S @ q
 
 
-def recurrent_gated_delta_rule(mix, beta, g, recurrent_state, blocks, cache_indices, ssm_state_indices,
-                               num_accepted_tokens, actual_seq_lengths, nk: int, nv: int, scale: float,
-                               dtype: torch.dtype = F64, store=None) -> torch.Tensor:
-    """Loop version of :func:`drift.sim.kernels.recurrent_gated_delta_rule`, the op's definition.
+def verify_rows(args, start, dest, dtype: torch.dtype = F64, store=None, run=None, deltas=None) -> torch.Tensor:
+    """The verify op's arithmetic in loops (per layer, row, value head, token), rule-free: what a
+    flow kind's naive reference (``drift/flows/<kind>/naive.py``) runs after saying where rows start
+    and where states go.
 
-    mix ``[L, B, S, C]``, beta (logits) and g ``[L, B, S, HV]``; recurrent_state ``[L, slots, HV, V, K]``;
-    blocks ``[L, I, HV, V, K]`` scratch blocks by flat index (written in place); the index tensors
-    as in :class:`drift.sim.kernels.VerifyArgs`. Row b starts at ``i = ssm_state_indices[b,
-    num_accepted[b] - 1]`` -- the committed state ``recurrent_state[cache_indices[b]]`` when
-    ``i % S == 0``, else block ``i`` -- runs its ``actual_seq_lengths[b]`` tokens in ``dtype`` and
-    stores the state after token t, mapped through ``store`` (default: a cast to the blocks'
-    dtype), into block ``ssm_state_indices[b, t]``. Returns outputs ``[L, B, S, HV, V]`` in dtype
-    (zero past a row's length).
+    ``args`` a :class:`drift.sim.kernels.VerifyArgs`; ``start(l, b)`` row b's start state ``[HV, V,
+    K]`` in layer l; ``dest(l, b, t)`` ``(blocks, i)``, where the state after token t is stored
+    (``blocks[i, hd]``), or None (not stored); ``store`` maps a stored state (default: a cast to the
+    destination's dtype); ``run(b)`` whether row b runs (default: all; a row not run keeps zero
+    outputs); ``deltas``, a ``[L, B, S, HV, V]`` tensor receiving each token's delta ``(v - S k) beta``.
+    Row b runs its first ``actual_seq_lengths[b]`` tokens in ``dtype``. Returns outputs ``[L, B, S,
+    HV, V]`` in ``dtype`` (zero past a row's length).
     """
-    L, B, S, _ = mix.shape
-    V, K = recurrent_state.shape[-2:]
-    out = torch.zeros(L, B, S, nv, V, dtype=dtype, device=mix.device)
+    L, B, S, HV, V, K = args.dims
+    out = torch.zeros(L, B, S, HV, V, dtype=dtype, device=args.mix_qkv.device)
     for l in range(L):
         for b in range(B):
-            i = int(ssm_state_indices[b, int(num_accepted_tokens[b]) - 1])
-            src = recurrent_state[l, int(cache_indices[b])] if i % S == 0 else blocks[l, i]
-            for hd in range(nv):
+            if run is not None and not run(b):
+                continue
+            src = start(l, b)
+            for hd in range(HV):
                 h = src[hd].to(dtype)
-                for t in range(int(actual_seq_lengths[b])):
-                    q, k, v = head_inputs(mix[l, b, t], nk, K, nv, V, scale)
-                    decay = math.exp(float(g[l, b, t, hd]))
-                    bt = sigmoid(float(beta[l, b, t, hd]))
-                    h, o = gdn_token(h, q[hd].to(dtype), k[hd].to(dtype), v[hd].to(dtype), decay, bt)
+                for t in range(int(args.actual_seq_lengths[b])):
+                    q, k, v = head_inputs(args.mix_qkv[l, b, t], args.nk, K, HV, V, args.scale)
+                    decay = math.exp(float(args.g[l, b, t, hd]))
+                    bt = sigmoid(float(args.beta[l, b, t, hd]))
+                    qh, kh, vh = q[hd].to(dtype), k[hd].to(dtype), v[hd].to(dtype)
+                    if deltas is not None:
+                        deltas[l, b, t, hd] = delta(h, kh, vh, decay, bt)
+                    h, o = gdn_token(h, qh, kh, vh, decay, bt)
                     out[l, b, t, hd] = o
-                    blocks[l, int(ssm_state_indices[b, t]), hd] = h if store is None else store(h)
+                    where = dest(l, b, t)
+                    if where is not None:
+                        blocks, i = where
+                        blocks[i, hd] = h if store is None else store(h)
     return out
 
 

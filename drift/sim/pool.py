@@ -1,4 +1,4 @@
-"""State pool and the backend harness the update under test receives as ``self``.
+"""The state pool: committed states, verify scratch and conv windows of one rank, with slot bookkeeping.
 
 Pool layout follows SGLang 0.5.23's MambaPool (docs/semantics.md §4):
   temporal          ``[L, slots, HV, V, K]`` committed SSM states
@@ -16,8 +16,6 @@ seeded permutation of the rest, with spare slots nobody owns.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
 
@@ -27,16 +25,6 @@ from ..fileio import check_memory
 from ..layouts import LAYOUTS
 
 STALE = float("nan")  # fills the dummy slot and never-valid rows: any read of them shows
-
-
-@dataclass
-class SpeculativeParams:
-    """What ``req_to_token_pool.get_speculative_mamba2_params_all_layers()`` returns."""
-
-    conv: list
-    temporal: torch.Tensor
-    intermediate_ssm: torch.Tensor
-    intermediate_conv_window: list = field(default_factory=list)  # CUDA only; empty here
 
 
 def planned_bytes(cfg: Config, scratch: bool = True) -> int:
@@ -106,10 +94,6 @@ class StatePool:
         """Verify scratch by its meaning: ``[L, rows + 1, D, HV, V, K]`` raw blocks."""
         return raw_state(self.intermediate_ssm)
 
-    def params(self) -> SpeculativeParams:
-        return SpeculativeParams(conv=[self.conv], temporal=self.temporal,
-                                 intermediate_ssm=self.intermediate_ssm)
-
     def slot_role(self, slot: int) -> str:
         """'dummy', 'request row r', 'track slot of row r' or 'spare' (for messages)."""
         if slot == 0:
@@ -142,69 +126,3 @@ def raw_state(t: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"a state block of shape [{V}, {K}] with strides ({sv}, {sk}) is not dense; "
                          "drift's pool layouts keep every [V, K] block dense")
     return torch.as_strided(t, t.shape, (*t.stride()[:-2], K, 1), t.storage_offset())
-
-
-class _ForwardMetadata:
-    __slots__ = ("mamba_cache_indices",)
-
-    def __init__(self, mamba_cache_indices: torch.Tensor):
-        self.mamba_cache_indices = mamba_cache_indices
-
-
-class _ReqToTokenPool:
-    __slots__ = ("_pool",)
-
-    def __init__(self, pool: StatePool):
-        self._pool = pool
-
-    def get_speculative_mamba2_params_all_layers(self) -> SpeculativeParams:
-        return self._pool.params()
-
-
-class _LinearAttnBackend:
-    __slots__ = ("forward_metadata", "req_to_token_pool")
-
-    def __init__(self, forward_metadata: _ForwardMetadata, req_to_token_pool: _ReqToTokenPool):
-        self.forward_metadata = forward_metadata
-        self.req_to_token_pool = req_to_token_pool
-
-
-# What the harness provides, and how to give an update more (named in every "lacks" message).
-PROVIDED = ("self.linear_attn_backend.forward_metadata.mamba_cache_indices and "
-            "self.linear_attn_backend.req_to_token_pool.get_speculative_mamba2_params_all_layers() "
-            "(docs/semantics.md §2)")
-HOW_TO_PROVIDE = ("give the attribute a class-level default in your backend class, read it with "
-                  "getattr(self, name, default), or extend drift.sim.pool.Harness if the real backend "
-                  "has more that the update needs")
-
-
-class Harness:
-    """Stands in for ``AscendHybridLinearAttnBackend``: exactly what the SGLang method reads.
-
-    ``self.linear_attn_backend.forward_metadata.mamba_cache_indices``: int32 ``[N]`` slot of
-    each batch row; ``self.linear_attn_backend.req_to_token_pool
-    .get_speculative_mamba2_params_all_layers()``: ``.conv`` (list), ``.temporal``,
-    ``.intermediate_ssm``. Any other attribute raises an AttributeError that says so (its
-    ``obj`` is the harness object read, so a caller can tell "drift lacks it" from a bug).
-    """
-
-    ATTRIBUTES = ("linear_attn_backend",)  # what an engine class's instance gets attached
-    BUILT_FROM_POOL = True  # holds only the pool's tensors (the sync scan rebuilds it over a virtual pool)
-
-    def __init__(self, pool: StatePool):
-        self._drift_pool = pool
-        self.linear_attn_backend = _LinearAttnBackend(
-            _ForwardMetadata(pool.row_slots.to(torch.int32)), _ReqToTokenPool(pool))
-
-    def __getattr__(self, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        raise AttributeError(
-            f"the update under test read self.{name}, which drift's harness does not provide; it "
-            f"provides {PROVIDED}. To provide it: {HOW_TO_PROVIDE}.", name=name, obj=self)
-
-    def objects(self) -> tuple:
-        """The harness's own objects (itself and the backend objects under it): an attribute
-        missing on one of these is something drift lacks, not a bug of the update."""
-        be = self.linear_attn_backend
-        return (self, be, be.forward_metadata, be.req_to_token_pool)

@@ -28,9 +28,9 @@ import torch
 
 from ..config import Config
 from ..devices import resolve_device
-from ..plug.loader import Update, update_for
-from ..plug.updates import builtins_of
-from ..flows.registry import flow_kind, state_flow
+from ..flows.registry import state_flow
+from ..plug.loader import Update
+from ..runspec import Resolved
 from .detector import SyncDetector, to_virtual
 from .scan import step_indices, update_calls, virtual_harness
 
@@ -82,23 +82,23 @@ def _latency_us(cfg: Config, upd: Update, last: torch.Tensor, trk: torch.Tensor)
     return statistics.median(times), str(device)
 
 
-def measure(cfg: Config, updates: Optional[Sequence[str]] = None, batch_sizes: Sequence[int] = BATCH_SIZES,
+def measure(runs: Sequence[Resolved], batch_sizes: Sequence[int] = BATCH_SIZES,
             steps: int = DEFAULT_STEPS, shape_only: bool = True,
             progress: Optional[Callable[..., None]] = None) -> list[CostRow]:
-    """One :class:`CostRow` per (update, batch size): ``cfg`` with ``num_requests`` = batch size
-    (its padded rows kept), the first ``steps`` decode steps of its stream; ``progress(done, total,
-    what)`` after each row. updates: default the built-ins of ``cfg``'s state flow."""
+    """One :class:`CostRow` per (resolved run, batch size): its config with ``num_requests`` = batch
+    size (its padded rows kept), the first ``steps`` decode steps of its stream, its update;
+    ``progress(done, total, what)`` after each row."""
     if steps < 1:
         raise ValueError(f"steps={steps} is invalid; allowed: an integer >= 1")
     if not batch_sizes or any(int(b) < 1 for b in batch_sizes):
         raise ValueError(f"batch sizes {list(batch_sizes)} are invalid; allowed: integers >= 1")
-    loaded = [update_for(cfg, u) for u in (updates or builtins_of(flow_kind(cfg).kind))]
     out = []
     for batch in batch_sizes:
-        c = cfg.replace(num_requests=int(batch))
-        last, trk = step_indices(c, steps)
-        n_track = int((trk >= 0).any(1).sum()) if c.track_interval > 0 else 0
-        for upd in loaded:
+        for run in runs:
+            upd = run.update
+            c = run.cfg.replace(num_requests=int(batch))
+            last, trk = step_indices(c, steps)
+            n_track = int((trk >= 0).any(1).sum()) if c.track_interval > 0 else 0
             det = SyncDetector(device_debug=False)
             for call in update_calls(c, virtual_harness(c, shape_only), last, trk, to_virtual):
                 det.run(upd, *call)
@@ -108,7 +108,7 @@ def measure(cfg: Config, updates: Optional[Sequence[str]] = None, batch_sizes: S
                                rep.view_ops / steps, rep.bytes / steps, len(rep.events) / steps,
                                latency, where))
             if progress is not None:
-                progress(len(out), len(batch_sizes) * len(loaded), f"{upd.name}, batch {c.num_requests}")
+                progress(len(out), len(batch_sizes) * len(runs), f"{upd.name}, batch {c.num_requests}")
     return out
 
 

@@ -18,9 +18,10 @@ from ..check.result import CheckResult
 from ..config import Config
 from ..devices import resolve_device
 from ..errors import DriftError, UpdateRaised
-from ..plug.loader import Update, update_for
+from ..flows.base import Harness
 from ..flows.registry import state_flow
-from ..sim.pool import Harness, StatePool
+from ..runspec import Resolved
+from ..sim.pool import StatePool
 from ..sim.stream import InputStream
 from .detector import VIRTUAL_DEVICE, SyncDetector, SyncEvent, SyncReport, VirtualTensor, npu_present, to_virtual
 
@@ -163,13 +164,12 @@ def _device_pass(cfg: Config, device: Optional[str]) -> Optional[str]:
     return "npu" if npu_present() else None
 
 
-def scan_update(cfg: Config, update: str | Update | Callable | None = None, steps: int = 4,
-                device: Optional[str] = "auto", sample: int = 0) -> UpdateScan:
-    """Run ``update`` for :func:`representative_steps` (and ``sample`` more :func:`sampled_steps`
-    of the run's horizon) on the virtual device and, when there is an accelerator
-    (:func:`_device_pass`), again on it with its sync debug mode armed; padded rows and tracking
-    as configured (``track_interval = 0`` passes ``None`` as the simulation does)."""
-    upd = update_for(cfg, update)
+def scan_update(run: Resolved, steps: int = 4, device: Optional[str] = "auto", sample: int = 0) -> UpdateScan:
+    """Run the update of ``run`` for :func:`representative_steps` (and ``sample`` more
+    :func:`sampled_steps` of the run's horizon) on the virtual device and, when there is an
+    accelerator (:func:`_device_pass`), again on it with its sync debug mode armed; padded rows and
+    tracking as configured (``track_interval = 0`` passes ``None`` as the simulation does)."""
+    cfg, upd = run.cfg, run.update
     chosen, last, trk = representative_steps(cfg, steps)
     more, last2, trk2 = sampled_steps(cfg, sample, chosen)
     if more:
@@ -202,14 +202,14 @@ def scan_update(cfg: Config, update: str | Update | Callable | None = None, step
     return UpdateScan(upd.name, chosen, tracking, cfg.num_padded, cfg.track_interval > 0, passes, len(more))
 
 
-def sync_check(cfg: Config, update: str | Update | Callable | None = None, steps: int = 4,
-               device: Optional[str] = "auto", sample: int = 0) -> CheckResult:
-    """The "host syncs" check of ``drift run``: passed iff the update causes no host-device
+def sync_check(run: Resolved, steps: int = 4, device: Optional[str] = "auto", sample: int = 0) -> CheckResult:
+    """The "host syncs" check of ``drift run``: passed iff the update of ``run`` causes no host-device
     sync in :func:`scan_update`'s steps (virtual device, plus the accelerator pass when there
     is one): ``steps`` representative ones and ``sample`` real steps spread over the run.
     worst: syncs per step (the worst pass); limit 0; where: the first sync's op and
     ``file:line``; extra: steps checked, syncs per pass, detectors, the first events."""
-    scan = scan_update(cfg, update, steps, device, sample)
+    cfg = run.cfg
+    scan = scan_update(run, steps, device, sample)
     n = len(scan.steps)
     per_step = max((len(r.events) / n for r in scan.passes.values()), default=0.0) if n else math.nan
     detectors = sorted({d for r in scan.passes.values() for d in r.detectors})

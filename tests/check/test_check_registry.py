@@ -13,6 +13,7 @@ from drift.check.checks import Check
 from drift.check.registry import CHECKS, SHAPES, CheckSpec, checks_markdown, find_result, result_key
 from drift.config import preset
 from drift.runner import run_checked
+from drift.runspec import resolve
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 CFG = preset("ci-small", steps=48)
@@ -28,7 +29,7 @@ def test_every_entry_is_whole_and_titles_are_unique():
 
 
 def test_a_run_reports_every_applicable_check_by_key_in_registry_order():
-    rep = run_checked(CFG, sync_scan=True)
+    rep = run_checked(resolve(CFG), sync_scan=True)
     keys = [c.key for c in rep.checks]
     expected = [s.key for s in CHECKS.in_order()
                 if s.key not in ("mtp_vs_sequential", "run_completed")]  # not asked / the run completed
@@ -66,7 +67,7 @@ def test_a_check_registered_from_outside_runs_and_gates(limit, passes):
     spec = CheckSpec("toy_state_error", "toy state error", 65, "a toy", "consumer",
                      build=lambda ctx: LargestStateMagnitude(limit))
     with CHECKS.temporary(spec.key, spec):
-        rep = run_checked(CFG, sync_scan=False)
+        rep = run_checked(resolve(CFG), sync_scan=False)
     toy = find_result(rep.checks, "toy_state_error")
     assert toy is not None and toy.name == "toy state error" and toy.passed is passes
     assert rep.passed is passes

@@ -119,7 +119,7 @@ def test_wrong_outputs_fail_the_output_check_only(good):
     def scaled(args):
         return recurrent_gated_delta_rule(args) * 1.5
 
-    res = checks_of(small_cfg(STEPS), "sglang-32130", verify_kernel=scaled)
+    res = checks_of(small_cfg(STEPS), "sglang-32130", kernel=scaled)
     assert not res["outputs"].passed
     # |1.5 (o + e) - o| / |o| = 0.5 up to 1.5 |e| / |o|, where e is the correct run's own
     # rounding error (its 'outputs' worst, same stream and steps).

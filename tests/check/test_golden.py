@@ -19,6 +19,7 @@ from drift.check.golden import (GOLDEN_PRESETS, GoldenError, golden_dir, load_go
                           _golden_step)
 from drift.runner import run_checked
 from drift.sim.stream import StreamParams, TrueTokens
+from drift.runspec import resolve
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_STEPS = 40  # a golden horizon of 40 decode steps: ~200 positions, generated in a second
@@ -127,14 +128,14 @@ def test_broken_golden_fails_naming_file_and_fix(tiny_golden, damage):
     assert "regen" in msg and ("manifest.json" in msg or npz.name in msg or "preset" in msg)
     # The run fails too; it never quietly falls back.
     with pytest.raises(GoldenError):
-        run_checked(cfg, "sglang-0.5.23", steps=5, sync_scan=False)
+        run_checked(resolve(cfg, "sglang-0.5.23"), steps=5, sync_scan=False)
 
 
 def test_no_golden_falls_back_to_twin_and_says_so(tiny_golden):
     cfg = preset("ci-small", seed=5)  # no entry for seed 5
     g, note = load_golden(cfg)
     assert g is None and "seed 5" in note
-    rep = run_checked(cfg, "sglang-0.5.23", steps=20, sync_scan=False)
+    rep = run_checked(resolve(cfg, "sglang-0.5.23"), steps=20, sync_scan=False)
     assert "falling back to the twin" in rep.reference
     golden_row = next(c for c in rep.checks if c.key == "golden")
     assert golden_row.verdict == "n/a" and "no golden" in golden_row.detail
@@ -177,7 +178,7 @@ def test_regeneration_into_a_fresh_directory_is_reviewed_against_the_shipped_dat
 
 def test_run_past_the_golden_horizon_says_so(tiny_golden):
     cfg = preset("ci-small", pattern="all-D")
-    rep = run_checked(cfg, "sglang-0.5.23", steps=TINY_STEPS + 20, sync_scan=False)
+    rep = run_checked(resolve(cfg, "sglang-0.5.23"), steps=TINY_STEPS + 20, sync_scan=False)
     golden_row = next(c for c in rep.checks if c.key == "golden")
     assert golden_row.passed and golden_row.verdict == "PASS"
     assert "past golden position" in rep.reference and "twin alone" in rep.reference
@@ -192,7 +193,7 @@ def test_a_stale_golden_is_caught_by_the_run(tiny_golden, monkeypatch):
         return StreamParams(p.A_log + 0.01, p.dt_bias, p.conv_weight)  # a 1% change of every decay
 
     monkeypatch.setattr(StreamParams, "generate", staticmethod(shifted))
-    rep = run_checked(preset("ci-small"), "sglang-0.5.23", steps=20, sync_scan=False)
+    rep = run_checked(resolve(preset("ci-small"), "sglang-0.5.23"), steps=20, sync_scan=False)
     golden_row = next(c for c in rep.checks if c.key == "golden")
     assert not golden_row.passed and "drift regen-golden --preset ci-small --force" in golden_row.detail
 

@@ -8,12 +8,13 @@ import torch
 
 import drift.check  # noqa: F401  (registers the built-in checks)
 from drift.check.checks import Check, StateCheck
-from drift.check.measures import MEASURES, declared, resolve, state_sums_native, state_sums_torch
+from drift.check.measures import MEASURES, declared, state_sums_native, state_sums_torch, with_needs
 from drift.check.registry import CHECKS, RunContext, find_result
 from drift.config import preset
 from drift.errors import ConfigError
 from drift.runner import run_checked
 from drift.sim import native
+from drift.runspec import resolve
 
 CFG = preset("ci-small", steps=24)
 
@@ -44,20 +45,20 @@ def test_each_registered_check_declares_measures_that_exist():
             continue
         check = spec.build(ctx)
         assert check.measures, f"{spec.key} declares no measure: it would make every run compute everything"
-        resolve(check.measures)  # an unknown key raises
+        with_needs(check.measures)  # an unknown key raises
 
 
 def test_needs_come_first_and_an_unknown_measure_names_the_choices():
-    keys = [m.key for m in resolve(["bound_terms"])]
+    keys = [m.key for m in with_needs(["bound_terms"])]
     assert keys == ["state", "bound_terms"]
     assert [m.key for m in declared([Check()])] == list(MEASURES.names())  # declares nothing: reads all
     with pytest.raises(ConfigError, match="measure 'nope' is not known; allowed: state"):
-        resolve(["nope"])
+        with_needs(["nope"])
 
 
 def test_a_run_computes_only_what_its_checks_declare_and_the_same_figures():
-    only = run_checked(CFG, checks=[StateCheck()], sync_scan=False)
-    full = run_checked(CFG, sync_scan=False)
+    only = run_checked(resolve(CFG), checks=[StateCheck()], sync_scan=False)
+    full = run_checked(resolve(CFG), sync_scan=False)
     a, b = find_result(only.checks, "committed_state"), find_result(full.checks, "committed_state")
     assert (a.worst, a.where) == (b.worst, b.where) and a.passed
 
@@ -68,7 +69,7 @@ def test_a_run_computes_only_what_its_checks_declare_and_the_same_figures():
             chunk.out_err2
 
     with pytest.raises(AttributeError, match="'out_err2' belongs to measure 'outputs'"):
-        run_checked(CFG, checks=[ReadsOutputs()], sync_scan=False)
+        run_checked(resolve(CFG), checks=[ReadsOutputs()], sync_scan=False)
 
 
 def test_the_comparison_allocates_only_the_declared_arrays():
@@ -78,6 +79,6 @@ def test_the_comparison_allocates_only_the_declared_arrays():
             self.arrays = set(comparison.buf)
 
     rec = Recorder()
-    run_checked(CFG, checks=[rec], sync_scan=False)
+    run_checked(resolve(CFG), checks=[rec], sync_scan=False)
     assert rec.arrays == set(MEASURES["state"].arrays)
     assert not rec.arrays & set(MEASURES["outputs"].arrays)

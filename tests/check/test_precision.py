@@ -13,6 +13,7 @@ import pytest
 from drift.check.bounds import GROWTH_LIMIT
 from drift.config import preset
 from drift.runner import capture_snapshots, run_checked
+from drift.runspec import resolve
 
 # Every long-horizon test runs twice: a short twin in the PR suite (its 3-minute budget) and the
 # 4,096 steps of the precision gate under the nightly marker (pytest -m nightly), same assertions. The
@@ -41,13 +42,13 @@ BF16_RUNS_GROUP = pytest.mark.xdist_group("precision-bf16-runs")
 
 @pytest.fixture(scope="module", params=HORIZONS)
 def bf16_runs(request):
-    return {impl: run_checked(preset("ci-small"), impl, steps=request.param, sync_scan=False)
+    return {impl: run_checked(resolve(preset("ci-small"), impl), steps=request.param, sync_scan=False)
             for impl in ("sglang-32130", "sglang-0.5.23")}
 
 
 @pytest.mark.parametrize("steps", HORIZONS)
 def test_fp32_state_profile_matches_golden(steps):
-    rep = run_checked(preset("ci-small").with_profile("fp32"), "sglang-0.5.23", steps=steps, sync_scan=False)
+    rep = run_checked(resolve(preset("ci-small").with_profile("fp32"), "sglang-0.5.23"), steps=steps, sync_scan=False)
     assert_golden_reference(rep)
     state = row(rep, "committed_state")
     assert state.worst is not None and state.worst <= FP32_TOL, state.worst
@@ -86,8 +87,8 @@ def test_sync_free_and_device_select_commit_identical_states(bf16_runs):
 @pytest.mark.parametrize("steps", HORIZONS)
 def test_mtp_and_sequential_both_bounded_and_divergence_reported(steps):
     cfg = preset("ci-small")
-    mtp = run_checked(cfg, "sglang-0.5.23", steps=steps, vs_sequential=True, sync_scan=False)
-    seq = run_checked(cfg, mode="sequential", steps=steps)
+    mtp = run_checked(resolve(cfg, "sglang-0.5.23"), steps=steps, vs_sequential=True, sync_scan=False)
+    seq = run_checked(resolve(cfg, mode="sequential"), steps=steps)
     for rep in (mtp, seq):
         assert_golden_reference(rep)
         assert row(rep, "drift_bound").passed and rep.passed
@@ -105,9 +106,9 @@ def test_resumed_from_tracked_snapshot_stays_within_bound(steps):
     """Cache hit vs cache miss (sglang #33515): a request that loads the tracked snapshot
     decodes on within the bound, as the original (cache miss) request does."""
     cfg = preset("ci-small")
-    original, point, env2 = capture_snapshots(cfg, "sglang-0.5.23", after_step=steps // 2, steps=steps)
+    original, point, env2 = capture_snapshots(resolve(cfg, "sglang-0.5.23"), after_step=steps // 2, steps=steps)
     assert original.passed and (point.positions % cfg.track_interval == 0).all()
-    resumed = run_checked(cfg, "sglang-0.5.23", steps=steps // 2, start=point, env2_start=env2, sync_scan=False)
+    resumed = run_checked(resolve(cfg, "sglang-0.5.23"), steps=steps // 2, start=point, env2_start=env2, sync_scan=False)
     assert_golden_reference(resumed)
     assert row(resumed, "drift_bound").passed and resumed.passed
 
@@ -122,7 +123,7 @@ STAGNATION_FLOOR = {STAGNATION_PR_STEPS: (1.05, 0.02), LONG_STEPS: (2.0, 0.2)}
 @pytest.fixture(scope="module", params=STAGNATION_HORIZONS)
 def stagnation_rne(request):
     """The stagnation preset's bf16 round-to-nearest run (read by two tests)."""
-    return request.param, run_checked(preset("stagnation"), "sglang-0.5.23", steps=request.param, sync_scan=False)
+    return request.param, run_checked(resolve(preset("stagnation"), "sglang-0.5.23"), steps=request.param, sync_scan=False)
 
 
 def test_stagnation_blow_up_is_measured(stagnation_rne):
@@ -147,22 +148,21 @@ def test_stagnation_rne_within_bound(stagnation_rne):
 
 @pytest.mark.parametrize("steps", STAGNATION_HORIZONS)
 def test_stagnation_stochastic_rounding_within_bound(steps):
-    rep = run_checked(preset("stagnation", store_rounding="stochastic"), "sglang-0.5.23", steps=steps,
-                      sync_scan=False)
+    rep = run_checked(resolve(preset("stagnation", store_rounding="stochastic"), "sglang-0.5.23"), steps=steps, sync_scan=False)
     assert_golden_reference(rep)
     assert row(rep, "drift_bound").passed, row(rep, "drift_bound").to_dict()
 
 
 @pytest.mark.parametrize("steps", STAGNATION_HORIZONS)
 def test_stagnation_fp32_state_within_bound(steps):
-    rep = run_checked(preset("stagnation").with_profile("fp32"), "sglang-0.5.23", steps=steps, sync_scan=False)
+    rep = run_checked(resolve(preset("stagnation").with_profile("fp32"), "sglang-0.5.23"), steps=steps, sync_scan=False)
     assert row(rep, "drift_bound").passed
     assert row(rep, "committed_state").worst <= FP32_TOL
 
 
 # ------------------------------------------------------------- negative controls
 def test_truncation_store_fails_the_bound():
-    rep = run_checked(preset("ci-small", store_rounding="truncate"), "sglang-0.5.23", steps=PR_STEPS, sync_scan=False)
+    rep = run_checked(resolve(preset("ci-small", store_rounding="truncate"), "sglang-0.5.23"), steps=PR_STEPS, sync_scan=False)
     assert not row(rep, "drift_bound").passed
     assert row(rep, "committed_state").passed  # small but biased: a precision failure, not a semantic one
 
@@ -171,7 +171,7 @@ def test_truncation_store_fails_the_bound():
 # committed-state check and the drift bound, as README's measured table shows, over 128 steps).
 @pytest.mark.nightly
 def test_skipping_step0_commits_fails():
-    rep = run_checked(preset("ci-small"), "mutant:skip_step0", steps=LONG_STEPS, sync_scan=False)
+    rep = run_checked(resolve(preset("ci-small"), "mutant:skip_step0"), steps=LONG_STEPS, sync_scan=False)
     assert not row(rep, "committed_state").passed and not row(rep, "drift_bound").passed
 
 

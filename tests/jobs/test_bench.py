@@ -19,6 +19,7 @@ from drift.config import preset
 from drift.dtypes import as_bits
 from drift.errors import ConfigError
 from drift.simulate import Simulation
+from drift.runspec import resolve
 
 # A small copy buffer keeps the tests fast; its bandwidth (partly in cache) means nothing here.
 SMALL_COPY = 8 << 20
@@ -203,8 +204,8 @@ def test_naive_step_does_the_vectorised_step():
     """From identical pools, one naive step leaves the pool as the simulator's step does."""
     cfg = preset("ci-small")
     obs = _Outputs()
-    vec = Simulation(cfg, observers=[obs], check_untouched=False)
-    nai = Simulation(cfg, check_untouched=False)
+    vec = Simulation(resolve(cfg), observers=[obs], check_untouched=False)
+    nai = Simulation(resolve(cfg), check_untouched=False)
     vec.run(steps=1)
     nai.run(steps=1)  # both at step 1, where rows 1 and 2 cross a track boundary
     vec.run(steps=1)
@@ -234,7 +235,7 @@ def test_naive_step_does_the_vectorised_step():
 
 def test_bench_refuses_a_flow_its_naive_loop_does_not_mirror():
     # the naive loop is SGLang's copy-commit step: timing the vllm flow against it would compare unlike work
-    from drift.config import FLOWS
+    from drift.flows.registry import FLOWS
     from drift.errors import ConfigError
     from drift.jobs.bench import bench
     other = [f for f in FLOWS if FLOWS[f].kind != "copy-commit"]

@@ -19,7 +19,7 @@ from drift.cli import main
 from drift.jobs import nightly
 from drift.sim import native
 from drift.check.registry import CHECKS
-from drift.config import FLOWS
+from drift.flows.registry import FLOWS
 
 PNG = b"\x89PNG\r\n\x1a\n"
 # One worker runs this module under pytest-xdist (--dist loadgroup, pyproject.toml): its module
@@ -95,7 +95,7 @@ def test_bad_arguments_exit_2(tmp_path, cpu_only, capsys):
     # an update written for another kind of state flow: refused before the first entry runs
     other = next(f for f in FLOWS if FLOWS[f].kind != "copy-commit")
     assert main(["nightly", "--flow", other, "--update", "sglang-0.5.23", "--report", str(tmp_path)]) == 2
-    assert "is written for the copy-commit flows" in capsys.readouterr().err
+    assert "is written for the copy-commit flow kind" in capsys.readouterr().err
     for argv in (["--variant", "bogus"], ["--steps", "0"], ["--seed", "-1"], ["--checkpoint-every", "0"]):
         with pytest.raises(SystemExit) as exc:
             main(["nightly", *argv, "--report", str(tmp_path)])

@@ -7,11 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from drift.config import FLOWS, preset
+from drift.config import preset
+
+from drift.flows.registry import FLOWS
 from drift.plug.mutants import MUTANTS
 from drift.runner import run_checked
 from drift.jobs.teeth import (TEETH_STEPS, catalogue, mutant_steps, mutants_markdown, tradeoff,
                               tradeoff_markdown)
+from drift.runspec import resolve
 
 TEETH_DOC = Path(__file__).resolve().parents[2] / "docs" / "teeth.md"  # the tables, from scripts/update_readme.py
 # The tests of the catalogue and the trade-off share one worker under pytest-xdist (--dist
@@ -36,7 +39,7 @@ def test_catalogue_covers_both_directions_and_the_semantics():
     assert len(MUTANTS) >= 12
     assert directions.count("sync") >= 5 and directions.count("precision") >= 3
     assert directions.count("semantics") >= 5
-    assert all(m.description and m.kind in ("update", "kernel") for m in MUTANTS.values())
+    assert all(m.description and m.target in ("update", "kernel") for m in MUTANTS.values())
 
 
 def test_precision_mutants_run_the_whole_horizon_and_the_others_a_quarter():
@@ -94,7 +97,7 @@ NO_ALARM = [pytest.param(impl, tracking, flow, seed, steps, id=f"{impl}-{trackin
 def test_correct_implementations_raise_no_alarm(impl, tracking, flow, seed, steps):
     cfg = CFG.replace(seed=seed, steps=steps, flow=flow)
     cfg = cfg if tracking else cfg.replace(track_interval=0)
-    rep = run_checked(cfg, impl)
+    rep = run_checked(resolve(cfg, impl))
     assert rep.passed, [c.to_dict() for c in rep.checks if c.failed]
 
 

@@ -15,7 +15,7 @@ from helpers import checks_of, small_cfg
 from drift.cli import main
 from drift.errors import EXIT_FAIL, EXIT_PASS, EXIT_USAGE, HarnessLacks
 from drift.plug.loader import load_update
-from drift.sim.pool import Harness
+from drift.flows.copy_commit.harness import SGLangHarness
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 SUBCLASS = FIXTURES / "ascend_subclass.py"
@@ -92,7 +92,7 @@ def test_a_staticmethod_gets_the_harness_itself(plugin):
     upd = load_update(f"{plugin}:Holder.update")
     assert upd.owner is None
     checks_of(small_cfg(2), upd)
-    assert isinstance(upd.fn.__globals__["CALLS"][0], Harness)
+    assert isinstance(upd.fn.__globals__["CALLS"][0], SGLangHarness)
 
 
 def test_a_passing_run_exits_0_through_the_command(capsys):

@@ -17,8 +17,8 @@ from drift.sim import kernels
 from drift.errors import LoadError
 from drift.plug.loader import load_update
 from drift.sim.shim import SHIM_MODULE, kernels_in_use, sgl_kernels
-from drift.sim.pool import Harness
-from drift.plug.updates import BUILTIN_KINDS, BUILTINS
+from drift.flows.copy_commit.harness import SGLangHarness
+from drift.flows.registry import UPDATES
 
 SHIM_NAMES = ("sgl_kernel_npu", "sgl_kernel_npu.mamba", SHIM_MODULE)
 
@@ -90,7 +90,7 @@ def _run_and_check_calls(spec):
     for self_, model, req_pool_indices in calls:
         assert model is None and req_pool_indices is None
         if upd.owner is None:  # a function: self is drift's harness
-            assert isinstance(self_, Harness)
+            assert isinstance(self_, SGLangHarness)
         else:  # a Class.method: self is one instance of that class carrying the harness's backend
             assert type(self_) is upd.owner and self_ is calls[0][0]
             assert type(self_.linear_attn_backend).__name__ == "_LinearAttnBackend"  # the harness's own
@@ -98,11 +98,12 @@ def _run_and_check_calls(spec):
 
 
 def test_builtins_by_name():
-    for name, fn in BUILTINS.items():
+    for name, entry in UPDATES.items():
+        fn = entry.fn
         upd = load_update(name)
         assert upd.fn is fn and upd.name == name
         # SGLang's method takes model and req_pool_indices; vLLM's bookkeeping nothing more
-        assert upd.extra == (("model", "req_pool_indices") if BUILTIN_KINDS[name] == "copy-commit" else ()), name
+        assert upd.extra == (("model", "req_pool_indices") if entry.kinds == ("copy-commit",) else ()), name
 
 
 def test_load_by_file_path(plugin_file):
@@ -208,7 +209,7 @@ def test_load_errors_name_the_spec_and_what_was_expected(plugin_file, qualname, 
 @pytest.mark.parametrize("spec, expected", [
     ("/nonexistent/dir/upd.py:fn", r"file '/nonexistent/dir/upd.py' not found .*expected path/to/file.py:qualname"),
     ("no_such_module_for_drift:fn", r"importing module 'no_such_module_for_drift' raised ModuleNotFoundError"),
-    ("sglang-0.5.2", r"not a built-in \(" + re.escape(", ".join(BUILTINS)) + r"\).*expected "
+    ("sglang-0.5.2", r"not a built-in \(" + re.escape(", ".join(UPDATES)) + r"\).*expected "
                      r"package.module:qualname or path/to/file.py:qualname"),
     ("sync_free", r"'sync_free' was renamed: use 'sglang-32130'"),
     ("drift.plug.updates:", r"expected module:qualname or file.py:qualname"),

@@ -13,11 +13,14 @@ from dataclasses import replace
 import pytest
 import torch
 
+from drift.flows.copy_commit.rule import NpuRule
 from drift.sim import kernels
-from drift.config import FLOWS, preset
+from drift.config import preset
+from drift.flows.registry import FLOWS
 from drift.dtypes import as_bits
 from drift.errors import LoadError
 from drift.runner import run_checked
+from drift.runspec import resolve
 from drift.plug.loader import load_kernel
 from drift.plug.npu_op import npu_op_adapter
 from drift.sim.kernels import VerifyArgs
@@ -52,7 +55,7 @@ def by_name(rep):
 # The PR suite's horizon, and the nightly twin's (as tests/check/test_precision.py).
 @pytest.mark.parametrize("steps", [512, pytest.param(4096, marks=pytest.mark.nightly)])
 def test_sglang_style_method_passes_every_check(steps):
-    rep = run_checked(preset("ci-small"), GOOD, steps=steps)
+    rep = run_checked(resolve(preset("ci-small"), GOOD), steps=steps)
     assert rep.passed, [c.to_dict() for c in rep.checks if c.failed]
     assert by_name(rep)["host_syncs"].passed and by_name(rep)["golden"].verdict == "PASS"
 
@@ -63,7 +66,7 @@ WIRING_STEPS = 64
 
 
 def test_broken_copy_of_it_fails_tracked_snapshots(broken):
-    rep = run_checked(preset("ci-small"), broken, steps=WIRING_STEPS)
+    rep = run_checked(resolve(preset("ci-small"), broken), steps=WIRING_STEPS)
     checks = by_name(rep)
     assert not checks["tracked_snapshots"].passed
     assert "conv window" in checks["tracked_snapshots"].detail
@@ -111,7 +114,7 @@ def _op_case(seed=3, L=2, slots=7, B=3, S=4, HK=1, HV=2, K=16, V=16):
     args = VerifyArgs(torch.randn(L, B, S, C, generator=g).to(BF16), torch.randn(L, B, S, HV, generator=g).to(BF16),
                       -torch.rand(L, B, S, HV, generator=g), rec, inter, torch.tensor([4, 1, 0], dtype=torch.int32),
                       torch.arange(B * S, dtype=torch.int32).view(B, S), torch.ones(B, dtype=torch.int32),
-                      torch.full((B,), S, dtype=torch.int32), HK, HV, K ** -0.5)
+                      torch.full((B,), S, dtype=torch.int32), HK, HV, K ** -0.5, rule=NpuRule())
     return args
 
 
@@ -195,16 +198,15 @@ COPY_COMMIT = [f for f in FLOWS if FLOWS[f].kind == "copy-commit"]  # the NPU op
 def test_the_npu_adapter_is_refused_where_the_flow_reads_arguments_another_way():
     # vLLM's flow hands the op vLLM's block rule, which the NPU op does not implement: exit 2, not a misread
     vllm_like = [f for f in FLOWS if FLOWS[f].kind == "in-place"]
-    with pytest.raises(LoadError, match="needs 'blocks'"):
-        run_checked(preset("ci-small", flow=vllm_like[0]), steps=1, verify_kernel=load_kernel(FAKE_OP), sync_scan=False)
+    with pytest.raises(LoadError, match="implements the npu rule, not the blocks rule this flow verifies by: run it under --flow sglang"):
+        run_checked(resolve(preset("ci-small", flow=vllm_like[0]), kernel=load_kernel(FAKE_OP)), steps=1, sync_scan=False)
 
 
 @pytest.mark.parametrize("flow", COPY_COMMIT)
 def test_simulation_through_the_npu_adapter(flow):
     """Every check passes through the adapter with the stand-in op, in both flows (a wrong argument
     shows within the first track intervals: WIRING_STEPS)."""
-    rep = run_checked(preset("ci-small", flow=flow), "sglang-0.5.23", steps=WIRING_STEPS,
-                      verify_kernel=load_kernel(FAKE_OP), sync_scan=False)
+    rep = run_checked(resolve(preset("ci-small", flow=flow), "sglang-0.5.23", kernel=load_kernel(FAKE_OP)), steps=WIRING_STEPS, sync_scan=False)
     assert rep.passed, [c.to_dict() for c in rep.checks if c.failed]
     assert by_name(rep)["golden"].verdict == "PASS"
 
@@ -235,5 +237,5 @@ def test_kernel_specs_fail_clearly(cpu_only):
         load_kernel("nowhere.py:f")
     with pytest.raises(LoadError, match="is not a built-in"):
         load_kernel("portabel")
-    assert load_kernel(None) is kernels.recurrent_gated_delta_rule
-    assert load_kernel("portable") is kernels.recurrent_gated_delta_rule
+    assert load_kernel(None).fn is kernels.recurrent_gated_delta_rule
+    assert load_kernel("portable").fn is kernels.recurrent_gated_delta_rule

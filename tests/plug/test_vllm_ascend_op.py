@@ -11,13 +11,15 @@ import torch
 
 from drift.check.registry import find_result
 from drift.cli import main
-from drift.config import FLOWS, preset
+from drift.config import preset
+from drift.flows.registry import FLOWS
 from drift.devices import npu_available
 from drift.errors import LoadError
 from drift.plug.loader import load_kernel
 from drift.plug.vllm_ascend_op import vllm_ascend_adapter
 from drift.runner import run_checked
 from drift.sim import kernels
+from drift.runspec import resolve
 from helpers import blocks_case
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "fake_vllm_ascend_op.py"
@@ -30,8 +32,8 @@ BOUNDS = {"drift_bound", "output_bound"}
 def runs():
     cfg = preset("ci-small", flow=FLOW, steps=96)
     stand_in = load_kernel(SPEC)
-    widened = vllm_ascend_adapter(stand_in.op, torch.float32)
-    return {name: {c.key: c for c in run_checked(cfg, verify_kernel=k, sync_scan=False).checks}
+    widened = vllm_ascend_adapter(stand_in.fn.op, torch.float32)
+    return {name: {c.key: c for c in run_checked(resolve(cfg, kernel=k), sync_scan=False).checks}
             for name, k in (("as-shipped", stand_in), ("widened", widened), ("portable", None))}
 
 
@@ -75,7 +77,7 @@ def test_full_rows_and_a_null_row_store_what_drifts_op_stores():
     args = blocks_case()
     mine, theirs = _cache_copy(args), _cache_copy(args)
     o_mine = kernels.recurrent_gated_delta_rule(mine)
-    o_theirs = vllm_ascend_adapter(load_kernel(SPEC).op, torch.float32)(theirs)
+    o_theirs = vllm_ascend_adapter(load_kernel(SPEC).fn.op, torch.float32)(theirs)
     assert torch.equal(theirs.recurrent_state[:, 0], args.recurrent_state[:, 0])  # the skipped row's block
     changed = (theirs.recurrent_state != args.recurrent_state).flatten(2).any(-1)
     assert changed.any() and torch.equal(changed, (mine.recurrent_state != args.recurrent_state).flatten(2).any(-1))
@@ -96,7 +98,7 @@ def test_a_short_row_shifts_the_next_rows_blocks():
     args = replace(blocks_case(), actual_seq_lengths=torch.tensor([2, 4, 4], dtype=torch.int32))
     mine, theirs = _cache_copy(args), _cache_copy(args)
     kernels.recurrent_gated_delta_rule(mine)
-    vllm_ascend_adapter(load_kernel(SPEC).op, torch.float32)(theirs)
+    vllm_ascend_adapter(load_kernel(SPEC).fn.op, torch.float32)(theirs)
     assert torch.equal(mine.recurrent_state[:, [1, 9]], args.recurrent_state[:, [1, 9]])
     assert not torch.equal(theirs.recurrent_state[:, [1, 9]], args.recurrent_state[:, [1, 9]])
 
@@ -105,7 +107,7 @@ def test_ragged_drafts_fail_the_state_checks_as_vllm_ascend_calls_the_op():
     """The same misalignment through a run (and the kernel's end of the launch where a row's accept
     count exceeds this step's length): under --drafts ragged the states go wrong, not just the bounds."""
     cfg = preset("ci-small", flow=FLOW, steps=64, drafts="ragged")
-    rep = run_checked(cfg, verify_kernel=vllm_ascend_adapter(load_kernel(SPEC).op, torch.float32), sync_scan=False)
+    rep = run_checked(resolve(cfg, kernel=vllm_ascend_adapter(load_kernel(SPEC).fn.op, torch.float32)), sync_scan=False)
     assert {"committed_state", "outputs"} <= {c.key for c in rep.checks if c.failed}
 
 

@@ -137,6 +137,7 @@ def test_sglang_triton_kernel_matches_drifts_op_with_the_interpreters_truncating
     from drift.sim import kernels
     from drift.dtypes import as_bits
     from drift.sim.kernels import VerifyArgs
+    from drift.flows.copy_commit.rule import NpuRule
     g = torch.Generator().manual_seed(1)
     L, slots, B, S, HK, HV, K, V = 1, 6, 3, 4, 1, 2, 16, 16
     C = 2 * HK * K + HV * V
@@ -144,7 +145,7 @@ def test_sglang_triton_kernel_matches_drifts_op_with_the_interpreters_truncating
                       -torch.rand(L, B, S, HV, generator=g), torch.randn(L, slots, HV, V, K, generator=g).bfloat16(),
                       torch.randn(L, B + 1, S, HV, V, K, generator=g).bfloat16(), torch.tensor([4, 1, 0], dtype=torch.int32),
                       torch.arange(B * S, dtype=torch.int32).view(B, S), torch.ones(B, dtype=torch.int32),
-                      torch.full((B,), S, dtype=torch.int32), HK, HV, K ** -0.5)
+                      torch.full((B,), S, dtype=torch.int32), HK, HV, K ** -0.5, rule=NpuRule())
     triton_kernel = load_kernel("sglang-triton")
     for flow, accepted in (("sglang", [1, 1, 1]), ("npu-accepted", [3, 1, 4])):
         args = replace(base, num_accepted_tokens=torch.tensor(accepted, dtype=torch.int32))
@@ -218,6 +219,7 @@ def test_vllm_triton_kernel_matches_drifts_op_and_runs_the_checks():
     from drift.config import preset
     from drift.plug.loader import load_kernel
     from drift.runner import run_checked
+    from drift.runspec import resolve
     from drift.sim import kernels
     from helpers import blocks_case
     # vLLM's varlen call (--drafts ragged): row 0 verifies 2 of its 4 tokens; packed by cu_seqlens, the
@@ -255,8 +257,8 @@ def test_vllm_triton_kernel_matches_drifts_op_and_runs_the_checks():
                   (x == z).float().mean().item(), ((o_a.float() - o_b.float()).abs() / o_ulp).max().item())
         for flow in ("sglang", "vllm"):  # through the adapter, and in vLLM's own flow with vLLM's own arguments
             cfg = preset("ci-small", steps=4, store_rounding="truncate", flow=flow)
-            got = run_checked(cfg, verify_kernel=k, sync_scan=False)
-            ref = run_checked(cfg, sync_scan=False)  # drift's op storing by truncation, as the interpreter does
+            got = run_checked(resolve(cfg, kernel=k), sync_scan=False)
+            ref = run_checked(resolve(cfg), sync_scan=False)  # drift's op storing by truncation, as the interpreter does
             same = [(c.key, c.passed, c.worst) for c in got.checks] == [(c.key, c.passed, c.worst) for c in ref.checks]
             near = max(abs(g.worst - r.worst) / max(abs(r.worst), 1e-30) for g, r in zip(got.checks, ref.checks)
                        if g.worst is not None and r.worst is not None)
@@ -339,6 +341,7 @@ def test_sglang_replayssm_kernels_match_drifts_ring_flow_and_run_the_checks():
     from drift.flows.kernel_commit import updates as rs
     from drift.plug.loader import load_kernel
     from drift.runner import run_checked
+    from drift.runspec import resolve
     from drift.sim import kernels
     from drift.flows.registry import state_flow
     cfg = preset("ci-small", flow="sglang-replayssm")
@@ -392,8 +395,8 @@ def test_sglang_replayssm_kernels_match_drifts_ring_flow_and_run_the_checks():
     truncated = kernels.round_to(fold, torch.bfloat16, "truncate").float()
     print("commit", same_cursors, (x == y).float().mean().item(), ((x - y).abs() / ulp).max().item(),
           (x[:, :R] == truncated).float().mean().item())
-    rep = run_checked(cfg.replace(steps=8), "drift.plug.replayssm_engine:sglang_commit",
-                      verify_kernel=load_kernel("sglang-replayssm-triton"), sync_scan=False)
+    rep = run_checked(resolve(cfg.replace(steps=8), "drift.plug.replayssm_engine:sglang_commit",
+                              "sglang-replayssm-triton"), sync_scan=False)
     print("run", " ".join(f"{c.key}={c.passed}" for c in rep.checks),
           find_result(rep.checks, "output_bound").worst)
     """)

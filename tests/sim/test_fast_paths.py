@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from helpers import same_bits
+from drift.flows.copy_commit.rule import NpuRule
 from drift.config import preset
 from drift.dtypes import as_bits
 from drift.layouts import LAYOUTS
@@ -209,7 +210,7 @@ def op_args(seed: int, L: int, S: int, N: int, D: int, HV: int, K: int, V: int, 
     acc = torch.ones(N, dtype=torch.int32) if accepted is None else torch.tensor(accepted, dtype=torch.int32)
     return VerifyArgs(mix, beta, g, rec, inter, torch.tensor(slots, dtype=torch.int32),
                       torch.arange(N * D, dtype=torch.int32).view(N, D), acc, torch.full((N,), D, dtype=torch.int32),
-                      HV, HV, K ** -0.5, rounding, key)
+                      HV, HV, K ** -0.5, rounding, key, rule=NpuRule())
 
 
 @pytest.mark.parametrize("rounding", ["rne", "stochastic"])

@@ -16,13 +16,16 @@ import os
 import pytest
 import torch
 
-from drift.config import FLOWS, preset
+from drift.config import preset
+
+from drift.flows.registry import FLOWS
 from drift.check.runlevel import graph_result
 from drift.runner import CheckedRun
 from drift.sim import graph as graph_mod
 from drift.sim.graph import GraphStatus, StepGraph, blame
 from drift.dtypes import as_bits
 from drift.simulate import Simulation, SlotGuard
+from drift.runspec import resolve
 
 from helpers import bad_spec
 
@@ -149,7 +152,7 @@ class OutputTap:
 
 def run(cfg, graph, update=None, steps=40):  # None: the flow's own update
     tap = OutputTap()
-    sim = Simulation(cfg, update, observers=[tap], graph=graph)
+    sim = Simulation(resolve(cfg, update), observers=[tap], graph=graph)
     sim.stream.chunk_steps = 16  # several chunks in a short run (the guard's buffer is larger)
     info = sim.run(steps)
     return sim, info, final_bits(sim, tap.outs)
@@ -224,14 +227,14 @@ def test_a_sync_in_the_update_fails_capture_naming_the_line_and_the_run_goes_on_
 def test_the_check_passes_a_captured_step_and_is_not_asked_without_graph_mode():
     ok = graph_result(GraphStatus("captured", "fake: captured"), None, torch.device("cuda"))
     assert ok.passed and ok.applicable
-    off = Simulation(CI, graph=False).graph_status
+    off = Simulation(resolve(CI), graph=False).graph_status
     assert off.state == "eager" and "--no-graph" in off.note
     res = graph_result(off, None, torch.device("cpu"))
     assert not res.applicable and not res.failed
 
 
 def capture_check(update):
-    run_ = CheckedRun(CI, update=update)
+    run_ = CheckedRun(resolve(CI, update))
     return {r.key: r for r in run_.results(run_.run(4))}["graph_capture"]
 
 
@@ -244,9 +247,9 @@ def test_on_the_cpu_the_virtual_device_answers_for_capture():
 
 
 def test_stochastic_rounding_and_sequential_decode_run_eagerly_and_say_why():
-    sr = Simulation(CI.replace(store_rounding="stochastic"), graph=True).graph_status
+    sr = Simulation(resolve(CI.replace(store_rounding="stochastic")), graph=True).graph_status
     assert sr.state == "eager" and "stochastic" in sr.note
-    seq = Simulation(CI, mode="sequential", graph=True).graph_status
+    seq = Simulation(resolve(CI, mode="sequential"), graph=True).graph_status
     assert seq.state == "eager" and "sequential" in seq.note
 
 

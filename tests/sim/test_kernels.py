@@ -50,7 +50,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers import U32, U64, as_bits, bf16_ulp, gdn_state_bound, rel_fro, same_bits, small_cfg
+from helpers import U32, U64, as_bits, bf16_ulp, gdn_state_bound, naive_of, rel_fro, same_bits, small_cfg
+from drift.flows.copy_commit.rule import NpuRule
 from drift.layouts import LAYOUTS
 from drift.plug.mutants import MUTANTS
 from drift.sim import kernels, naive, native
@@ -329,7 +330,7 @@ def op_case(seed: int = 0, rec_dtype=BF16, scratch_dtype=BF16, slots=SLOTS, roun
     g = kernels.gdn_gating(a, a_log_for(), torch.zeros(L, HV))
     return VerifyArgs(mix, beta, g, rec, scratch, torch.tensor(slots, dtype=I32),
                       torch.arange(nb * D, dtype=I32).view(nb, D), torch.ones(nb, dtype=I32),
-                      torch.full((nb,), D, dtype=I32), HK, HV, K ** -0.5, rounding, key)
+                      torch.full((nb,), D, dtype=I32), HK, HV, K ** -0.5, rounding, key, rule=NpuRule())
 
 
 def clone_args(args: VerifyArgs, **changes) -> VerifyArgs:
@@ -394,13 +395,11 @@ def chain(args: VerifyArgs, b: int, h0: torch.Tensor):
 
 
 def reference(args: VerifyArgs):
-    """naive.recurrent_gated_delta_rule in float64 on copies of the arguments' states: (outputs
-    [L, B, D, HV, V], states after each token [L, B, D, HV, V, K], start states [L, B, HV, V, K])."""
-    blocks = kernels.scratch_blocks(args.intermediate_state).to(F64, copy=True)
+    """The copy-commit kind's naive reference (its rule in float64 loops) on copies of the arguments'
+    states: (outputs [L, B, D, HV, V], states after each token [L, B, D, HV, V, K], start states
+    [L, B, HV, V, K])."""
     start = torch.stack([block(args, start_of(args, b)) for b in range(args.mix_qkv.shape[1])], 1)
-    out = naive.recurrent_gated_delta_rule(args.mix_qkv, args.beta, args.g, raw_state(args.recurrent_state), blocks,
-                                           args.cache_indices, args.ssm_state_indices, args.num_accepted_tokens,
-                                           args.actual_seq_lengths, args.nk, args.nv, args.scale)
+    out, blocks = naive_of(args)
     states = blocks[:, args.ssm_state_indices.long()]  # [L, B, D, HV, V, K]
     return out, states, start
 
@@ -666,7 +665,7 @@ def _layout_run(layout: str, monkeypatch, path: str, logical: bool = False):
     pool.states.copy_(bf16_grid((Lc, S, HVc, Vc, Kc), 50, scale=0.3))
     pool.states[:, 0] = float("nan")
     pool.scratch.copy_(bf16_grid(tuple(pool.scratch.shape), 51, scale=0.3))
-    builder = VerifyArgsBuilder(cfg, pool)
+    builder = VerifyArgsBuilder(cfg, pool, NpuRule(), accept_counts=True)  # the npu-accepted flow's arguments
     builder.accepted(torch.tensor([2, 0, 3, 1, -1]))  # starts: blocks 2, committed, 11, 13; padded: committed
     mix = bf16_grid((Lc, N, Dc, cfg.conv_channels), 52).to(BF16)
     beta = bf16_grid((Lc, N, Dc, HVc), 53).to(BF16)

@@ -31,6 +31,7 @@ import pytest
 import torch
 
 from helpers import U32, as_bits, bf16_ulp, gdn_state_bound, same_bits
+from drift.flows.copy_commit.rule import NpuRule
 from drift.plug.mutants import MUTANTS
 from drift.sim import kernels, native
 from drift.sim.kernels import VerifyArgs
@@ -61,7 +62,7 @@ def make_case(K=32, V=32, L=3, D=4, HK=1, HV=3, S=8, rec_dtype=BF16, scratch_dty
     decay = torch.linspace(0.4, 0.999, HV).expand(L, N, D, HV) ** torch.rand(L, N, D, HV, generator=gen)
     return VerifyArgs(mix, beta, torch.log(decay), rec, scratch, torch.tensor(SLOTS, dtype=I32),
                       torch.arange(N * D, dtype=I32).view(N, D), torch.tensor(ACCEPTED, dtype=I32),
-                      torch.full((N,), D, dtype=I32), HK, HV, K ** -0.5, rounding)
+                      torch.full((N,), D, dtype=I32), HK, HV, K ** -0.5, rounding, rule=NpuRule())
 
 
 def fresh(args: VerifyArgs, **changes) -> VerifyArgs:
@@ -234,7 +235,8 @@ def test_the_catalogue_precision_regressions_run_the_torch_path(monkeypatch, nam
 def _native_args(args: VerifyArgs):
     """The C kernel's arguments for ``args`` (what kernels.recurrent_gated_delta_rule passes)."""
     L, B, S, HV, V, _ = args.dims
-    start, from_rec = kernels.start_blocks(args)
+    plan = args.plan()
+    start, from_rec = plan.start, plan.from_committed
     src = [s if f else i for s, f, i in zip(args.cache_indices.tolist(), from_rec.tolist(), start.tolist())]
     return dict(rec=raw_state(args.recurrent_state), blocks=kernels.scratch_blocks(args.intermediate_state),
                 start=src, from_rec=from_rec.tolist(), dst=args.ssm_state_indices.long().tolist(),

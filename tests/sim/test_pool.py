@@ -9,7 +9,8 @@ import torch
 from helpers import same_bits, small_cfg
 from drift.config import PROFILES
 from drift.layouts import LAYOUTS
-from drift.sim.pool import Harness, StatePool, raw_state
+from drift.flows.copy_commit.harness import SGLangHarness
+from drift.sim.pool import StatePool, raw_state
 
 CPU = torch.device("cpu")
 
@@ -106,7 +107,7 @@ def test_bits_are_views_for_nan_safe_comparison():
 
 def test_harness_exposes_exactly_what_the_sglang_method_reads():
     cfg, p = _pool()
-    h = Harness(p)
+    h = SGLangHarness(p)
     idx = h.linear_attn_backend.forward_metadata.mamba_cache_indices
     assert idx.dtype == torch.int32 and idx.tolist() == p.row_slots.tolist()
     params = h.linear_attn_backend.req_to_token_pool.get_speculative_mamba2_params_all_layers()
@@ -123,7 +124,7 @@ def test_harness_exposes_exactly_what_the_sglang_method_reads():
 
 def test_harness_backend_objects_have_no_other_attributes():
     _, p = _pool()
-    be = Harness(p).linear_attn_backend
+    be = SGLangHarness(p).linear_attn_backend
     with pytest.raises(AttributeError):
         be.forward_metadata.query_start_loc = None  # __slots__: nothing silently invented
     with pytest.raises(AttributeError):

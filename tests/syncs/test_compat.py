@@ -254,12 +254,13 @@ def _():
 def _():
     from drift.config import preset
     from drift.flows.copy_commit import updates as parts
+    from drift.runspec import resolve
     from drift.syncs.scan import sync_check
 
     src, start = inspect.getsourcelines(parts.commit_unless_all_step0)
     res["item_line"] = [start + k for k, line in enumerate(src) if ".item()" in line.split("#")[0]]
     for key, spec_name in (("guarded", "sglang-31659"), ("device_select", "sglang-0.5.23")):
-        r = sync_check(preset("ci-small"), spec_name, 4, device="none")
+        r = sync_check(resolve(preset("ci-small"), spec_name), 4, device="none")
         res[key] = {"passed": r.passed, "where": r.where, "worst": r.worst, "detectors": r.extra["detectors"]}
 
 

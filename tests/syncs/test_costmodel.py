@@ -12,20 +12,26 @@ import pytest
 from drift.cli import main
 from drift.config import preset
 from drift.syncs.costmodel import BYTES_MODEL, CostRow, format_table, measure, to_json
-from drift.plug.updates import builtins_of
+from drift.flows.registry import FLOWS, updates_of
+from drift.runspec import resolve
 
 CI = preset("ci-small")
 BATCHES = (1, 4, 16)
 STEPS = 8
 
 
+def runs_of(cfg, updates=None):
+    """``cfg`` resolved with each of ``updates`` (default: the built-ins of its flow's kind)."""
+    return [resolve(cfg, u) for u in (updates or updates_of(FLOWS[cfg.flow].kind))]
+
+
 @pytest.fixture(scope="module")
 def rows() -> dict[tuple[str, int], CostRow]:
-    return {(r.update, r.requests): r for r in measure(CI, batch_sizes=BATCHES, steps=STEPS)}
+    return {(r.update, r.requests): r for r in measure(runs_of(CI), batch_sizes=BATCHES, steps=STEPS)}
 
 
 def test_one_row_per_update_and_batch(rows):
-    assert sorted(rows) == sorted((u, b) for u in builtins_of("copy-commit") for b in BATCHES)  # the preset's flow
+    assert sorted(rows) == sorted((u, b) for u in updates_of("copy-commit") for b in BATCHES)  # the preset's flow
     for (u, b), r in rows.items():
         assert r.rows == b + CI.num_padded and r.steps == STEPS
         assert 0 <= r.tracking_steps <= STEPS
@@ -66,8 +72,8 @@ def test_unconditional_copy_costs_bytes(rows):
 
 
 def test_shape_only_counts_equal_real_data_counts():
-    real = measure(CI, batch_sizes=(1, 3), steps=4, shape_only=False)
-    shape = measure(CI, batch_sizes=(1, 3), steps=4, shape_only=True)
+    real = measure(runs_of(CI), batch_sizes=(1, 3), steps=4, shape_only=False)
+    shape = measure(runs_of(CI), batch_sizes=(1, 3), steps=4, shape_only=True)
     assert real == shape
 
 
@@ -84,7 +90,7 @@ def test_table_and_json(rows):
 def test_cli_bench_update_json(capsys):
     assert main(["bench-update", "--batches", "1,2", "--steps", "2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert [(d["update"], d["requests"]) for d in data] == [(u, b) for b in (1, 2) for u in builtins_of("copy-commit")]
+    assert [(d["update"], d["requests"]) for d in data] == [(u, b) for b in (1, 2) for u in updates_of("copy-commit")]
 
 
 def test_cli_bench_update_rejects_bad_batches(capsys):
@@ -95,15 +101,17 @@ def test_cli_bench_update_rejects_bad_batches(capsys):
 
 @pytest.mark.cuda
 def test_cuda_latency_is_measured():
-    [row] = measure(CI.replace(device="cuda"), updates=["sglang-0.5.23"], batch_sizes=(4,), steps=4)
+    [row] = measure(runs_of(CI.replace(device="cuda"), ["sglang-0.5.23"]), batch_sizes=(4,), steps=4)
     assert row.latency_us is not None and row.latency_us > 0 and row.latency_device.startswith("cuda")
 
 
 def test_cli_bench_update_measures_another_flows_update_under_its_flow(capsys):
-    from drift.config import FLOWS
+    from drift.flows.registry import FLOWS
     other = [f for f in FLOWS if FLOWS[f].kind != "copy-commit"][0]
-    # the vllm flow's bookkeeping in the preset's (copy-commit) flow: refused, naming --flow
-    assert main(["bench-update", "--update", "vllm-0.33.0", "--batches", "1", "--steps", "1"]) == 2
+    # the vllm flow's bookkeeping without --flow runs in its own flow; in the copy-commit one it is refused
+    assert main(["bench-update", "--update", "vllm-0.33.0", "--batches", "1", "--steps", "1", "--json"]) == 0
+    assert [d["update"] for d in json.loads(capsys.readouterr().out)] == ["vllm-0.33.0"]
+    assert main(["bench-update", "--flow", "sglang", "--update", "vllm-0.33.0", "--batches", "1", "--steps", "1"]) == 2
     assert f"pass --flow {other}" in capsys.readouterr().err
     assert main(["bench-update", "--flow", other, "--batches", "1", "--steps", "1", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

@@ -34,6 +34,7 @@ from drift.syncs.detector import (DETECTOR_CUDA, DETECTOR_DISPATCH, DETECTOR_NPU
                                   VirtualTensor, _armed, _is_internal, detect_syncs, display_path, host_data,
                                   to_virtual)
 from drift.syncs.scan import representative_steps, scan_update, step_indices, sync_check, virtual_pool
+from drift.runspec import resolve
 
 HERE = os.path.abspath(__file__)
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(HERE)), "fixtures", "syncs_plugin_fixture.py")
@@ -364,7 +365,7 @@ def test_representative_steps_cover_both_kinds_and_padding(cfg):
 @pytest.mark.parametrize("cfg", [CI, CI_NO_TRACK], ids=["tracking-on", "tracking-off"])
 def test_guarded_flagged_every_step_at_its_item_line(cfg):
     assert len(ITEM_LINE) == 1 and GUARDED_MASK
-    scan = scan_update(cfg, "sglang-31659", STEPS)
+    scan = scan_update(resolve(cfg, "sglang-31659"), steps=STEPS)
     for step, events in scan.per_step().items():
         assert events, f"step {step}: no sync reported"
         first = events[0]
@@ -381,7 +382,7 @@ def test_guarded_flagged_every_step_at_its_item_line(cfg):
 @pytest.mark.parametrize("cfg", [CI, CI_NO_TRACK], ids=["tracking-on", "tracking-off"])
 def test_sync_free_flagged_only_on_its_tracking_path(cfg):
     assert SYNC_FREE_MASK
-    scan = scan_update(cfg, "sglang-32130", STEPS)
+    scan = scan_update(resolve(cfg, "sglang-32130"), steps=STEPS)
     for step, events in scan.per_step().items():
         if cfg.track_interval == 0:
             assert events == [], [e.describe() for e in events]
@@ -396,7 +397,7 @@ def test_sync_free_flagged_only_on_its_tracking_path(cfg):
 @pytest.mark.parametrize("cfg", [CI, CI_NO_TRACK], ids=["tracking-on", "tracking-off"])
 @pytest.mark.parametrize("spec", CLEAN_UPDATES, ids=lambda s: s.rsplit(os.sep, 1)[-1])
 def test_sync_free_contract_holds(spec, cfg):
-    scan = scan_update(cfg, spec, STEPS)
+    scan = scan_update(resolve(cfg, spec), steps=STEPS)
     assert scan.events == [], scan.passes["virtual"].format()
     assert scan.passes["virtual"].ops > 0  # the update really ran under the detector
 
@@ -405,14 +406,14 @@ def test_sync_free_contract_holds(spec, cfg):
 def test_vllm_builtin_with_its_align_copy_is_sync_free(track):
     """vllm-0.33.0 under its flow; with tracking on, the tracking steps run the align copy."""
     cfg = CI.replace(flow="vllm", track_interval=track)
-    scan = scan_update(cfg, "vllm-0.33.0", STEPS)
+    scan = scan_update(resolve(cfg, "vllm-0.33.0"), steps=STEPS)
     assert scan.events == [], scan.passes["virtual"].format()
     assert scan.passes["virtual"].ops > 0 and any(scan.tracking) == (track > 0)
 
 
 # ------------------------------------------------------------------ runner hook
 def test_sync_check_fails_guarded_naming_the_item_line():
-    res = sync_check(CI, "sglang-31659", STEPS)
+    res = sync_check(resolve(CI, "sglang-31659"), steps=STEPS)
     line = next(iter(ITEM_LINE))
     assert res.key == "host_syncs" and not res.passed and res.limit == 0.0
     assert "aten._local_scalar_dense" in res.where and res.where.split(" at ")[1].startswith(
@@ -427,21 +428,21 @@ def test_sync_check_fails_guarded_naming_the_item_line():
 
 @pytest.mark.parametrize("cfg,passed", [(CI, False), (CI_NO_TRACK, True)], ids=["tracking-on", "tracking-off"])
 def test_sync_check_sync_free(cfg, passed):
-    res = sync_check(cfg, "sglang-32130", STEPS)
+    res = sync_check(resolve(cfg, "sglang-32130"), steps=STEPS)
     assert res.passed is passed and (res.worst == 0.0) is passed
     if not passed:
         assert f"copy_commit/updates.py:{min(SYNC_FREE_MASK)}" in res.where
 
 
 def test_sync_check_device_select_passes():
-    res = sync_check(CI, "sglang-0.5.23", STEPS)
+    res = sync_check(resolve(CI, "sglang-0.5.23"), steps=STEPS)
     assert res.passed and res.worst == 0.0 and res.where == "" and "no host-device sync" in res.detail
     assert "2 tracking" in res.detail and "1 padded row" in res.detail
 
 
 def test_sync_check_plugin_from_file_spec():
     spec = f"{FIXTURE}:ListBackend.update_mamba_state_after_mtp_verify"
-    res = sync_check(CI, spec, STEPS)
+    res = sync_check(resolve(CI, spec), steps=STEPS)
     [line] = _lines(load_update(spec).fn, ".tolist()")
     assert not res.passed and res.where.startswith("Tensor.tolist at ") and res.where.endswith(
         f"syncs_plugin_fixture.py:{line} in update_mamba_state_after_mtp_verify")
@@ -450,9 +451,9 @@ def test_sync_check_plugin_from_file_spec():
 
 @pytest.mark.cuda
 def test_cuda_debug_mode_confirms_guarded_item():
-    scan = scan_update(CI.replace(device="cuda"), "sglang-31659", STEPS)
+    scan = scan_update(resolve(CI.replace(device="cuda"), "sglang-31659"), steps=STEPS)
     rep = scan.passes["cuda"]
     assert DETECTOR_CUDA in rep.detectors and len(rep.stopped) == STEPS
     for step, events in scan.per_step("cuda").items():
         assert events and events[0].line in ITEM_LINE and DETECTOR_CUDA in events[0].seen_by, step
-    assert scan_update(CI.replace(device="cuda"), "sglang-0.5.23", STEPS).events == []
+    assert scan_update(resolve(CI.replace(device="cuda"), "sglang-0.5.23"), steps=STEPS).events == []

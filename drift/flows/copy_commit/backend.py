@@ -25,20 +25,21 @@ from typing import Optional
 
 import torch
 
-from ...config import FLOWS, Config
-from ...sim.kernels import VerifyArgs
+from ...config import Config
+from ...sim.kernels import VerifyArgs, VerifyRule
 from ...sim.pool import StatePool
 
 I32 = torch.int32
 
 
 class VerifyArgsBuilder:
-    """Builds :class:`~drift.sim.kernels.VerifyArgs` for ``pool`` each step (``cfg.flow``,
-    ``cfg.graph_mode``). Index tensors live on the pool's device and are built without reading
-    device data, so a step that builds them can be captured in a device graph."""
+    """Builds :class:`~drift.sim.kernels.VerifyArgs` for ``pool`` each step (``cfg.graph_mode``;
+    ``accept_counts``: pass the previous step's accept lengths, the ``npu-accepted`` flow's
+    setting). Index tensors live on the pool's device and are built without reading device data,
+    so a step that builds them can be captured in a device graph."""
 
-    def __init__(self, cfg: Config, pool: StatePool):
-        self.cfg, self.pool = cfg, pool
+    def __init__(self, cfg: Config, pool: StatePool, rule: VerifyRule, accept_counts: bool = False):
+        self.cfg, self.pool, self.rule, self.accept_counts = cfg, pool, rule, accept_counts
         dev, N, D = pool.device, cfg.num_rows, cfg.num_draft_tokens
         self.cache_indices = pool.row_slots.to(I32)  # forward_metadata.mamba_cache_indices
         if cfg.graph_mode:
@@ -62,11 +63,11 @@ class VerifyArgsBuilder:
         """The arguments of this step's verify: mix_qkv bf16 ``[L, N, D, C]``, beta (logits) bf16 and
         g fp32 ``[L, N, D, HV]`` (gate_inputs: what g was computed from, :class:`VerifyArgs`)."""
         cfg, pool = self.cfg, self.pool
-        num_accepted = self.prev_accept if FLOWS[cfg.flow].accept_counts else self.num_accepted
+        num_accepted = self.prev_accept if self.accept_counts else self.num_accepted
         return VerifyArgs(mix_qkv, beta, g, pool.temporal, pool.intermediate_ssm, self.cache_indices,
                           self.ssm_state_indices.view(cfg.num_rows, cfg.num_draft_tokens), num_accepted,
                           self.actual_seq_lengths, cfg.num_k_heads, cfg.num_v_heads, self.scale, rounding, key,
-                          gate_inputs=gate_inputs)
+                          rule=self.rule, gate_inputs=gate_inputs)
 
     def accepted(self, last_steps: torch.Tensor) -> None:
         """Record this step's accepted steps (int ``[N]``, -1 for padded rows) for the next step's

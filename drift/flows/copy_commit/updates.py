@@ -138,3 +138,9 @@ class Recipe:
         update.__doc__ = doc
         update.recipe = recipe  # type: ignore[attr-defined]
         return update
+
+
+# The versions drift models, each the released method with the part that differs (docs/semantics.md §2).
+SGLANG_0523 = Recipe()
+SGLANG_32130 = SGLANG_0523.but(track=track_boolean_mask)
+SGLANG_31659 = SGLANG_32130.but(commit=commit_unless_all_step0)

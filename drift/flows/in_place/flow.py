@@ -1,25 +1,12 @@
-"""State flows: how an engine keeps MTP state from one verify step to the next (docs/semantics.md §6).
+"""vLLM 0.33.0's in-place block flow (the ``vllm`` flow; docs/semantics.md §6).
 
-Each entry of :data:`drift.config.FLOWS` names its ``kind``; :data:`FLOW_KINDS` maps it to one
-class (the copy-commit base in :mod:`drift.flows.copy_commit.flow`, the in-place kind here, the
-kernel-commit kind in :mod:`drift.flows.kernel_commit.flow`), which owns everything the kind decides: the state pool, the object the update under test gets as
-``self`` (the harness), the verify op's arguments, the conv step, which state is "committed" (the
-state the next step reads) and which slots the update may write.
-
-* ``copy-commit`` (SGLang 0.5.23; the ``sglang`` and ``npu-accepted`` flows): the verify writes
-  every token's state into a scratch buffer and ``update_mamba_state_after_mtp_verify`` copies
-  the accepted one into the committed pool and rolls the conv window back
-  (:class:`~drift.flows.copy_commit.flow.CopyCommitFlow`).
-* ``in-place`` (vLLM 0.33.0; the ``vllm`` flow): one state cache of blocks, each request owning
-  D of them; the verify writes token t's state in place into block ``idx[b, t]`` and the next step
-  starts from ``idx[b, n - 1]``, n the previous step's accept count; there is no commit copy, and
-  the conv window is read at offset ``n - 1`` (a lazy rollback). The code under test is the
-  per-step bookkeeping that sets ``num_accepted_tokens`` and the state indices, and prefix
-  caching's align copy of the state after a block-boundary token into a destination block
-  (:class:`BlockPool`, :class:`BlockHarness`).
-* ``kernel-commit`` (SGLang 0.5.23's ReplaySSM spec verify; the ``sglang-replayssm`` flow): the
-  verify writes per-token records to a ring and the update folds the accepted ones into the
-  checkpoint (:mod:`drift.flows.kernel_commit.flow`).
+One state cache of blocks, each request owning D of them (:class:`~drift.flows.in_place.pool.BlockPool`);
+the verify writes token t's state in place into block ``idx[b, t]`` and the next step starts from
+``idx[b, n - 1]``, n the previous step's accept count (:class:`~drift.flows.in_place.rule.BlockRule`);
+there is no commit copy, and the conv window is read at offset ``n - 1`` (a lazy rollback). The
+code under test is the per-step bookkeeping that sets ``num_accepted_tokens`` and the state
+indices, and prefix caching's align copy of the state after a block-boundary token into a
+destination block (:class:`~drift.flows.in_place.pool.BlockHarness`, drift/flows/in_place/updates.py).
 """
 
 from __future__ import annotations
@@ -27,138 +14,26 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ...config import FLOWS, Config
+from ...config import Config
 from ...dtypes import as_bits
-from ...fileio import check_memory
-from ...layouts import LAYOUTS
 from ...sim import kernels
-from ...sim.pool import STALE, StatePool
-from ..copy_commit.flow import CopyCommitFlow, lacks
+from ...sim.pool import STALE
+from ..base import FlowKind
+from . import naive
+from .pool import I32, NULL_BLOCK_ID, BlockHarness, BlockPool
+from .rule import BlockRule
 
-I32 = torch.int32
-NULL_BLOCK_ID = 0  # vllm/v1/core/kv_cache_utils.py (0.33.0): block 0 is never allocated; kernels skip it
 
+class InPlaceBlockFlow(FlowKind):
+    """vLLM's in-place block flow (the ``vllm`` flow; module docstring). Tracking is prefix caching's
+    align copy (docs/semantics.md §6: "Prefix caching, align mode")."""
 
-class BlockPool(StatePool):
-    """vLLM's state cache (docs/semantics.md §6, vLLM 0.33.0): ``temporal`` is the cache of blocks
-    ``[L, blocks, HV, V, K]`` and ``conv`` its conv cache ``[L, blocks, W, C]`` (indexed by a request's
-    first block); block 0 is the NULL block (NaN: a read of it shows). Each request owns D blocks, a
-    seeded permutation of the rest (``block_table [N, D]``; padded rows all NULL); spare blocks hold
-    a fixed finite pattern. ``intermediate_ssm`` is the same cache as ``[L, blocks, 1, HV, V, K]``:
-    the verify op's scratch is the cache itself.
-
-    Prefix caching's align copy (docs/semantics.md §6): each request also owns one align block
-    (``track_slots [R]``; ``row_track_slots [N]`` int64, padded rows NULL), numbered after all the
-    others so that the request and spare blocks are those of a pool without them. It stands for
-    the block-table column ``aligned // block_size - 1`` that an align copy writes when that column
-    is not the running one (vLLM writes a fresh column per boundary; drift compares only the
-    latest snapshot, so one block per request holds it). It starts NaN: a read before any copy shows."""
+    name = "in-place"
+    RULE, POOL, HARNESS = BlockRule, BlockPool, BlockHarness
+    naive = staticmethod(naive.verify)
 
     def __init__(self, cfg: Config, device: torch.device):
-        self.cfg, self.device = cfg, device
-        L, R, N, D = cfg.num_layers, cfg.num_requests, cfg.num_rows, cfg.num_draft_tokens
-        HV, K, V = cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
-        base = 1 + R * D + max(1, cfg.spare_slots)  # the NULL, request and spare blocks
-        nblocks = base + R  # and one align block per request
-        item = torch.empty(0, dtype=cfg.torch_ssm_dtype).element_size()
-        check_memory(L * nblocks * (HV * V * K * item + cfg.conv_window * cfg.conv_channels * 4)
-                     + L * R * HV * V * K * 8, f"the state cache of {cfg.name} ({L} layers, {nblocks} blocks)")
-        layout = LAYOUTS[cfg.layout]
-        self.temporal = layout.state((L, nblocks, HV), V, K, cfg.torch_ssm_dtype, device)
-        self.intermediate_ssm = self.temporal.unsqueeze(2)
-        self.conv = layout.conv((L, nblocks), cfg.conv_window, cfg.conv_channels, cfg.torch_conv_dtype, device)
-        rng = np.random.default_rng([cfg.seed, 0x5107])
-        perm = 1 + rng.permutation(base - 1)
-        table = np.zeros((N, D), np.int64)
-        table[:R] = perm[:R * D].reshape(R, D)
-        self.block_table_host = table
-        self.block_table = torch.from_numpy(table).to(device)
-        self.request_slots = table[:R].reshape(-1)  # every block a request owns
-        self.track_slots = np.arange(base, nblocks, dtype=np.int64)  # the align blocks
-        self.spare_slots = perm[R * D:].astype(np.int64)
-        self.row_slots = self.block_table[:, 0].clone()  # conv_state_indices: the first block
-        trk = np.concatenate([self.track_slots, np.full(N - R, NULL_BLOCK_ID, np.int64)])
-        self.row_track_slots = torch.from_numpy(trk).to(device)  # mamba_track_indices [N]
-        self.active_slots = self.row_slots[:R]
-        self.num_blocks = nblocks
-        self._fill_sentinels()
-
-    def _fill_sentinels(self) -> None:
-        """NULL block 0 and the align blocks hold NaN; spare blocks a fixed finite pattern."""
-        for b in (NULL_BLOCK_ID, *self.track_slots.tolist()):
-            self.temporal[:, b] = STALE
-            self.conv[:, b] = STALE
-        for s in self.spare_slots.tolist():
-            self.temporal[:, s] = 3.0 + s
-            self.conv[:, s] = -3.0 - s
-
-    def slot_role(self, slot: int) -> str:
-        if slot == NULL_BLOCK_ID:
-            return "NULL block 0"
-        hit = np.argwhere(self.block_table_host == slot)
-        if len(hit):
-            return f"block {int(hit[0][1])} of row {int(hit[0][0])}"
-        if slot in self.track_slots:
-            return f"align block of row {int(np.argwhere(self.track_slots == slot)[0][0])}"
-        return "spare block"
-
-
-class BlockHarness:
-    """What vLLM 0.33.0's per-step bookkeeping works on, for the update under test as ``self``:
-
-    * ``num_accepted_tokens`` int32 ``[N]``: ``gpu_model_runner.num_accepted_tokens.gpu`` (what
-      ``_update_states_after_model_execute`` sets from the sampled tokens) as the builder passes it
-      on (``GDNAttentionMetadataBuilder.build``: padded rows 1);
-    * ``spec_state_indices_tensor`` int32 ``[N, D]``: the builder's persistent buffer
-      (``block_table[:, :num_spec + 1]``, padded rows ``NULL_BLOCK_ID``);
-    * ``block_table`` int32 ``[N, D]``: each row's blocks (padded rows NULL);
-    * ``num_spec_decodes``: the rows that decode speculatively (host int; padded rows follow them);
-    * ``num_draft_tokens`` int32 ``[N]``: the drafts each row verifies besides its root token
-      (``mamba_utils.stage_postprocess_inputs_to_gpu``'s ``num_draft_tokens_buf``), staged by the
-      flow before each verify;
-    * ``ssm_state`` ``[L, blocks, HV, V, K]`` and ``conv_state`` ``[L, blocks, W, C]``: the caches the
-      align copy moves blocks of (each GDN layer's ``kv_cache``, ``mamba_utils``'s state base
-      addresses), in the pool's dtypes and layout.
-    """
-
-    ATTRIBUTES = ("num_accepted_tokens", "spec_state_indices_tensor", "block_table", "num_spec_decodes",
-                  "num_draft_tokens", "ssm_state", "conv_state")
-    PROVIDED = (", ".join(f"self.{a}" for a in ATTRIBUTES) + " (vLLM's bookkeeping of the in-place flows, "
-                "docs/semantics.md §6; an SGLang update runs under --flow "
-                + " or ".join(f for f in FLOWS if FLOWS[f].kind == "copy-commit") + ")")
-    HOW_TO_PROVIDE = "extend drift.flows.registry.BlockHarness"
-
-    def __init__(self, pool: BlockPool):
-        self._drift_pool = pool
-        cfg = pool.cfg
-        self.block_table = pool.block_table.to(I32)
-        self.num_spec_decodes = cfg.num_requests
-        # gpu_model_runner: num_accepted_tokens.np.fill(1) before the first decode; the prefill state
-        # sits in each request's first block (non_spec_state_indices = block_table[:, 0]).
-        self.num_accepted_tokens = torch.ones(cfg.num_rows, dtype=I32, device=pool.device)
-        self.spec_state_indices_tensor = self.block_table.clone()
-        self.num_draft_tokens = torch.full((cfg.num_rows,), cfg.num_draft_tokens - 1, dtype=I32, device=pool.device)
-        self.ssm_state, self.conv_state = pool.temporal, pool.conv
-
-    def __getattr__(self, name: str):
-        return lacks(self, name, "vLLM")
-
-    def objects(self) -> tuple:
-        return (self,)
-
-
-class InPlaceBlockFlow(CopyCommitFlow):
-    """vLLM's in-place block flow (the ``vllm`` entry; module docstring)."""
-
-    kind = "in-place"
-    start_rule = "blocks"
-    tracks = True  # prefix caching's align copy (docs/semantics.md §6: "Prefix caching, align mode")
-    default_update = "vllm-0.33.0"
-
-    def __init__(self, cfg: Config, device: torch.device):
-        self.cfg = cfg
-        self.pool = BlockPool(cfg, device)
-        self.harness = BlockHarness(self.pool)
+        super().__init__(cfg, device)
         N, D = cfg.num_rows, cfg.num_draft_tokens
         self.actual_seq_lengths = torch.full((N,), D, dtype=I32, device=device)
         self.scale = cfg.head_k_dim ** -0.5
@@ -180,7 +55,7 @@ class InPlaceBlockFlow(CopyCommitFlow):
         h.num_draft_tokens.copy_(self._num_draft)
         return kernels.VerifyArgs(mix, beta, g, pool.temporal, pool.intermediate_ssm, pool.row_slots.to(I32),
                                   h.spec_state_indices_tensor, h.num_accepted_tokens, lengths,
-                                  cfg.num_k_heads, cfg.num_v_heads, self.scale, rounding, key, start_rule="blocks",
+                                  cfg.num_k_heads, cfg.num_v_heads, self.scale, rounding, key, rule=self.rule,
                                   gate_inputs=gate)
 
     def after_verify(self, last: torch.Tensor) -> None:

@@ -21,7 +21,7 @@ when ``mamba_pool.replayssm_cache_base`` exists) runs, after each verify:
    (``fused_conv_window_scatter_with_mask``; drift: the NPU window's rollback, the same inputs).
 
 Called as every update is (``fn(self, last_correct_step_indices, mamba_track_indices,
-mamba_steps_to_track)``, ``self`` a :class:`drift.flows.kernel_commit.flow.ReplayHarness`). No host sync: every
+mamba_steps_to_track)``, ``self`` a :class:`drift.flows.kernel_commit.pool.ReplayHarness`). No host sync: every
 step is device tensors and host ints the harness fixes.
 """
 
@@ -34,7 +34,7 @@ import torch
 
 from ...sim.pool import raw_state
 from ...sim.shim import sgl_kernels
-from .flow import decay_weights, in_ring_order, over_value_heads
+from .pool import decay_weights, in_ring_order, over_value_heads
 
 F32, BF16 = torch.float32, torch.bfloat16
 NULL = -1  # spec_utils.py: null_block_id=-1
@@ -75,7 +75,7 @@ def advance_cursors(c: Commit) -> None:
 
 # ------------------------------------------------------------------------------ 2. fold
 def _records(c: Commit):
-    """Each row's ring in logical order from ``cache_base`` (:func:`drift.flows.kernel_commit.flow.in_ring_order`, the
+    """Each row's ring in logical order from ``cache_base`` (:func:`drift.flows.kernel_commit.pool.in_ring_order`, the
     kernel's circular addressing): d (high + low, fp32) ``[L, N, HV, RL, V]``, the key's high and low
     parts (fp32, repeated over value heads) ``[L, N, HV, RL, K]``, g ``[L, N, HV, RL]``."""
     ss, mp = c.h.spec_state, c.h.mamba_pool
@@ -92,7 +92,7 @@ def _records(c: Commit):
 
 def compensated_fold(old, d, kh, kl, g, length):
     """The compact commit's fold of a row's first ``length [N]`` records onto ``old`` fp32
-    ``[L, N, HV, V, K]`` (weights: :func:`drift.flows.kernel_commit.flow.decay_weights`): the decayed update split
+    ``[L, N, HV, V, K]`` (weights: :func:`drift.flows.kernel_commit.pool.decay_weights`): the decayed update split
     into bf16 high and low parts, the four products with the key's parts accumulated in fp32
     (``tl.dot``: bf16 operands, fp32 accumulation)."""
     total, decay = decay_weights(g, length)

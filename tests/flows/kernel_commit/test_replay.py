@@ -12,12 +12,15 @@ import torch
 
 from helpers import same_bits
 from drift.check.registry import find_result
-from drift.config import FLOWS, preset
+from drift.config import preset
+from drift.flows.registry import FLOWS
 from drift.runner import run_checked
 from drift.sim import kernels
 from drift.flows.registry import state_flow
-from drift.flows.kernel_commit.flow import (NULL_SLOT, KernelCommitFlow, effective_states, fold_records, gather_records,
+from drift.flows.kernel_commit.flow import KernelCommitFlow
+from drift.flows.kernel_commit.pool import (NULL_SLOT, effective_states, fold_records, gather_records,
                               ring_length)
+from drift.runspec import resolve
 
 CPU = torch.device("cpu")
 FLOW = next(f for f in FLOWS if FLOWS[f].kind == "kernel-commit")
@@ -133,11 +136,11 @@ def test_padded_rows_carry_the_null_slot_and_a_ring_slot_of_their_own(cfg):
 
 
 def test_a_run_passes_every_check_and_tracks_its_records(cfg):
-    rep = run_checked(cfg.replace(flow=FLOW, steps=96), sync_scan=False)
+    rep = run_checked(resolve(cfg.replace(flow=FLOW, steps=96)), sync_scan=False)
     assert rep.passed, [c.to_dict() for c in rep.checks if c.failed]
     tracked = find_result(rep.checks, "tracked_snapshots")
     assert tracked.extra.get("applicable", True) and "snapshots compared" in tracked.detail
-    base = run_checked(cfg.replace(steps=96), sync_scan=False)
+    base = run_checked(resolve(cfg.replace(steps=96)), sync_scan=False)
     mine, theirs = (find_result(r.checks, "committed_state").worst for r in (rep, base))
     # Same maths, one bf16 rounding per step in both flows; the fold and the recurrence differ by
     # fp32 rounding, which moves a few bf16 roundings by an ulp: measured within 1% of the sglang
@@ -169,7 +172,7 @@ def test_an_fp32_checkpoint_keeps_history_and_folds_when_the_ring_fills(cfg):
 
     R, D = cfg.num_requests, cfg.num_draft_tokens
     cursors = Cursors()
-    sim = Simulation(cfg.replace(flow=FLOW, ssm_dtype="float32", steps=24), observers=[cursors], check_untouched=False)
+    sim = Simulation(resolve(cfg.replace(flow=FLOW, ssm_dtype="float32", steps=24)), observers=[cursors], check_untouched=False)
     sim.run()
     RL = sim.pool.ring_len
     wps = torch.stack([w for w, _ in cursors.seen])
@@ -179,5 +182,5 @@ def test_an_fp32_checkpoint_keeps_history_and_folds_when_the_ring_fills(cfg):
     assert (wps + 2 * D <= RL).all()  # a ring that would overflow the next window was folded
     # Negative control: a 16-bit checkpoint folds every commit, so its rings are empty after each step.
     bf = Cursors()
-    Simulation(cfg.replace(flow=FLOW, steps=8), observers=[bf], check_untouched=False).run()
+    Simulation(resolve(cfg.replace(flow=FLOW, steps=8)), observers=[bf], check_untouched=False).run()
     assert all((w == 0).all() for w, _ in bf.seen)

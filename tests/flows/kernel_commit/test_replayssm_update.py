@@ -7,12 +7,14 @@ import torch
 
 from helpers import same_bits
 from drift.check.registry import find_result
-from drift.config import FLOWS, preset
+from drift.config import preset
+from drift.flows.registry import FLOWS
 from drift.flows.kernel_commit import updates as rs
 from drift.runner import run_checked
 from drift.sim import kernels
 from drift.flows.registry import state_flow
-from drift.flows.kernel_commit.flow import fold_records, gather_records
+from drift.flows.kernel_commit.pool import fold_records, gather_records
+from drift.runspec import resolve
 
 CPU = torch.device("cpu")
 FLOW = next(f for f in FLOWS if FLOWS[f].kind == "kernel-commit")
@@ -96,9 +98,9 @@ def _track_one_short(c):
 
 def test_the_tracked_check_catches_a_track_fold_one_record_short():
     cfg = preset("ci-small", flow=FLOW, steps=96)
-    good = run_checked(cfg, sync_scan=False)
+    good = run_checked(resolve(cfg), sync_scan=False)
     assert find_result(good.checks, "tracked_snapshots").passed
     bad_update = rs.SGLANG_0523_REPLAYSSM.but(fold=_track_one_short).build("track-one-short")
-    bad = run_checked(cfg, bad_update, sync_scan=False)
+    bad = run_checked(resolve(cfg, bad_update), sync_scan=False)
     res = find_result(bad.checks, "tracked_snapshots")
     assert not res.passed, res.to_dict()

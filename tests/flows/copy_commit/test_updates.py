@@ -15,9 +15,10 @@ import torch
 from helpers import checks_of, pool_digests, run_sim, small_cfg
 from drift.sim.pool import StatePool
 from drift.flows.copy_commit import updates as parts
-from drift.plug.updates import BUILTINS, SGLANG_0523, SGLANG_31659, SGLANG_32130, builtins_of
+from drift.flows.copy_commit.updates import SGLANG_0523, SGLANG_31659, SGLANG_32130
+from drift.flows.registry import UPDATES, updates_of
 
-guarded, sync_free = BUILTINS["sglang-31659"], BUILTINS["sglang-32130"]
+guarded, sync_free = UPDATES["sglang-31659"].fn, UPDATES["sglang-32130"].fn
 
 GUARD = dict(num_requests=2, pattern="model", acceptance=(0.5, 0.25, 0.1))
 STEPS = 120
@@ -26,7 +27,7 @@ STEPS = 120
 @pytest.mark.parametrize("num_padded, track_interval", [(1, 16), (1, 0), (0, 16)])
 def test_builtins_agree_bit_for_bit_where_semantics_agree(num_padded, track_interval):
     cfg = small_cfg(STEPS, num_padded=num_padded, track_interval=track_interval, **GUARD)
-    runs = {name: pool_digests(cfg, name) for name in builtins_of("copy-commit")}
+    runs = {name: pool_digests(cfg, name) for name in updates_of("copy-commit")}
     assert runs["sglang-32130"] == runs["sglang-0.5.23"]
     if num_padded:  # the guard never fires with a padded row at step -1
         assert runs["sglang-31659"] == runs["sglang-32130"]
@@ -98,6 +99,6 @@ def test_builtins_are_recipes_of_named_parts_differing_in_one_place():
     assert SGLANG_0523 == parts.Recipe(parts.commit_all, parts.track_device_select, parts.rollback_rows)
     assert SGLANG_32130 == SGLANG_0523.but(track=parts.track_boolean_mask)
     assert SGLANG_31659 == SGLANG_32130.but(commit=parts.commit_unless_all_step0)
-    for name in builtins_of("copy-commit"):
-        fn = BUILTINS[name]
+    for name in updates_of("copy-commit"):
+        fn = UPDATES[name].fn
         assert fn.__name__ == name and fn.recipe in (SGLANG_0523, SGLANG_32130, SGLANG_31659)

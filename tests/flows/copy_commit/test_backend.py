@@ -9,8 +9,7 @@ import torch
 from helpers import run_sim, small_cfg
 from drift.dtypes import as_bits
 from drift.sim import kernels
-from drift.flows.copy_commit.backend import VerifyArgsBuilder
-from drift.sim.pool import StatePool
+from drift.flows.registry import state_flow
 
 CPU = torch.device("cpu")
 I32 = torch.int32
@@ -18,8 +17,14 @@ I32 = torch.int32
 
 def _builder(**kw):
     cfg = small_cfg(8, **kw)
-    pool = StatePool(cfg, CPU)
-    return cfg, pool, VerifyArgsBuilder(cfg, pool)
+    flow = state_flow(cfg, CPU)  # the copy-commit kind: its pool and its VerifyArgsBuilder
+    return cfg, flow.pool, flow.args
+
+
+def _start(args):
+    """Where the copy-commit rule starts each row: (start block or slot, from the committed state)."""
+    plan = args.plan()
+    return plan.start, plan.from_committed
 
 
 def _args(cfg, b):
@@ -50,7 +55,7 @@ def test_sglang_arguments_make_every_verify_start_from_the_committed_state():
     row: the op reads temporal[cache_indices[b]], whatever happened before."""
     cfg, pool, b = _builder()
     b.accepted(torch.tensor([3, 0, 2, 1, -1]))  # the accepted flow's memory is not used by this flow
-    start, from_committed = kernels.start_blocks(_args(cfg, b))
+    start, from_committed = _start(_args(cfg, b))
     assert from_committed.all() and start.tolist() == [r * cfg.num_draft_tokens for r in range(cfg.num_rows)]
 
 
@@ -58,12 +63,12 @@ def test_accepted_flow_continues_from_the_previous_steps_scratch():
     """num_accepted_tokens = the previous step's accept_len (1 after prefill and for padded rows):
     a row that accepted n > 1 tokens starts from its scratch block b*S + n - 1."""
     cfg, pool, b = _builder(flow="npu-accepted")
-    start, from_committed = kernels.start_blocks(_args(cfg, b))
+    start, from_committed = _start(_args(cfg, b))
     assert from_committed.all()  # the first step starts from the prefill's committed state
     b.accepted(torch.tensor([3, 0, 2, 1, -1]))  # accept lengths 4, 1, 3, 2; a padded row
     a = _args(cfg, b)
     assert a.num_accepted_tokens.tolist() == [4, 1, 3, 2, 1]
-    start, from_committed = kernels.start_blocks(a)
+    start, from_committed = _start(a)
     D = cfg.num_draft_tokens
     assert from_committed.tolist() == [False, True, False, False, True]
     assert start.tolist() == [0 * D + 3, 1 * D, 2 * D + 2, 3 * D + 1, 4 * D]
@@ -72,10 +77,10 @@ def test_accepted_flow_continues_from_the_previous_steps_scratch():
 def _scribble_on(which: str):
     """An update that commits correctly, then overwrites one kind of state of every active row with
     garbage (finite): what the next verify reads shows in the run."""
-    from drift.plug.updates import BUILTINS
+    from drift.flows.registry import UPDATES
 
     def update(self, last, track_idx, track_steps):
-        BUILTINS["sglang-0.5.23"](self, last, track_idx, track_steps)
+        UPDATES["sglang-0.5.23"].fn(self, last, track_idx, track_steps)
         pool = self._drift_pool
         if which == "scratch":
             pool.scratch[:, : pool.cfg.num_requests] = 7.0

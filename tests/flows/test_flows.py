@@ -1,4 +1,4 @@
-"""drift.flows.registry: the state flows, and vLLM's in-place block flow in particular (docs/semantics.md §6).
+"""The state flows (drift/flows), and vLLM's in-place block flow in particular (docs/semantics.md §6).
 
 The vllm flow keeps no commit copy, yet its numerics are the copy-commit flow's: each step starts
 from the stored (rounded once) state after the last accepted token, whichever buffer holds it. So
@@ -16,12 +16,15 @@ import torch
 
 from helpers import blocks_case, same_bits
 from drift.check.registry import find_result
-from drift.config import FLOWS, preset
+from drift.config import preset
+from drift.flows.registry import FLOWS
 from drift.errors import HarnessLacks
 from drift.runner import run_checked
 from drift.sim import kernels
 from drift.flows.in_place.flow import NULL_BLOCK_ID, InPlaceBlockFlow
-from drift.flows.registry import FLOW_KINDS, state_flow
+from drift.flows.copy_commit.rule import NpuRule
+from drift.flows.registry import FLOW_KINDS, check, state_flow
+from drift.runspec import resolve
 
 IN_PLACE = [f for f in FLOWS if FLOWS[f].kind == "in-place"]
 COPY_COMMIT = [f for f in FLOWS if FLOWS[f].kind == "copy-commit"]
@@ -32,14 +35,14 @@ def test_every_flow_names_its_engine_files_and_kind():
     for name in FLOWS:
         f = FLOWS[name]
         assert f.engine and f.files and f.kind in FLOW_KINDS, name
-        assert type(state_flow(preset("ci-small", flow=name), CPU)).kind == f.kind
+        assert type(state_flow(preset("ci-small", flow=name), CPU)).name == f.kind
 
 
 @pytest.mark.parametrize("flow", IN_PLACE)
 def test_the_block_flow_reproduces_the_copy_commit_figures_bit_for_bit(flow):
     cfg = preset("ci-small", steps=96)
-    ours = {c.key: c for c in run_checked(cfg.replace(flow=flow), sync_scan=False).checks}
-    theirs = {c.key: c for c in run_checked(cfg, sync_scan=False).checks}
+    ours = {c.key: c for c in run_checked(resolve(cfg.replace(flow=flow)), sync_scan=False).checks}
+    theirs = {c.key: c for c in run_checked(resolve(cfg), sync_scan=False).checks}
     shared = list(theirs)
     assert len(shared) >= 9 and theirs["tracked_snapshots"].verdict == "PASS"  # compared, not n/a
     for key in shared:
@@ -50,7 +53,7 @@ def test_the_block_flow_reproduces_the_copy_commit_figures_bit_for_bit(flow):
 
 @pytest.mark.parametrize("flow", IN_PLACE)
 def test_the_block_flow_passes_ci_small_with_its_own_update_and_checks_its_align_snapshots(flow):
-    rep = run_checked(preset("ci-small", steps=64, flow=flow))
+    rep = run_checked(resolve(preset("ci-small", steps=64, flow=flow)))
     assert rep.passed, [c.to_dict() for c in rep.checks if c.failed]
     assert rep.info.update == "vllm-0.33.0"
     tracked = find_result(rep.checks, "tracked_snapshots")
@@ -59,7 +62,7 @@ def test_the_block_flow_passes_ci_small_with_its_own_update_and_checks_its_align
 
 @pytest.mark.parametrize("flow", IN_PLACE)
 def test_an_align_copy_from_the_wrong_block_fails_the_tracked_snapshots_and_nothing_else(flow):
-    rep = run_checked(preset("ci-small", steps=64, flow=flow), "mutant:vllm_align_wrong_block", sync_scan=False)
+    rep = run_checked(resolve(preset("ci-small", steps=64, flow=flow), "mutant:vllm_align_wrong_block"), sync_scan=False)
     failed = {c.key for c in rep.checks if c.failed}
     assert failed == {"tracked_snapshots"}, failed  # the committed flow is untouched by the align copy
     assert "differs from the state held at the boundary" in find_result(rep.checks, "tracked_snapshots").detail
@@ -70,13 +73,15 @@ def test_an_update_written_for_another_flow_is_refused_with_what_the_harness_has
     from drift.errors import LoadError
     from helpers import bad_spec
     # a built-in of the other kind: refused before anything runs, naming the flow to pass
-    with pytest.raises(LoadError, match=f"sglang-0.5.23 is written for the copy-commit flows.*--flow {flow}"):
-        run_checked(preset("ci-small", steps=4, flow=flow), "sglang-0.5.23")
-    with pytest.raises(LoadError, match="vllm-0.33.0 is written for the in-place flows"):  # and the other way round
-        run_checked(preset("ci-small", steps=4, flow=COPY_COMMIT[0]), "vllm-0.33.0")
+    with pytest.raises(LoadError, match=f"sglang-0.5.23 is written for the copy-commit flow kind.*not for --flow {flow}.*"
+                                        "pass --flow sglang"):
+        run_checked(resolve(preset("ci-small", steps=4, flow=flow), "sglang-0.5.23"))
+    with pytest.raises(LoadError, match="vllm-0.33.0 is written for the in-place flow kind"):  # and the other way round
+        run_checked(resolve(preset("ci-small", steps=4, flow=COPY_COMMIT[0]), "vllm-0.33.0"))
     # a plug-in written for SGLang's backend: the block flow's harness says what it has
-    with pytest.raises(HarnessLacks, match="num_accepted_tokens.*--flow sglang"):
-        run_checked(preset("ci-small", steps=4, flow=flow), bad_spec("correct"), sync_scan=False)
+    with pytest.raises(HarnessLacks, match="num_accepted_tokens.*--flow sglang or npu-accepted provides "
+                                           "self.linear_attn_backend"):
+        run_checked(resolve(preset("ci-small", steps=4, flow=flow), bad_spec("correct")), sync_scan=False)
 
 
 def test_the_block_pool_gives_each_request_its_own_blocks_and_padded_rows_the_null_block():
@@ -147,15 +152,13 @@ def test_the_block_rule_starts_at_the_accepted_block_skips_null_rows_and_writes_
     assert (out[:, 2] == 0).all()  # the NULL row: skipped
     # Negative control: the npu rule on the same arguments starts row 0 elsewhere and writes the NULL block.
     npu = _clone(args)
-    kernels.recurrent_gated_delta_rule_torch(replace(npu, start_rule="npu"))
+    kernels.recurrent_gated_delta_rule_torch(replace(npu, rule=NpuRule()))
     assert not same_bits(npu.recurrent_state, _blocks_reference(args)[0])
 
 
-def test_an_unknown_start_rule_is_refused():
-    with pytest.raises(ValueError, match="start_rule 'bogus': the recurrent op reads the npu and blocks rules"):
-        kernels.recurrent_gated_delta_rule(replace(blocks_case(), start_rule="bogus"))
-    with pytest.raises(ValueError, match="needs args.ring"):  # the ring rule without the ring it writes
-        kernels.recurrent_gated_delta_rule(replace(blocks_case(), start_rule="ring"))
+def test_the_op_needs_the_flow_kinds_rule():
+    with pytest.raises(ValueError, match="VerifyArgs.rule is None: the flow kind's verify rule says where"):
+        kernels.recurrent_gated_delta_rule(replace(blocks_case(), rule=None))
 
 
 @pytest.mark.parametrize("path", ["native", "torch", "device"])
@@ -194,13 +197,13 @@ def test_a_ragged_draft_stream_passes_and_a_kernel_that_runs_too_few_tokens_fail
     cfg = preset("ci-small", steps=96, flow=flow, drafts="ragged")
     d, acc = draft_counts(cfg, 0, 96), accept_lengths(cfg, 0, 96)
     assert (acc <= d).all() and (d < cfg.num_draft_tokens).mean() > 0.5 and (d == cfg.num_draft_tokens).any()
-    rep = run_checked(cfg)
+    rep = run_checked(resolve(cfg))
     assert rep.passed, [c.to_dict() for c in rep.checks if c.failed]
 
     def first_token_only(args):  # ignores the rows' lengths the other way: runs one token per row
         return kernels.recurrent_gated_delta_rule(replace(args, actual_seq_lengths=torch.ones_like(args.actual_seq_lengths)))
 
-    bad = run_checked(cfg, verify_kernel=first_token_only, sync_scan=False)
+    bad = run_checked(resolve(cfg, kernel=first_token_only), sync_scan=False)
     assert find_result(bad.checks, "committed_state").failed
 
 
@@ -209,16 +212,16 @@ def test_ragged_drafts_are_refused_where_the_engine_verifies_all_d():
     for flow in [f for f in FLOWS if not FLOWS[f].ragged]:
         allowed = ", ".join(f for f in FLOWS if FLOWS[f].ragged)
         with pytest.raises(ConfigError, match=f"verifies every row's D draft tokens; allowed with ragged drafts: {allowed}"):
-            preset("ci-small", flow=flow, drafts="ragged")
+            check(preset("ci-small", flow=flow, drafts="ragged"))
 
 
 @pytest.mark.parametrize("flow", IN_PLACE)
 def test_the_align_snapshot_is_sglangs_tracked_snapshot_and_a_cache_hit_resumes_from_it(flow):
     from drift.runner import capture_snapshots
     cfg = preset("ci-small")
-    ours, point, env2 = capture_snapshots(cfg.replace(flow=flow), after_step=48, steps=96)
-    _, theirs, _ = capture_snapshots(cfg, "sglang-0.5.23", after_step=48, steps=96)
+    ours, point, env2 = capture_snapshots(resolve(cfg.replace(flow=flow)), after_step=48, steps=96)
+    _, theirs, _ = capture_snapshots(resolve(cfg, "sglang-0.5.23"), after_step=48, steps=96)
     assert ours.passed and (point.positions == theirs.positions).all()
     assert same_bits(point.state, theirs.state) and torch.equal(point.window, theirs.window)
-    resumed = run_checked(cfg.replace(flow=flow), steps=48, start=point, env2_start=env2, sync_scan=False)
+    resumed = run_checked(resolve(cfg.replace(flow=flow)), steps=48, start=point, env2_start=env2, sync_scan=False)
     assert resumed.passed, [c.to_dict() for c in resumed.checks if c.failed]

@@ -1,0 +1,209 @@
+"""What a flow kind must provide (:class:`FlowKind`), the harness every kind's update gets as
+``self`` (:class:`Harness`), and what the kinds that keep SGLang's MambaPool slots share
+(:class:`MambaPoolFlow`). docs/extending.md ("A new flow kind") walks through a new one.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, ClassVar, Mapping, Optional
+
+import numpy as np
+import torch
+
+from ..config import Config
+from ..sim import kernels
+from ..sim.kernels import VerifyArgs, VerifyRule
+from ..sim.pool import STALE
+from .registry import FLOWS, updates_of
+
+F64 = torch.float64
+
+
+class Harness:
+    """Base of the object the update under test receives as ``self`` (a kind's harness subclasses
+    it): exactly what the engine's code reads, laid out as the deployment lays it out.
+
+    ``ATTRIBUTES``: what an engine class's instance gets attached (a ``Class.method`` spec, drift/plug);
+    ``PROVIDED`` / ``HOW_TO_PROVIDE``: named in the error of an attribute it lacks, whose ``obj``
+    is the harness object read, so a caller can tell "drift lacks it" from a bug of the update;
+    ``BUILT_FROM_POOL``: it holds only the pool's tensors (the sync scan rebuilds it over a virtual
+    pool; a harness with buffers of its own is moved onto the virtual device instead).
+    """
+
+    ATTRIBUTES: ClassVar[tuple[str, ...]] = ()
+    PROVIDED: ClassVar[str] = ""
+    HOW_TO_PROVIDE: ClassVar[str] = ""
+    BUILT_FROM_POOL: ClassVar[bool] = True
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(f"the update under test read self.{name}, which drift's harness does not provide; "
+                             f"it provides {self.PROVIDED}. To provide it: {self.HOW_TO_PROVIDE}.",
+                             name=name, obj=self)
+
+    def objects(self) -> tuple:
+        """The harness's own objects (itself and the objects under it): an attribute missing on one
+        of these is something drift lacks, not a bug of the update."""
+        return (self,)
+
+
+class FlowKind(abc.ABC):
+    """A flow kind: the state machinery a family of engines shares (docs/semantics.md §6), one
+    package ``drift/flows/<kind>/`` registered in :data:`drift.flows.registry.FLOW_KINDS` under
+    :attr:`name`; the flows of :data:`~drift.flows.registry.FLOWS` name it. An instance is one run's
+    machinery on one device: ``pool``, ``harness`` (the update's ``self``) and ``rule`` (the verify
+    op's read/write rule, passed to the kernel in every ``VerifyArgs``).
+
+    What a kind provides:
+
+    * ``name``; ``RULE``, its :class:`~drift.sim.kernels.VerifyRule` class (``RULE.name`` is what a
+      kernel names to declare it implements it); ``POOL`` and ``HARNESS``, its pool and harness
+      classes (``HARNESS(pool)``); ``SETTINGS``, the flow-entry settings it reads (name -> meaning);
+      ``tracks``, whether it keeps prefix-cache snapshots (the tracked-snapshot check reads them);
+    * :meth:`accepts` (may this verify kernel run here, and why not) and :meth:`validate` (the
+      kind's own rules on a config);
+    * its built-in updates: :data:`~drift.flows.registry.UPDATES` entries whose ``kinds`` name it,
+      one of them the default (:meth:`updates`, default first);
+    * :meth:`naive`: its verify rule in float64 loops, the reference its tests hold the portable op to;
+    * the per-run members below (abstract), each documented where it is declared.
+    """
+
+    name: ClassVar[str] = ""
+    RULE: ClassVar[type]
+    POOL: ClassVar[type]
+    HARNESS: ClassVar[type]
+    SETTINGS: ClassVar[dict[str, str]] = {}
+    tracks: ClassVar[bool] = True  # it keeps prefix-cache snapshots (:meth:`tracked_snapshot`); False: n/a
+
+    def __init__(self, cfg: Config, device: torch.device):
+        self.cfg, self.device = cfg, device
+        flow = FLOWS[cfg.flow] if cfg.flow in FLOWS else None
+        self.settings: Mapping[str, Any] = flow.settings if flow is not None and flow.kind == self.name else {}
+        self.pool = self.POOL(cfg, device)
+        self.harness = self.HARNESS(self.pool)
+        self.rule: VerifyRule = self.make_rule()
+
+    # ------------------------------------------------------------ what the kind says
+    def make_rule(self) -> VerifyRule:
+        """This run's verify rule (``RULE()``; a rule that reads the pool overrides)."""
+        return self.RULE()
+
+    @classmethod
+    def accepts(cls, kernel) -> tuple[bool, str]:
+        """Whether ``kernel`` (a loaded kernel, drift/plug/loader.py: ``Kernel``) may verify in this
+        kind, and why not: the kernel answers for itself which rules it implements."""
+        return kernel.verify(cls.RULE)
+
+    @classmethod
+    def validate(cls, cfg: Config) -> None:
+        """The kind's own rules on ``cfg`` (ConfigError naming what to change); none by default."""
+
+    @classmethod
+    def updates(cls) -> tuple[str, ...]:
+        """The built-in updates written for this kind, its default first."""
+        return updates_of(cls.name)
+
+    @staticmethod
+    @abc.abstractmethod
+    def naive(args: VerifyArgs, dtype: torch.dtype = F64, store=None) -> torch.Tensor:
+        """The verify under this kind's rule in loops (per layer, row, head, token), in ``dtype``: the
+        states it stores mapped through ``store`` (default: a cast to the destination's dtype);
+        returns the outputs ``[L, B, S, HV, V]`` in ``dtype``."""
+
+    # ------------------------------------------------------------ one decode step
+    @abc.abstractmethod
+    def verify_args(self, mix, beta, g, rounding: str, key: int, drafts=None, gate=None) -> VerifyArgs:
+        """The verify op's arguments this step, ``rule`` included: mix bf16 ``[L, N, D, C]``, beta bf16
+        and g fp32 ``[L, N, D, HV]``; drafts int ``[N]`` (tokens each row verifies; None: all D);
+        gate (a, A_log, dt_bias), the raw gate inputs."""
+
+    @abc.abstractmethod
+    def after_verify(self, last: torch.Tensor) -> None:
+        """What the kind keeps of this step's accepted steps (int64 ``[N]``, -1 padded) before the update."""
+
+    @abc.abstractmethod
+    def conv_verify(self, x: torch.Tensor, weight: torch.Tensor, drafts=None) -> torch.Tensor:
+        """The verify conv of x ``[L, N, D, C]`` over the kind's conv state: mix_qkv bf16 ``[L, N, D, C]``."""
+
+    @abc.abstractmethod
+    def load_start(self, stored: torch.Tensor, window: torch.Tensor) -> None:
+        """The starting state as prefill leaves it: ``stored`` ``[L, R, HV, V, K]`` in the state dtype,
+        ``window`` ``[L, R, Kc-1, C]`` the last Kc-1 conv inputs."""
+
+    @abc.abstractmethod
+    def touched(self, track_host: np.ndarray, drafts_host: Optional[np.ndarray] = None) -> np.ndarray:
+        """``[count, slots]`` bool: the slots the update may write at each step (``track_host`` ``[count,
+        R]`` host int, -1 untracked; ``drafts_host`` the tokens each row verifies)."""
+
+    @abc.abstractmethod
+    def committed_states(self) -> torch.Tensor:
+        """``[L, R, HV, V, K]`` in the state dtype: the state each request's next verify starts from."""
+
+    @abc.abstractmethod
+    def committed_windows(self) -> torch.Tensor:
+        """``[L, R, Kc-1, C]``: the conv inputs each request's next verify reads."""
+
+    @abc.abstractmethod
+    def tracked_snapshot(self, track: np.ndarray) -> tuple:
+        """What the kind's tracked slots hold for the rows tracked this step (``track [R]`` host int,
+        -1 none): ``(rows [n], states [L, n, HV, V, K], windows [L, n, Kc-1, C], bit mismatches [n]
+        against the state the snapshot must equal bit for bit, 0 where there is none to compare)``."""
+
+    @abc.abstractmethod
+    def buffers(self) -> list[torch.Tensor]:
+        """The persistent tensors a decode step writes besides the pool's (a captured step replays them)."""
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict:
+        """The kind's own state between chunks (CPU tensors), for a checkpoint."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`."""
+
+
+class MambaPoolFlow(FlowKind):
+    """What the kinds that keep SGLang's MambaPool slots share (copy-commit, kernel-commit): one
+    committed slot per request and one track slot, the NPU extended conv window rolled by the verify
+    conv and rolled back by the update (``drift.sim.pool.StatePool``, docs/semantics.md §3-§4)."""
+
+    def conv_verify(self, x: torch.Tensor, weight: torch.Tensor, drafts=None) -> torch.Tensor:
+        return kernels.conv_verify(self.pool.conv, self.pool.row_slots, x, weight)
+
+    def load_start(self, stored: torch.Tensor, window: torch.Tensor) -> None:
+        """Stored once in the state dtype, the conv window at the end of the buffer, the first D-1
+        rows stale (NaN: a read of them shows); the track slots NaN until a snapshot is taken."""
+        cfg, pool = self.cfg, self.pool
+        slots = pool.active_slots
+        pool.states[:, slots] = stored
+        W, Km1 = cfg.conv_window, cfg.conv_kernel - 1
+        buf = torch.full((cfg.num_layers, cfg.num_requests, W, cfg.conv_channels), STALE,
+                         dtype=pool.conv.dtype, device=pool.device)
+        buf[:, :, W - Km1:] = window.to(pool.device, pool.conv.dtype)
+        pool.conv[:, slots] = buf
+        pool.temporal[:, pool.row_track_slots[: cfg.num_requests]] = STALE
+        pool.conv[:, pool.row_track_slots[: cfg.num_requests]] = STALE
+
+    def touched(self, track_host: np.ndarray, drafts_host: Optional[np.ndarray] = None) -> np.ndarray:
+        """The request slots at every step, and the track slot of a row tracked that step."""
+        pool = self.pool
+        t = np.zeros((track_host.shape[0], pool.temporal.shape[1]), dtype=bool)
+        t[:, pool.request_slots] = True
+        rows, idx = np.nonzero(track_host >= 0)
+        t[rows, pool.track_slots[idx]] = True
+        return t
+
+    def committed_states(self) -> torch.Tensor:
+        return self.pool.states[:, self.pool.active_slots]
+
+    def committed_windows(self) -> torch.Tensor:
+        cfg, pool = self.cfg, self.pool
+        return pool.conv[:, pool.active_slots, cfg.conv_window - (cfg.conv_kernel - 1):]
+
+    def track_windows(self, rows_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The track slots of batch rows ``rows_t`` (int64 ``[n]``) and the Kc-1 conv inputs they hold."""
+        cfg, pool = self.cfg, self.pool
+        tslots = pool.row_track_slots[rows_t]
+        return tslots, pool.conv[:, tslots, cfg.conv_window - (cfg.conv_kernel - 1):].clone()

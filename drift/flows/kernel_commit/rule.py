@@ -1,0 +1,63 @@
+"""The kernel-commit kind's verify rule: SGLang 0.5.23's ReplaySSM spec verify
+(``gdn_replayssm_spec_circular_kernel``, ``launch_mode="verify"``, in
+``sglang/kernels/ops/attention/linear/gdn_replayssm_spec_decode.py``; docs/semantics.md §6)."""
+
+from __future__ import annotations
+
+import torch
+
+from ...sim.kernels import Plan, VerifyArgs, VerifyRule
+from ...sim.pool import STALE
+from .pool import ReplayPool, effective_states, put_records, split_hi_lo
+
+F32 = torch.float32
+
+
+class RingRule(VerifyRule):
+    """Over the run's :class:`~drift.flows.kernel_commit.pool.ReplayPool` (checkpoint slot
+    ``state_indices[b]``, ring slot ``replay_indices[b]``): a padded row (slot -1) computes nothing
+    and its outputs are zeros; a row whose ``is_flush`` is set is left to the flush launch, which
+    SGLang's spec path never runs (outputs uninitialised: NaN here, and no records). Every other row
+    starts from its checkpoint with the ring's ``write_pos`` records folded in and runs its S
+    tokens; no state is stored, and token t's record -- its delta ``d`` and normalised key ``k``, each
+    a bf16 high plus a bf16 low part, and its fp32 log-decay ``g`` -- goes to ring position
+    ``(cache_base + write_pos + t) & (RL - 1)`` when ``write_pos + t < RL``. drift's rendering of the
+    kernel's maths is the recurrent op's (the kernel's chunked UT form is the same in exact
+    arithmetic; docs/semantics.md §10)."""
+
+    name = "ring"
+    per_token_states = False
+    native = False  # its start states are a fold, and it keeps each token's delta
+
+    def __init__(self, pool: ReplayPool):
+        self.pool = pool
+
+    def _rows(self, args: VerifyArgs):
+        pool, dev = self.pool, args.mix_qkv.device
+        slots, replay = pool.state_indices.to(dev), pool.replay_indices.to(dev)
+        live = slots >= 0
+        flush = pool.is_flush.index_select(0, replay) != 0
+        return slots, replay, live, flush
+
+    def plan(self, args: VerifyArgs) -> Plan:
+        slots, replay, live, flush = self._rows(args)
+        states = effective_states(self.pool, replay, slots.clamp(min=0), args.nv)
+        return Plan(states=states, run=live & ~flush, deltas=True)
+
+    def finish(self, args: VerifyArgs, plan: Plan, out: torch.Tensor, deltas) -> torch.Tensor:
+        """The records of the rows that ran, where the ring has room; NaN outputs for flush rows."""
+        L, B, S, HV, V, K = args.dims
+        slots, replay, live, flush = self._rows(args)
+        pool, dev, RL = self.pool, out.device, self.pool.ring_len
+        wp = pool.write_pos.index_select(0, replay).to(torch.int64)
+        pos = wp[:, None] + torch.arange(S, device=dev)
+        store = plan.run[:, None] & (pos < RL)  # [B, S]
+        phys = (pool.cache_base.index_select(0, replay).to(torch.int64)[:, None] + pos) & (RL - 1)
+        rr = replay[:, None].expand(B, S)
+        _, k, _, _, _ = args.inputs(F32)  # [L, B, S, HV, K]
+        d_hi, d_lo = split_hi_lo(deltas.to(F32))  # [L, B, S, HV, V]
+        k_hi, k_lo = split_hi_lo(k[:, :, :, :: HV // args.nk])  # [L, B, S, H, K]: one value head per key head
+        for ring, val in ((pool.ring_d, d_hi), (pool.ring_d_lo, d_lo), (pool.ring_k, k_hi), (pool.ring_k_lo, k_lo),
+                          (pool.ring_g, args.g.to(F32))):
+            put_records(ring, rr, phys, store, val)
+        return torch.where(flush[None, :, None, None, None], torch.full_like(out, STALE), out)
