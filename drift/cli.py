@@ -219,8 +219,8 @@ def add_nightly(p: argparse.ArgumentParser) -> None:
 
 
 def _variants_of_flow(variants, args, preset: str, update: str, steps, layers) -> list[str]:
-    """The default variants that apply under ``--flow`` (the kernel-commit flow stores no state in its
-    verify: no stochastic rounding); each one left out is named on stderr with the reason."""
+    """The default variants that apply under ``--flow`` (a flow whose verify stores no state takes no
+    stochastic rounding: its kind refuses it); each one left out is named on stderr with the reason."""
     from .jobs.nightly import Entry
 
     keep = []

@@ -189,7 +189,7 @@ class SnapshotCatcher:
             return
         if not (view.track >= 0).any():
             return
-        # What the flow's tracked slots hold (a copy-commit track slot, or vLLM's align destination).
+        # What the flow's tracked slots hold (SGLang's track slot, or vLLM's align destination).
         rows, states, windows, _ = self.sim.flow.tracked_snapshot(view.track)
         for i, r in enumerate(rows.tolist()):
             if r in self.rows:

@@ -1,6 +1,9 @@
 """docs/extending.md holds: a kernel, a check and a profile registered from outside the package
 (tests/fixtures/toy_extension.py, one registry line each, loaded through $DRIFT_EXTENSIONS) run
-through ``drift run`` and through the pytest plugin end to end, and a failing toy check fails both."""
+through ``drift run`` and through the pytest plugin end to end, and a failing toy check fails both;
+and a new flow kind (tests/fixtures/toy_flow_kind.py: one class and one registry line, its flow,
+update and mutant one line each) runs through ``drift run``, the plugin, ``drift mutants`` and a
+short nightly, with no edit inside drift/."""
 
 from __future__ import annotations
 
@@ -16,25 +19,39 @@ from drift.check.registry import CHECKS
 from drift.cli import main
 from drift.config import PROFILES
 from drift.errors import EXIT_FAIL, EXIT_PASS
+from drift.flows.registry import FLOW_KINDS, FLOWS, UPDATES
 from drift.plug import extensions
 from drift.plug.loader import KERNELS
+from drift.plug.mutants import MUTANTS
 
 TOY = Path(__file__).resolve().parent / "fixtures" / "toy_extension.py"
+TOY_KIND = Path(__file__).resolve().parent / "fixtures" / "toy_flow_kind.py"
 RUN = ["run", "--steps", "32", "--profile", "toy-profile", "--kernel", "toy-kernel", "--quiet"]
+
+
+def _loaded_for_one_test(monkeypatch, path: Path, registries):
+    """The extension at ``path`` named in $DRIFT_EXTENSIONS for one test; what it registered removed after."""
+    monkeypatch.setenv(extensions.ENV, str(path))
+    before = {r: set(r) for r in registries}
+    yield
+    for reg, names in before.items():
+        for name in set(reg) - names:
+            reg.unregister(name)
+    extensions._loaded.pop(str(path), None)
+    sys.modules.pop(next((m for m, mod in sys.modules.items()
+                          if getattr(mod, "__file__", None) == str(path)), ""), None)
 
 
 @pytest.fixture
 def toy(monkeypatch):
     """The toy extension loaded for one test; its entries removed afterwards."""
-    monkeypatch.setenv(extensions.ENV, str(TOY))
-    before = {r: set(r) for r in (KERNELS, CHECKS, PROFILES)}
-    yield
-    for reg, names in before.items():
-        for name in set(reg) - names:
-            reg.unregister(name)
-    extensions._loaded.pop(str(TOY), None)
-    sys.modules.pop(next((m for m, mod in sys.modules.items()
-                          if getattr(mod, "__file__", None) == str(TOY)), ""), None)
+    yield from _loaded_for_one_test(monkeypatch, TOY, (KERNELS, CHECKS, PROFILES))
+
+
+@pytest.fixture
+def toy_kind(monkeypatch):
+    """The toy flow kind loaded for one test; its kind, flow, update and mutant removed afterwards."""
+    yield from _loaded_for_one_test(monkeypatch, TOY_KIND, (FLOW_KINDS, FLOWS, UPDATES, MUTANTS))
 
 
 def test_drift_run_uses_the_toy_kernel_check_and_profile(toy, tmp_path, capsys):
@@ -71,3 +88,48 @@ def test_the_plugin_runs_the_gate_through_the_toy_entries(tmp_path, limit, expec
     assert run.returncode == expect, run.stdout[-3000:] + run.stderr[-2000:]
     if expect:
         assert "toy state error" in run.stdout
+
+
+# ------------------------------------------------------------------------------ a new flow kind
+KIND_RUN = ["run", "--flow", "toy-gather", "--steps", "48", "--quiet"]
+
+
+def test_a_flow_kind_from_outside_runs_through_drift_run(toy_kind, tmp_path, capsys):
+    assert main(KIND_RUN + ["--report", str(tmp_path)]) == EXIT_PASS, capsys.readouterr().out
+    rep = json.loads((tmp_path / "report.json").read_text())
+    assert rep["config"]["flow"] == "toy-gather" and rep["run"]["update"] == "toy-gather-commit"
+    tracked = next(c for c in rep["checks"] if c["key"] == "tracked_snapshots")
+    assert tracked["verdict"] == "PASS" and "snapshots compared" in tracked["detail"]  # compared, not n/a
+
+
+def test_its_update_committing_the_wrong_step_fails(toy_kind, monkeypatch, capsys):
+    # Negative control: the same kind and update, the commit one step early.
+    monkeypatch.setenv("TOY_GATHER_STEP_SHIFT", "-1")
+    assert main(KIND_RUN) == EXIT_FAIL
+    assert "committed state" in capsys.readouterr().out.splitlines()[-1]
+
+
+def test_its_mutant_is_caught_and_runs_in_its_flow_without_flow(toy_kind, capsys):
+    assert main(["mutants", "--mutant", "toy_gather_one_late", "--steps", "64", "--json", "--quiet"]) == EXIT_PASS
+    [row] = json.loads(capsys.readouterr().out)
+    assert row["caught"] and row["flow"] == "toy-gather" and "committed_state" in row["caught_by"]
+    assert main(["run", "--update", "mutant:toy_gather_one_late", "--steps", "48", "--quiet"]) == EXIT_FAIL
+
+
+def test_a_short_nightly_runs_the_kind(toy_kind, tmp_path):
+    out = tmp_path / "nightly"
+    assert main(["nightly", "--flow", "toy-gather", "--preset", "ci-small", "--steps", "32", "--variant", "rne",
+                 "--report", str(out), "--quiet"]) == EXIT_PASS
+    rep = json.loads((out / "report.json").read_text())
+    [entry] = rep["entries"].values() if isinstance(rep["entries"], dict) else rep["entries"]
+    assert entry["config"]["flow"] == "toy-gather" and entry["verdict"] == "pass"
+
+
+@pytest.mark.parametrize("shift,expect", [("0", 0), ("-1", 1)])
+def test_the_plugin_gates_the_kinds_update(tmp_path, shift, expect):
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}, extensions.ENV: str(TOY_KIND),
+           "TOY_GATHER_STEP_SHIFT": shift}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs", "drift",
+                          "--drift-flow", "toy-gather", "--drift-steps", "32"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == expect, run.stdout[-3000:] + run.stderr[-2000:]

@@ -250,7 +250,7 @@ def builder_counts_rows_on_host(self) -> None:
 VLLM = "vllm"  # the flow whose bookkeeping these mutants break (drift/flows/in_place)
 
 
-# ---------------------------------------------------------- the kernel-commit flow's commit parts
+# ------------------------------------------------------- the sglang-replayssm flow's commit parts
 def ring_not_restarted(c) -> None:
     pass  # the finish launch dropped: write_pos keeps the folded records, the next verify folds them again
 
@@ -273,7 +273,7 @@ def fold_if_any_flush(c) -> None:
 
 
 REPLAY = "sglang-replayssm"  # the flow whose commit these mutants break (drift/flows/kernel_commit)
-SGLANG = "sglang"  # the flow of SGLang's copy-commit update, whose recipe the first mutants break
+SGLANG = "sglang"  # the flow of SGLang's commit-copy update, whose recipe the first mutants break
 
 
 def _replay(name: str, **part) -> Callable:

@@ -1,4 +1,4 @@
-"""SGLang 0.5.23's own ReplaySSM kernels in the kernel-commit flow (``--flow sglang-replayssm``),
+"""SGLang 0.5.23's own ReplaySSM kernels in their flow (``--flow sglang-replayssm``),
 from an installed ``sglang`` with ``triton`` (docs/semantics.md §6):
 
 * ``--kernel sglang-replayssm-triton``: :class:`ReplayVerifyAdapter` calls
@@ -83,7 +83,7 @@ def _commit_kernels():
 
 def sglang_commit(self, last_correct_step_indices, mamba_track_indices=None, mamba_steps_to_track=None):
     """SGLang 0.5.23's ReplaySSM commit kernels on a :class:`drift.flows.kernel_commit.flow.ReplayHarness`, then
-    drift's conv rollback (the engine's own code under test of the kernel-commit flow)."""
+    drift's conv rollback (the engine's own code under test of the sglang-replayssm flow)."""
     spec, circular = _commit_kernels()
     ss, mp = self.spec_state, self.mamba_pool
     last = last_correct_step_indices.to(torch.int64)

@@ -1,4 +1,4 @@
-"""vllm-ascend's GDN verify op in vLLM's in-place block flow: ``--kernel vllm-ascend`` (an NPU) and
+"""vllm-ascend's GDN verify op in vLLM's block flow (--flow vllm): ``--kernel vllm-ascend`` (an NPU) and
 ``--kernel vllm-ascend-op:<module|file.py>:<qualname>`` (any callable with its signature: a
 stand-in, or a new build).
 
@@ -24,7 +24,7 @@ AscendC op (``csrc/attention/recurrent_gated_delta_rule``), per GDN layer::
 Its kernel (``op_kernel/recurrent_gated_delta_rule.h: Process, ProcessHead, Compute``) starts row b
 from ``state[ssm_state_indices[seq0 + n - 1]]``, runs its tokens in fp32 (``exp(g)`` decay, the
 delta rule, ``q * scale``) and stores the state after token ``t`` at ``ssm_state_indices[seq0 + t]``
-(round to nearest): vLLM's in-place block rule (docs/semantics.md §6), without a NULL-block skip.
+(round to nearest): vLLM's block rule (docs/semantics.md §6), without a NULL-block skip.
 The adapter makes exactly that call, layer by layer, on drift's ``vllm`` flow (each row's own tokens
 packed by its length, as :func:`drift.plug.vllm_kernel.varlen` packs them, and the index table
 flattened unpacked, as vllm-ascend passes it: under ``--drafts ragged`` a short row shifts the next

@@ -9,7 +9,7 @@ starts from block ``ssm_state_indices[n, num_accepted_tokens[n] - 1]`` and write
 token ``t`` in place to block ``ssm_state_indices[n, t]`` (docs/semantics.md §6).
 
 Under drift's ``vllm`` flow (docs/semantics.md §6) the op gets vLLM's own arguments: the pool is
-vLLM's state cache, written in place. Under drift's copy-commit flows the adapter runs it per
+vLLM's state cache, written in place. Under drift's SGLang flows (sglang, npu-accepted) the adapter runs it per
 layer in a block buffer of its own: block 0 the
 NULL block, blocks ``1 + b * S + t`` row ``b``'s tokens; each row's start state (the committed
 state or the scratch block its accept count names, as drift's flow says:

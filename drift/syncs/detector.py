@@ -224,7 +224,7 @@ if DISPATCH_DETECTOR:
         """A tensor on the virtual accelerator: reports device ``meta``, holds CPU data in ``_inner``.
 
         Shape, strides, dtype and storage offset are those of the CPU tensor; views share its
-        storage, so in-place writes through any view land in the same memory. Reading the data
+        storage, so writes in place through any view land in the same memory. Reading the data
         on the host is a sync, so ``repr`` shows only the metadata. A *shape-only* virtual tensor
         holds a meta tensor instead (no data: for counting ops and bytes); an op touching one
         runs on meta, and one that needs its values raises :class:`VirtualDeviceError`.
