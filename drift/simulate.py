@@ -8,7 +8,7 @@ runs decode steps through them. Each step:
    buffer, the gating its ``g`` (docs/semantics.md §10);
 3. the verify op (the kernel under test) writes the state after every token into
    ``intermediate_ssm``, its arguments built as SGLang's Ascend backend builds them
-   (:mod:`drift.flows.copy_commit.backend`, docs/semantics.md §5-§6);
+   (by the flow's argument builder in its kind's package, docs/semantics.md §5-§6);
 4. the update under test commits (``mtp`` mode) -- or, in ``sequential`` mode, the
    accepted tokens are decoded one by one with the state stored after each;
 5. the slot guard checks that every slot neither committed nor tracked this step is

@@ -157,3 +157,31 @@ def test_pyproject_lists_every_package():
     found = {module_name(p.parent / "__init__.py") for p in ROOT.rglob("__init__.py")}
     assert found <= listed, f"not in pyproject.toml's packages: {sorted(found - listed)}"
     assert "drift._golden" in listed
+
+
+def _kind_mentions(files, names):
+    """``(path, line number, name)`` for each line of ``files`` that spells a flow kind's name
+    (as registered, or as its package ``drift/flows/<kind>/`` spells it)."""
+    spellings = {s for n in names for s in (n, n.replace("-", "_"))}
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, sorted(spellings))) + r")\b")
+    return [(p, i, m.group(1)) for p in files
+            for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+            for m in [pattern.search(line)] if m]
+
+
+def test_no_flow_kind_is_named_outside_its_package():
+    """A kind is one package plus one registry line: the stages around drift/flows reach kinds
+    through the registry and never name one. Exempt: drift/plug, whose updates, mutants and
+    engine adapters each target one kind's flow and import from its package by design, and the
+    generated --help text, which lists the registry."""
+    from drift.flows.registry import FLOW_KINDS
+    outside = [p for p in ROOT.rglob("*.py") if p.name != "_help.py"
+               and not {"flows", "plug"} & set(p.relative_to(ROOT).parts)]
+    assert not _kind_mentions(outside, list(FLOW_KINDS))
+
+
+def test_kind_mention_finder_finds_the_kinds_inside_their_packages():
+    """Negative control: the same scan over drift/flows finds every registered kind."""
+    from drift.flows.registry import FLOW_KINDS
+    found = {name for _, _, name in _kind_mentions(sorted((ROOT / "flows").rglob("*.py")), list(FLOW_KINDS))}
+    assert {n.replace("_", "-") for n in found} >= set(FLOW_KINDS)
