@@ -159,10 +159,10 @@ def test_pyproject_lists_every_package():
     assert "drift._golden" in listed
 
 
-def _kind_mentions(files, names):
+def _kind_mentions(files, names, packages=True):
     """``(path, line number, name)`` for each line of ``files`` that spells a flow kind's name
-    (as registered, or as its package ``drift/flows/<kind>/`` spells it)."""
-    spellings = {s for n in names for s in (n, n.replace("-", "_"))}
+    as registered (and, with ``packages``, as its package ``drift/flows/<kind>/`` spells it)."""
+    spellings = {s for n in names for s in ((n, n.replace("-", "_")) if packages else (n,))}
     pattern = re.compile(r"\b(" + "|".join(map(re.escape, sorted(spellings))) + r")\b")
     return [(p, i, m.group(1)) for p in files
             for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
@@ -178,6 +178,14 @@ def test_no_flow_kind_is_named_outside_its_package():
     outside = [p for p in ROOT.rglob("*.py") if p.name != "_help.py"
                and not {"flows", "plug"} & set(p.relative_to(ROOT).parts)]
     assert not _kind_mentions(outside, list(FLOW_KINDS))
+
+
+def test_no_registered_kind_name_anywhere_outside_the_flows():
+    """The issue's grep: a registered kind name (``copy-commit``, ...) appears in no module of
+    drift/ outside drift/flows, the plugs included (they import a kind's package, never its name)."""
+    from drift.flows.registry import FLOW_KINDS
+    outside = [p for p in ROOT.rglob("*.py") if "flows" not in p.relative_to(ROOT).parts]
+    assert not _kind_mentions(outside, list(FLOW_KINDS), packages=False)
 
 
 def test_kind_mention_finder_finds_the_kinds_inside_their_packages():
