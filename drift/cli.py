@@ -118,18 +118,32 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 # -------------------------------------------------------------------- bench
 def add_bench(p: argparse.ArgumentParser) -> None:
-    add_options(p.add_argument, CONFIG_OPTIONS, defaults={"preset": "qwen3.5-397b-tp16"})
+    from .jobs.bench import benchmarked_flows
+
+    # Only what drift bench times: full drafts, and the flows its naive loop mirrors.
+    add_options(p.add_argument, [n for n in CONFIG_OPTIONS if n not in ("drafts", "flow")],
+                defaults={"preset": "qwen3.5-397b-tp16"})
+    p.add_argument("--flow", metavar="F", type=_benchmarked_flow,
+                   help=f"the flow timed: {', '.join(benchmarked_flows())} (default: the preset's)")
     p.add_argument("--layers", type=positive_int, help="simulate only this many layers (default: all)")
     p.add_argument("--bench-steps", type=positive_int, default=20, help="timed steps per block of the vectorised simulator")
     p.add_argument("--naive-steps", type=positive_int, default=3, help="timed steps of the naive loop (median kept)")
     p.add_argument("--repeats", type=positive_int, default=5, help="timed blocks of --bench-steps steps (median kept)")
-    p.add_argument("--profile-steps", type=_non_negative_int,
+    p.add_argument("--stage-steps", type=_non_negative_int,
                    help="steps per stage profile of the eager and the checked step (0: none; default 4)")
     p.add_argument("--gate", action="store_true",
                    help="exit 1 when a median misses its target (bandwidth ratio 0.15, speedup 10x)")
     p.add_argument("--threads", type=positive_int, help="CPU threads (default: the faster of 1 and torch's default, probed)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+def _benchmarked_flow(text: str) -> str:
+    from .jobs.bench import benchmarked_flows
+
+    if text not in benchmarked_flows():
+        raise argparse.ArgumentTypeError(f"flow {text!r} is not benchmarked; allowed: {', '.join(benchmarked_flows())}")
+    return text
 
 
 def _non_negative_int(text: str) -> int:
@@ -147,7 +161,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .jobs.report import progress_printer
 
     cfg = config_from_args(args)
-    extra = {} if args.profile_steps is None else {"profile_steps": args.profile_steps}
+    extra = {} if args.stage_steps is None else {"stage_steps": args.stage_steps}
     res = bench(cfg, layers=args.layers, steps=args.bench_steps, naive_steps=args.naive_steps,
                 repeats=args.repeats, threads=args.threads,
                 progress=None if args.quiet else progress_printer(f"drift bench {cfg.name}", unit="part"), **extra)

@@ -193,3 +193,37 @@ def test_kind_mention_finder_finds_the_kinds_inside_their_packages():
     from drift.flows.registry import FLOW_KINDS
     found = {name for _, _, name in _kind_mentions(sorted((ROOT / "flows").rglob("*.py")), list(FLOW_KINDS))}
     assert {n.replace("_", "-") for n in found} >= set(FLOW_KINDS)
+
+
+def _glossary():
+    """(term, what-it-is cell) of each row of docs/semantics.md's glossary table."""
+    text = (ROOT.parent / "docs" / "semantics.md").read_text(encoding="utf-8")
+    body = text[text.index("## Glossary"):]
+    rows = [line.split("|")[1:-1] for line in body.splitlines() if line.startswith("| ")]
+    return [(cells[0].strip(), cells[1]) for cells in rows[1:] if cells[0].strip() != "drift's name"]
+
+
+def _spellings(term: str) -> set[str]:
+    words = term.split()
+    return {"_".join(words).lower(), "".join(w.capitalize() for w in words), "".join(words).lower()}
+
+
+def _used_in(source: str, term: str) -> bool:
+    return any(re.search(rf"\b{re.escape(s)}s?\b", source, re.I if s.islower() else 0) for s in _spellings(term))
+
+
+def test_each_glossary_term_is_a_name_the_code_uses():
+    """One name per idea: every term the glossary defines is spelled in drift's code (snake_case,
+    CamelCase or as one word), and every drift/ file a row cites exists."""
+    source = "\n".join(p.read_text(encoding="utf-8") for p in ROOT.rglob("*.py") if p.name != "_help.py")
+    rows = _glossary()
+    assert len(rows) >= 15, "the glossary table was not found"
+    assert not [t for t, _ in rows if not _used_in(source, t)]
+    cited = {m for _, cell in rows for m in re.findall(r"`(drift/[\w/]+\.py)", cell)}
+    assert not [c for c in cited if not (ROOT.parent / c).exists()]
+
+
+def test_the_glossary_check_finds_a_term_no_code_uses():
+    """Negative control: a term no code spells (the retired "start rule") is not found."""
+    source = "\n".join(p.read_text(encoding="utf-8") for p in ROOT.rglob("*.py") if p.name != "_help.py")
+    assert not _used_in(source, "start rule") and _used_in(source, "verify rule")

@@ -25,7 +25,7 @@ class CheckResult:
     @property
     def informational(self) -> bool:
         """Reported, never gated (e.g. the MTP-vs-sequential divergence)."""
-        return self.extra.get("kind") == "info"
+        return self.extra.get("role") == "info"
 
     @property
     def failed(self) -> bool:

@@ -36,7 +36,7 @@ def graph_result(status: GraphStatus, syncs: Optional[CheckResult], device: torc
     return CheckResult(name, syncs.passed, syncs.worst, syncs.limit, syncs.where,
                        f"{status.note}; the host-syncs check on the virtual device answers: "
                        f"{'no host sync, capturable' if syncs.passed else 'a host sync, which breaks capture'}",
-                       {**extra, "answered_by": "host_syncs", "kind": "info"})
+                       {**extra, "answered_by": "host_syncs", "role": "info"})
 
 
 def _mtp(ctx: RunContext) -> bool:

@@ -77,7 +77,7 @@ class SequentialShadow:
         per_head = np.round(self.final.max(1), 5).tolist()
         return CheckResult(self.name, True, self.worst, None, self.where,
                            f"reported, not gated: committed-state divergence; final per (layer, head) {per_head}",
-                           extra={"kind": "info", "divergence": self.curves.to_dict()})
+                           extra={"role": "info", "divergence": self.curves.to_dict()})
 
 
 CHECKS.add(CheckSpec("mtp_vs_sequential", "MTP vs sequential", 100, "never (reported, not gated: the "

@@ -33,11 +33,16 @@ from ..sim.stream import StepChunk
 from ..simulate import Simulation, StageClock
 
 UPDATE = "sglang-0.5.23"  # the update the vectorised simulator runs (and the naive loop mirrors)
+
+
+def benchmarked_flows() -> tuple[str, ...]:
+    """The flows drift bench times: those of :data:`UPDATE`'s kinds (its naive loop mirrors them)."""
+    return tuple(f for k in UPDATES[UPDATE].kinds for f in flows_of(k))
 COPY_BYTES = 256 << 20  # copy-bandwidth buffer: 8x the 32 MiB L3 of the reference machine
 COPY_REPEATS = 5
 WARMUP_STEPS = 2
 PROBE_STEPS = 3  # single steps timed per candidate thread count, to pick the count
-PROFILE_STEPS = 4  # steps per stage profile (the eager step, and drift run's checked step)
+STAGE_STEPS = 4  # steps per stage profile (the eager step, and drift run's checked step)
 # The simulator's speed targets on the 2-core CPU CI box (docs/speed.md): the verdict compares
 # the medians over the repeats with them.
 TARGETS = {"bandwidth_ratio": 0.15, "speedup": 10.0}
@@ -154,14 +159,14 @@ def _positive(name: str, value: int) -> None:
 
 def bench(cfg: Config, layers: Optional[int] = None, steps: int = 20, naive_steps: int = 3,
           repeats: int = 5, copy_bytes: int = COPY_BYTES, threads: Optional[int] = None,
-          profile_steps: int = PROFILE_STEPS, progress: Optional[Callable[..., None]] = None) -> dict:
+          stage_steps: int = STAGE_STEPS, progress: Optional[Callable[..., None]] = None) -> dict:
     """Time the vectorised and the naive step on ``cfg`` (first ``layers`` GDN layers).
 
     After a warm-up, per candidate CPU thread count (``threads``, or both 1 and torch's
     current count: on a shared machine intra-op threads can stall each other by whole
     scheduler slices): the copy bandwidth and a short probe of single steps. With the
     faster count: ``repeats`` blocks of ``steps`` vectorised steps, then ``naive_steps``
-    naive blocks of one step each, the copies again, and (``profile_steps`` > 0) the stage
+    naive blocks of one step each, the copies again, and (``stage_steps`` > 0) the stage
     profiles (:func:`stage_profile`). Every rate is the median over its blocks (one disturbed
     block does not move it), reported with its range; the copy bandwidth is the median of the
     copies with the same thread count (the same CPU resources), before and after the steps.
@@ -169,17 +174,18 @@ def bench(cfg: Config, layers: Optional[int] = None, steps: int = 20, naive_step
     (copy_bandwidth_GBps * 1e9)`` and the ``verdict`` on :data:`TARGETS`.
     ``progress(done, total, what)`` after each timed part (probe, block, naive step, profile).
     """
-    kinds = UPDATES[UPDATE].kinds
-    if FLOWS[cfg.flow].kind not in kinds:
+    if cfg.flow not in benchmarked_flows():
         raise ConfigError(f"drift bench times the flows {UPDATE} runs in (its naive loop mirrors it); --flow "
-                          f"{cfg.flow} is not benchmarked yet: pass --flow {' or '.join(f for k in kinds for f in flows_of(k))}")
+                          f"{cfg.flow} is not benchmarked yet: pass --flow {' or '.join(benchmarked_flows())}")
+    if cfg.drafts != "full":
+        raise ConfigError("drift bench times full drafts (every row verifies D tokens); drop --drafts")
     for name, value in (("steps", steps), ("naive_steps", naive_steps), ("repeats", repeats),
                         ("copy_bytes", copy_bytes)):
         _positive(name, value)
     if threads is not None:
         _positive("threads", threads)
-    if not isinstance(profile_steps, int) or isinstance(profile_steps, bool) or profile_steps < 0:
-        raise ConfigError(f"bench profile_steps={profile_steps!r} is invalid; allowed: an integer >= 0 (0: no profile)")
+    if not isinstance(stage_steps, int) or isinstance(stage_steps, bool) or stage_steps < 0:
+        raise ConfigError(f"bench stage_steps={stage_steps!r} is invalid; allowed: an integer >= 0 (0: no profile)")
     preset_layers = cfg.num_layers
     if layers is not None:
         _positive("layers", layers)
@@ -195,7 +201,7 @@ def bench(cfg: Config, layers: Optional[int] = None, steps: int = 20, naive_step
     copies, probes = {}, {}
     profiles = {}
     parts = [0, 1 + len(candidates) + repeats * (2 if captured is not None else 1) + naive_steps
-             + (1 if profile_steps else 0)]
+             + (1 if stage_steps else 0)]
 
     def tick(what: str, value):
         parts[0] += 1
@@ -223,8 +229,8 @@ def bench(cfg: Config, layers: Optional[int] = None, steps: int = 20, naive_step
                              _timed(dev, lambda: naive_step(sim, sim.stream.chunk(1), 0)))
                         for i in range(naive_steps)]
         copy_all = copies[chosen] + copy_bandwidths(dev, copy_bytes)
-        if profile_steps:
-            profiles = tick("stage profile", stage_profile(cfg, profile_steps))
+        if stage_steps:
+            profiles = tick("stage profile", stage_profile(cfg, stage_steps))
     finally:
         torch.set_num_threads(start_threads)
     nbytes = min_bytes_per_step(cfg)
@@ -300,7 +306,7 @@ def _target(median: float, spread: list[float], target: float) -> dict:
     return {"median": median, "range": spread, "target": target, "met": median >= target}
 
 
-def stage_profile(cfg: Config, steps: int = PROFILE_STEPS) -> dict:
+def stage_profile(cfg: Config, steps: int = STAGE_STEPS) -> dict:
     """Where a decode step's wall time goes, on ``cfg`` with the current thread count: per stage,
     milliseconds per step and the share of the step (:class:`drift.simulate.StageClock`), for
 

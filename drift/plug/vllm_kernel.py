@@ -14,7 +14,7 @@ layer in a block buffer of its own: block 0 the
 NULL block, blocks ``1 + b * S + t`` row ``b``'s tokens; each row's start state (the committed
 state or the scratch block its accept count names, as drift's flow says:
 :meth:`LayerOpAdapter.start_states`) is put in the block the kernel will read first
-(``1 + b * S + n_b - 1``), so the kernel's start rule and drift's agree; afterwards the token
+(``1 + b * S + n_b - 1``), so the kernel's verify rule and drift's agree; afterwards the token
 blocks are copied into drift's scratch. q and k are L2-normalised by drift in fp32 (the op's
 formula), q times the scale, passed with ``scale=1.0`` and ``use_qk_l2norm_in_kernel=False``;
 v, g in fp32; beta = sigmoid(b) in fp32; the fp32 output cast to bf16 (round to nearest).

@@ -103,7 +103,7 @@ def check_profile(prof: dict, stages: set, steps: int) -> None:
 def test_report_on_ci_small_is_consistent():
     cfg = preset("ci-small")
     threads = torch.get_num_threads()
-    res = bench(cfg, steps=2, naive_steps=1, repeats=2, copy_bytes=SMALL_COPY, profile_steps=2)
+    res = bench(cfg, steps=2, naive_steps=1, repeats=2, copy_bytes=SMALL_COPY, stage_steps=2)
     check_report(res)
     check_profile(res["stage_profile"]["eager_step"], EAGER_STAGES, 2)
     check_profile(res["stage_profile"]["checked_step"], CHECKED_STAGES, 2)
@@ -120,13 +120,13 @@ def test_report_on_ci_small_is_consistent():
     assert f"GDN verify: {want}; native kernel status: {native.status()}" in text
     assert "checked step (" in text and "float64 twin" in text
     sr = bench(cfg.replace(store_rounding="stochastic"), steps=1, naive_steps=1, repeats=1, copy_bytes=SMALL_COPY,
-               profile_steps=0)
+               stage_steps=0)
     assert sr["verify_kernel"] == "portable, torch ops" and sr["stage_profile"] == {}
 
 
 def test_fewer_layers_of_the_deployment_preset():
     res = bench(preset("qwen3.5-397b-tp16"), layers=1, steps=1, naive_steps=1, repeats=1,
-                copy_bytes=SMALL_COPY, threads=1, profile_steps=0)
+                copy_bytes=SMALL_COPY, threads=1, stage_steps=0)
     check_report(res)
     assert (res["layers"], res["preset_layers"], res["torch_threads"]) == (1, 45, 1)
     assert list(res["probe_steps_per_s_by_threads"]) == ["1"]
@@ -151,20 +151,30 @@ def test_min_bytes_counts_each_part_once():
 
 @pytest.mark.parametrize("field,kwargs", [("steps", {"steps": 0}), ("naive_steps", {"naive_steps": -1}),
                                           ("layers", {"layers": 0}), ("threads", {"threads": 0}),
-                                          ("profile_steps", {"profile_steps": -1})])
+                                          ("stage_steps", {"stage_steps": -1})])
 def test_bad_arguments_name_the_field(field, kwargs):
     with pytest.raises(ConfigError, match=f"bench {field}="):
         bench(preset("ci-small"), **kwargs)
 
 
 def test_cli_json_and_usage_error(capsys, small_copies):
-    rc = main(["bench", "--preset", "ci-small", "--bench-steps", "1", "--naive-steps", "1",
-               "--repeats", "1", "--threads", "1", "--profile-steps", "0", "--json"])
+    rc = main(["bench", "--preset", "ci-small", "--flow", "sglang", "--bench-steps", "1", "--naive-steps", "1",
+               "--repeats", "1", "--threads", "1", "--stage-steps", "0", "--json"])
     assert rc == 0
     check_report(json.loads(capsys.readouterr().out))
     with pytest.raises(SystemExit) as exc:  # rejected by the parser: exit 2 before any work
         main(["bench", "--preset", "ci-small", "--bench-steps", "0"])
     assert exc.value.code == 2
+
+
+@pytest.mark.parametrize("argv,says", [(["--flow", "vllm"], "flow 'vllm' is not benchmarked; allowed: sglang"),
+                                       (["--drafts", "ragged"], "unrecognized arguments: --drafts")])
+def test_bench_offers_only_what_it_times(capsys, argv, says):
+    """drift bench lists only the flows its naive loop mirrors and no --drafts: the parser refuses
+    the others with exit 2 (the control: the benchmarked flow parses, in test_cli_json_and_usage_error)."""
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--preset", "ci-small", *argv])
+    assert exc.value.code == 2 and says in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("scale,verdict", [(1e-12, "targets met"), (1e12, "below target")])
@@ -177,7 +187,7 @@ def test_gate_exits_on_the_median_verdict(monkeypatch, capsys, small_copies, sca
     for name, value in dict(bench_mod.TARGETS).items():
         monkeypatch.setitem(bench_mod.TARGETS, name, value * scale)
     args = ["bench", "--preset", "ci-small", "--bench-steps", "1", "--naive-steps", "1", "--repeats", "3",
-            "--threads", "1", "--profile-steps", "0"]
+            "--threads", "1", "--stage-steps", "0"]
     assert main([*args, "--gate"]) == (0 if verdict == "targets met" else 1)
     assert f"verdict     {verdict}" in capsys.readouterr().out
     if verdict != "targets met":

@@ -34,7 +34,7 @@ def test_tradeoff_reports_every_run():
 
 def test_bench_reports_each_timed_part():
     calls, record = _recorder()
-    bench(preset("ci-small").replace(num_layers=1), steps=1, naive_steps=1, repeats=1, threads=1, profile_steps=0,
+    bench(preset("ci-small").replace(num_layers=1), steps=1, naive_steps=1, repeats=1, threads=1, stage_steps=0,
           progress=record)
     total = calls[0][1]
     # warm-up, one probe, one block, one naive step (no device graph on a CPU, no stage profile)
