@@ -227,3 +227,13 @@ def test_the_glossary_check_finds_a_term_no_code_uses():
     """Negative control: a term no code spells (the retired "start rule") is not found."""
     source = "\n".join(p.read_text(encoding="utf-8") for p in ROOT.rglob("*.py") if p.name != "_help.py")
     assert not _used_in(source, "start rule") and _used_in(source, "verify rule")
+
+
+def test_every_path_the_docs_cite_exists():
+    """README.md and docs/*.md cite drift/ and tests/ files by path; each must exist (a moved module
+    leaves no stale pointer)."""
+    repo = ROOT.parent
+    texts = [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]
+    cited = {m for t in texts for m in re.findall(r"\b((?:drift|tests)/[\w/]+\.py)\b", t.read_text(encoding="utf-8"))}
+    assert cited, "no cited path found: the pattern is wrong"
+    assert sorted(c for c in cited if not (repo / c).exists()) == []
