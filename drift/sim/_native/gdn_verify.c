@@ -434,34 +434,40 @@ static void decode_items(int64_t w0, int64_t w1, int64_t R, int64_t D, int64_t H
     for (int64_t w = w0; w < w1; ++w) {
         const int64_t hv = w % HV, r = (w / HV) % R, l = w / (HV * R);
         double *restrict S = state + w * KV;
-        for (int64_t t = 0; t < D; ++t) {
-            const int64_t tok = ((l * R + r) * D + t) * HV + hv;
-            const double *restrict qt = q + tok * K, *restrict kt = k + tok * K;
-            const double *restrict vt = v + tok * V;
-            const int active = t < ntok[r];
-            const double d = active ? dec[tok] : 1.0, bt = active ? beta[tok] : 0.0;
-            double n2 = 0.0;
-            int64_t row = 0;
-            if (ROWS64_FAST(K))
-                for (; row + GR64 <= V; row += GR64) { /* GR64 rows at a time; the rest one by one */
+        double n2[D]; /* per token, ||S||_F^2 summed over the rows in row order */
+        for (int64_t t = 0; t < D; ++t) n2[t] = 0.0;
+        /* The rows evolve independently: each group of rows (GR64 at a time, then one by one) runs
+         * through all D tokens while it stays in L1; every row sees the same operations in the same
+         * order as token by token over the whole state. */
+        for (int64_t row = 0; row < V;) {
+            const int64_t nr = ROWS64_FAST(K) && row + GR64 <= V ? GR64 : 1;
+            double *restrict Sg = S + row * K;
+            for (int64_t t = 0; t < D; ++t) {
+                const int64_t tok = ((l * R + r) * D + t) * HV + hv;
+                const double *restrict qt = q + tok * K, *restrict kt = k + tok * K;
+                const double *restrict vt = v + tok * V + row;
+                const int active = t < ntok[r];
+                const double d = active ? dec[tok] : 1.0, bt = active ? beta[tok] : 0.0;
+                if (nr == GR64) {
                     double sd[GR64], u[GR64], so[GR64], s2[GR64];
-                    decay_dot64_rows(S + row * K, K, kt, d, sd);
-                    for (int g = 0; g < GR64; ++g) u[g] = (vt[row + g] - sd[g]) * bt;
-                    axpy_dot64_rows(S + row * K, K, kt, qt, u, so, s2);
+                    decay_dot64_rows(Sg, K, kt, d, sd);
+                    for (int g = 0; g < GR64; ++g) u[g] = (vt[g] - sd[g]) * bt;
+                    axpy_dot64_rows(Sg, K, kt, qt, u, so, s2);
                     for (int g = 0; g < GR64; ++g) {
                         out[tok * V + row + g] = so[g];
-                        n2 += s2[g];
+                        n2[t] += s2[g];
                     }
+                } else {
+                    const double u = (vt[0] - decay_dot64(Sg, kt, d, K)) * bt;
+                    out[tok * V + row] = axpy_dot64(Sg, kt, qt, u, K, &n2[t]);
                 }
-            for (; row < V; ++row) {
-                double *restrict Sr = S + row * K;
-                const double u = (vt[row] - decay_dot64(Sr, kt, d, K)) * bt;
-                out[tok * V + row] = axpy_dot64(Sr, kt, qt, u, K, &n2);
+                for (int64_t c = 0; c < ncap; ++c)
+                    if (cap_steps[c * R + r] == t)
+                        memcpy(cap_out[c] + w * KV + row * K, Sg, (size_t)(nr * K) * sizeof(double));
             }
-            norms[tok] = n2;
-            for (int64_t c = 0; c < ncap; ++c)
-                if (cap_steps[c * R + r] == t) memcpy(cap_out[c] + w * KV, S, (size_t)KV * sizeof(double));
+            row += nr;
         }
+        for (int64_t t = 0; t < D; ++t) norms[((l * R + r) * D + t) * HV + hv] = n2[t];
     }
 }
 
