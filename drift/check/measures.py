@@ -240,8 +240,9 @@ def _outputs_batch(comp, batch: Batch) -> None:
     buf, rows = comp.buf, batch.rows
     o_run = batch.snap["out"].to(F64)
     m6 = batch.m[:, None, :, :, None, None]
-    buf["out_err2"][rows] = ((o_run - batch.twin.out) * m6).square().sum((3, 5))
-    buf["out_ref2"][rows] = (batch.twin.out * m6).square().sum((3, 5))
+    # In place where the operand is a temporary of its own: fewer batch-sized buffers, the same values.
+    buf["out_err2"][rows] = (o_run - batch.twin.out).mul_(m6).square_().sum((3, 5))
+    buf["out_ref2"][rows] = (batch.twin.out * m6).square_().sum((3, 5))
     # Round to nearest moves a value by at most half an ulp of the result (an ulp of a bf16
     # output bounds the ulp of the fp32 value it was rounded from).
     buf["out_round2"][rows] = (ulp_sq(o_run, torch.bfloat16) * m6).sum((3, 5)) / 4.0
@@ -283,11 +284,12 @@ def _tracked_batch(comp, batch: Batch) -> None:
     i = torch.tensor([batch.idx[j] for j, s in zip(steps, snaps) for _ in s[0]], device=dev)
     local = torch.tensor([j for j, s in zip(steps, snaps) for _ in s[0]], device=dev)
     r = torch.from_numpy(np.concatenate([s[0] for s in snaps])).to(dev)
-    got = torch.cat([s[1] for s in snaps], 1).to(dev, F64)  # [L, m, HV, V, K]
+    got = torch.cat([s[1] for s in snaps], 1).to(dev)  # [L, m, HV, V, K] in the state dtype
     ref = torch.cat([tw.tracked[j][1] for j in steps], 1)  # the twin's, same rows in the same order
     buf["trk_bits_bad"][i, r] = torch.cat([s[3] for s in snaps]).to(dev, F64)
-    buf["trk_err2"][i, :, r] = (got - ref).square().sum((-1, -2)).transpose(0, 1)
-    buf["trk_ref2"][i, :, r] = ref.square().sum((-1, -2)).transpose(0, 1)
+    # got - ref computes in float64 (exact upcast); squared in place: fewer batch-sized buffers
+    buf["trk_err2"][i, :, r] = (got - ref).square_().sum((-1, -2)).transpose(0, 1)
+    buf["trk_ref2"][i, :, r] = ref.square_().sum((-1, -2)).transpose(0, 1)
     win = torch.cat([s[2] for s in snaps], 1).to(dev, F64)  # [L, m, Kc-1, C]
     buf["trk_conv_bad"][i, r] = (win != tw.track_window[local, :, r].transpose(0, 1)).sum((0, 2, 3)).to(F64)
 
