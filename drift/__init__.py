@@ -3,7 +3,7 @@ hybrid linear-attention models (Gated DeltaNet) -- SGLang's
 ``update_mamba_state_after_mtp_verify`` on Ascend NPU, CUDA and CPU.
 
 Packages follow the data flow, each importing only the ones before it:
-  config, defaults, errors, devices, fileio, checkpoint, openmp   foundations
+  config, defaults, errors, devices, fileio, checkpoint   foundations
   sim      input stream -> kernels (+ naive float64 definitions, native CPU kernel)
            -> float64 twin -> state pool and backend harness
   plug     the code under test: spec grammar, sgl_kernel_npu shim, built-in updates
