@@ -11,6 +11,8 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from .openmp import openmp_defaults
+
 HELP_FLAGS = ("-h", "--help")
 
 
@@ -35,14 +37,6 @@ def quick_answer(argv: Sequence[str]) -> Optional[str]:
     if " ".join(words[:2]) in HELP:
         return HELP[" ".join(words[:2])]
     return HELP.get(words[0])
-
-
-def openmp_defaults(environ=os.environ) -> None:
-    """Let idle OpenMP threads sleep unless the user chose otherwise (``OMP_WAIT_POLICY``), before
-    torch loads its OpenMP runtime. Spinning workers fight every other process for the cores: on
-    this project's 2-core machine with one other job running, a default ``drift run`` took 48.6 s
-    and 91.6 s spinning against 25.4 s and 23.0 s passive (2026-12-01, docs/speed.md)."""
-    environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

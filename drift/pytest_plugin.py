@@ -16,6 +16,11 @@ pytest-regressions' ``--force-regen``).
 
 Markers: ``cuda``, ``npu`` (a test needing that device skips, naming it, when the run did not
 ask for the device, and fails when it asked and the device is absent) and ``nightly``.
+
+OpenMP: the ``drift`` command's defaults (drift/openmp.py), applied when pytest imports this
+plugin, before the imports below load torch: ``OMP_WAIT_POLICY=PASSIVE`` unless set, inherited by
+pytest-xdist's workers (each imports this plugin afresh); where torch was imported before the
+plugin, one intra-op thread instead. pytest's header says which.
 """
 
 from __future__ import annotations
@@ -23,6 +28,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+
+from drift.openmp import openmp_defaults
+
+OPENMP = openmp_defaults()  # first: the imports below load torch and its OpenMP runtime
 
 from drift.check.golden import GOLDEN_PRESETS, load_golden, regenerate, write_trace_golden
 from drift.runspec import RunSpec
@@ -64,9 +73,9 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(f"--drift-trace {trace}: {exc}") from None
 
 
-def pytest_report_header(config: pytest.Config) -> str:
-    """Which GDN verify the CPU runs (the native C kernel, or why the torch-op path)."""
-    return f"drift: CPU GDN verify: {native.status()}"
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """Which GDN verify the CPU runs (the native C kernel, or why the torch-op path); OpenMP's defaults."""
+    return [f"drift: CPU GDN verify: {native.status()}", f"drift: OpenMP: {OPENMP}"]
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

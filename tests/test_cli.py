@@ -228,11 +228,32 @@ def test_the_command_lets_idle_openmp_threads_sleep_unless_told_otherwise():
     from drift.__main__ import openmp_defaults
 
     env = {}
-    openmp_defaults(env)
+    openmp_defaults(env, modules={})
     assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
     mine = {"OMP_WAIT_POLICY": "ACTIVE"}  # the user's choice stands
-    openmp_defaults(mine)
+    openmp_defaults(mine, modules={})
     assert mine == {"OMP_WAIT_POLICY": "ACTIVE"}
+
+
+def test_openmp_defaults_take_one_thread_where_torch_read_the_environment_already():
+    """torch imported before the defaults (the pytest plugin after a conftest or another plugin):
+    its runtime spins as it read the environment, so torch gets one thread, unless the user chose
+    the policy or the thread count. (The live pytest runs: tests/plug/test_plugin.py.)"""
+    from drift.openmp import openmp_defaults
+
+    class FakeTorch:
+        def __init__(self):
+            self.calls = []
+
+        def set_num_threads(self, n):
+            self.calls.append(n)
+
+    cases = [({}, [1]), ({"OMP_NUM_THREADS": "4"}, []), ({"OMP_WAIT_POLICY": "ACTIVE"}, [])]
+    for env, calls in cases:
+        torch = FakeTorch()
+        said = openmp_defaults(env, modules={"torch": torch})
+        assert torch.calls == calls, (env, said)
+        assert env["OMP_WAIT_POLICY"] in ("PASSIVE", "ACTIVE") and env["OMP_WAIT_POLICY"] in said
 
 
 def test_an_interrupt_while_starting_exits_130_without_a_traceback(monkeypatch, capsys):

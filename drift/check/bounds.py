@@ -34,7 +34,7 @@ from .checks import Check
 from .registry import CHECKS, CheckSpec
 from .result import CheckResult
 from .compare import MetricsChunk
-from .metrics import DriftCurves, growth_exponent, rel_err, ulp_err
+from .metrics import DriftCurves, growth_exponents, rel_err, ulp_err
 
 # Variance of one store rounding in units of ulp^2: uniform error on [-ulp/2, ulp/2] for
 # round-to-nearest (1/12); p(1-p) ulp^2 with p uniform for stochastic rounding (1/6).
@@ -164,13 +164,7 @@ class BoundCheck(Check):
         """
         x, y = self.curves.curve("rel_err", "mean")
         start = max(64.0, float(x.max()) / 64.0) if len(x) else 64.0
-        L, H = self.curves.shape
-        out = np.full((L, H), np.nan)
-        for l in range(L):
-            for h in range(H):
-                g = growth_exponent(x, y[:, l, h], start)
-                out[l, h] = np.nan if g is None else g
-        return out
+        return growth_exponents(x, y, start) if len(x) else np.full(self.curves.shape, np.nan)
 
     def summary(self) -> dict:
         x, rel = self.curves.curve("rel_err", "max") if self.curves.series else (np.zeros(0), None)

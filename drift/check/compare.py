@@ -95,6 +95,7 @@ class Comparison:
         self.twin = Float64Twin(cfg, sim.stream.params, dev, sim.prefill_state, sim.prefill_window)
         S, L, R, HV = sim.stream.chunk_steps, cfg.num_layers, cfg.num_requests, cfg.num_v_heads
         self.measures = declared(self.consumers)
+        self.keep_states = any(m.states for m in self.measures)
         self.buf: dict[str, torch.Tensor] = {}
         for m in self.measures:
             self.buf.update({k: torch.zeros(S, L, R, HV, dtype=F64, device=dev) for k in m.head})
@@ -142,8 +143,9 @@ class Comparison:
         """Snapshot the step (a few device copies); the comparison itself runs once per batch of
         up to ``batch`` steps (:data:`BATCH_BYTES` of snapshots, at most a chunk)."""
         views = self._views(view)
-        if self._snap is None:
-            per_step = sum(t.numel() * t.element_size() for t in views.values())
+        if self._snap is None:  # the twin's committed state of each step is held too, when kept
+            per_step = sum(t.numel() * t.element_size() for t in views.values()) + (
+                self.twin.state.numel() * self.twin.state.element_size() if self.keep_states else 0)
             self.batch = int(max(1, min(self.sim.stream.chunk_steps, BATCH_BYTES // max(per_step, 1))))
             self._snap = {k: torch.empty((self.batch, *t.shape), dtype=t.dtype, device=t.device)
                           for k, t in views.items()}
@@ -158,22 +160,18 @@ class Comparison:
             self._process()
 
     def _process(self) -> None:
-        """Advance the twin through the buffered steps; each measure computes after every step
-        (``on_step``: the recurrence-dependent ones, with the twin at that step) and once over the
-        batch (``on_batch``: everything that vectorises over steps)."""
+        """Advance the twin through the buffered steps, keeping its values at each (with the
+        committed states when a measure reads them), then let each measure compute over the batch
+        (``on_batch``); a measure with an ``on_step`` hook (and each twin listener) is also called
+        after every step, with the twin at that step."""
         n = len(self._pending)
         if n == 0:
             return
-        cfg, twin, dev = self.sim.cfg, self.twin, self.ref_device
-        R, D = cfg.num_requests, cfg.num_draft_tokens
-        L, HV, V = cfg.num_layers, cfg.num_v_heads, cfg.head_v_dim
+        twin, dev, D = self.twin, self.ref_device, self.sim.cfg.num_draft_tokens
         pending = self._pending
         batch = Batch(
             n=n, snap={k: v[:n].to(dev) for k, v in self._snap.items()}, idx=[p[0] for p in pending],
             pre=np.stack([p[1] for p in pending]), accept=np.stack([p[2] for p in pending]),
-            tw_out=torch.empty(n, L, R, D, HV, V, dtype=F64, device=dev),
-            tw_win=torch.empty(n, *twin.window.shape, dtype=F64, device=dev),
-            tw={k: torch.empty(n, L, R, D, HV, dtype=F64, device=dev) for k in ("decay", "beta", "norm2")},
             marks=[self._marks(p[1], p[2]) for p in pending],
             extra={m.key: [p[4][m.key] for p in pending] for m in self.measures if m.snapshot is not None})
         stepwise = [m.on_step for m in self.measures if m.on_step is not None]
@@ -181,15 +179,13 @@ class Comparison:
         def after_twin_step(j: int) -> None:
             for listener in self.twin_listeners:
                 listener(pending[j][5], twin)
-            batch.tw_out[j] = twin.out
-            batch.tw_win[j] = twin.window
-            for k in batch.tw:
-                batch.tw[k][j] = getattr(twin, k)
             for on_step in stepwise:
                 on_step(self, batch, j)
 
-        twin.advance_batch(batch.snap["x"], batch.snap["a"], batch.snap["b"], batch.accept,
-                           np.stack([p[3] for p in pending]), batch.marks, after_twin_step)
+        batch.twin = twin.advance_batch(batch.snap["x"], batch.snap["a"], batch.snap["b"], batch.accept,
+                                        np.stack([p[3] for p in pending]), batch.marks,
+                                        after_twin_step if stepwise or self.twin_listeners else None,
+                                        keep_states=self.keep_states)
         batch.m = torch.arange(D, device=dev)[None, None, :] < torch.from_numpy(batch.accept).to(dev)[:, :, None]
         batch.rows = torch.tensor(batch.idx, dtype=torch.int64, device=dev)
         for m in self.measures:

@@ -10,8 +10,11 @@ tests/check/test_measures.py):
 * ``start(comp)``: once, when the run starts (``comp.sim`` is there);
 * ``snapshot(comp, view) -> Any``: at the simulation step, what must be taken before the next step
   overwrites it (stored with the step, read back as ``batch.extra[key][j]``);
-* ``on_step(comp, batch, j)``: once the float64 twin has advanced through buffered step ``j``;
-* ``on_batch(comp, batch)``: after the twin went through the whole batch of steps.
+* ``on_step(comp, batch, j)``: once the float64 twin has advanced through buffered step ``j``
+  (``comp.twin`` at that step);
+* ``on_batch(comp, batch)``: after the twin went through the whole batch of steps (its values at
+  every step in ``batch.twin``; with ``states``, its committed states too). The built-in measures
+  all compute here, over the batch at once.
 
 Arrays are float64 on the comparison's reference device: per head ``[S, L, R, HV]`` (``head``),
 per row ``[S, R]`` (``row``), and boolean per-head flags that start True (``flags``).
@@ -29,6 +32,7 @@ import torch
 from ..dtypes import store_dtype
 from ..registry import Registry
 from ..sim import native
+from ..sim.twin import TwinSteps
 
 F64 = torch.float64
 
@@ -43,6 +47,7 @@ class Measure:
     row: tuple[str, ...] = ()
     flags: tuple[str, ...] = ()
     needs: tuple[str, ...] = ()
+    states: bool = False  # reads the twin's committed state of every step (batch.twin.state)
     start: Optional[Callable[[Any], None]] = None
     snapshot: Optional[Callable[[Any, Any], Any]] = None
     on_step: Optional[Callable[[Any, "Batch", int], None]] = None
@@ -85,9 +90,9 @@ class Batch:
 
     snap: the run's views per step (``run`` committed states, ``out``, ``win``, inputs), stacked
     ``[n, ...]`` on the reference device; idx ``[n]`` chunk rows; pre / accept ``[n, R]`` host int;
-    rows ``[n]`` device; m ``[n, R, D]`` accepted tokens (filled after the twin ran); tw_out
-    ``[n, L, R, D, HV, V]``, tw_win, and tw decay / beta / norm2 ``[n, L, R, D, HV]``: the twin's
-    per-step values; extra: per measure, what its ``snapshot`` took at each step.
+    marks: per step, the golden checkpoint marks (None or ``[R]``); extra: per measure, what its
+    ``snapshot`` took at each step. Filled once the twin ran: ``twin``, its values at every step
+    (:class:`~drift.sim.twin.TwinSteps`), rows ``[n]`` device, m ``[n, R, D]`` accepted tokens.
     """
 
     n: int
@@ -95,12 +100,10 @@ class Batch:
     idx: list
     pre: np.ndarray
     accept: np.ndarray
-    tw_out: torch.Tensor
-    tw_win: torch.Tensor
-    tw: dict
     marks: list
     extra: dict = field(default_factory=dict)
-    scratch: dict = field(default_factory=dict)  # per-batch values a measure keeps between hooks
+    scratch: dict = field(default_factory=dict)  # per-batch values a measure hands a later one
+    twin: Optional[TwinSteps] = None
     rows: Optional[torch.Tensor] = None
     m: Optional[torch.Tensor] = None
 
@@ -131,10 +134,10 @@ STATE_SUMS = ("err2", "ref2", "run2", "ulp2_run", "ulp4_run", "ulp2_bf16")  # na
 
 
 def state_sums_torch(run: torch.Tensor, truth: torch.Tensor, dtype: torch.dtype):
-    """The committed-state reductions of one step, torch reducer: ``run`` the committed states
-    ``[L, R, HV, V, K]`` (the state dtype), ``truth`` the twin's (float64). Returns the float64
-    sums ``[L, R, HV]`` by name (:data:`STATE_SUMS`), ``finite`` ``[L, R, HV]`` bool, and the
-    run's key-column shares of its rounding energy ``[L, R, HV, K]``."""
+    """The committed-state reductions, torch reducer: ``run`` the committed states ``[..., L, R, HV,
+    V, K]`` (the state dtype; one step or a batch of them), ``truth`` the twin's (float64). Returns
+    the float64 sums ``[..., L, R, HV]`` by name (:data:`STATE_SUMS`), ``finite`` ``[..., L, R, HV]``
+    bool, and the run's key-column shares of its rounding energy ``[..., L, R, HV, K]``."""
     run = run.to(truth.device, F64)
     u2 = ulp_sq(run, dtype)
     sums = {"err2": (run - truth).square().sum((-1, -2)), "ref2": truth.square().sum((-1, -2)),
@@ -157,20 +160,22 @@ def _state_start(comp) -> None:
     comp.ulp2_initial = u2.sum((-1, -2)).cpu().numpy()
     comp.ulp4_initial = u2.square().sum((-1, -2)).cpu().numpy()
     comp.col_frac = key_columns(u2)  # of the last committed state compared
-    comp.col_frac_before = comp.col_frac
     comp.native_state_sums = (dev.type == "cpu" and native.available()
                               and store_dtype(pool.temporal.dtype).native)
 
 
-def _state_step(comp, batch: Batch, j: int) -> None:
-    run, truth, dtype = batch.snap["run"][j], comp.twin.state, comp.sim.pool.temporal.dtype
+def _state_batch(comp, batch: Batch) -> None:
+    """Every step's committed state against the twin's, in one pass (each state block's sums are
+    its own: the same numbers as step by step). Leaves ``scratch["col_before"]`` ``[n, L, R, HV,
+    K]``: the key-column shares of the state each step started from."""
+    run, truth, dtype = batch.snap["run"], batch.twin.state, comp.sim.pool.temporal.dtype
     native_ok = comp.native_state_sums and type(run) is torch.Tensor and run.device.type == "cpu"
     sums, finite, col = (state_sums_native if native_ok else state_sums_torch)(run, truth, dtype)
-    i = batch.idx[j]
     for name, value in sums.items():
-        comp.buf[name][i] = value
-    comp.buf["finite"][i] = finite
-    comp.col_frac_before, comp.col_frac = comp.col_frac, col
+        comp.buf[name][batch.rows] = value
+    comp.buf["finite"][batch.rows] = finite
+    batch.scratch["col_before"] = torch.cat([comp.col_frac[None], col[:-1]])
+    comp.col_frac = col[-1]
 
 
 MEASURES.register("state", Measure(
@@ -181,17 +186,10 @@ MEASURES.register("state", Measure(
           "ulp2_run",    # ||ulp(run)||_F^2 in the state dtype: the size of one store rounding
           "ulp4_run",    # sum ulp(run)^4: how much one rounding's energy fluctuates
           "ulp2_bf16"),  # ||ulp_bf16(twin)||_F^2: the unit of the bf16-ULP error metric
-    flags=("finite",), start=_state_start, on_step=_state_step))
+    flags=("finite",), states=True, start=_state_start, on_batch=_state_batch))
 
 
 # ----------------------------------------------------------------------- bound model terms
-def _bound_step(comp, batch: Batch, j: int) -> None:
-    if "qc" not in batch.scratch:
-        batch.scratch["qc"] = torch.empty_like(batch.tw["decay"])
-    # sum_k q_k^2 c_k with c the key-column shares of the state this step started from
-    batch.scratch["qc"][j] = (comp.twin.q_sq * comp.col_frac_before[:, :, None]).sum(-1)
-
-
 def _bound_batch(comp, batch: Batch) -> None:
     """Contraction of the error energy over each step, and the weight of its roundings.
 
@@ -203,9 +201,11 @@ def _bound_batch(comp, batch: Batch) -> None:
     last accepted token; sequential decode after every token; the fp32 compute rounds
     at every token in both.
     """
-    buf, rows, m, qc = comp.buf, batch.rows, batch.m, batch.scratch["qc"]
+    buf, rows, m, tw = comp.buf, batch.rows, batch.m, batch.twin
     mm = m[:, None, :, :, None]  # [n, 1, R, D, 1]
-    decay, beta, norm2 = batch.tw["decay"], batch.tw["beta"], batch.tw["norm2"]
+    decay, beta, norm2 = tw.decay, tw.beta, tw.norm2
+    # sum_k q_k^2 c_k with c the key-column shares of the state each step started from
+    qc = (tw.q_sq * batch.scratch["col_before"][:, :, :, None]).sum(-1)
     r_eff = comp.sim.cfg.key_rank or comp.sim.cfg.head_k_dim
     c = decay.square() * (1.0 - (2.0 * beta - beta.square()) / r_eff)  # [n, L, R, D, HV]
     c = torch.where(mm, c, torch.ones_like(c))
@@ -232,7 +232,7 @@ MEASURES.register("bound_terms", Measure(
           "round_w",   # store roundings this step, each weighted by the contraction that follows it
           "tok_w",     # the same for the fp32 compute of every accepted token
           "out_w"),    # sum over accepted tokens of rho2(<= t) sum_k q_tk^2 c_k: how the committed error reaches them
-    needs=("state",), on_step=_bound_step, on_batch=_bound_batch))
+    needs=("state",), on_batch=_bound_batch))
 
 
 # ----------------------------------------------------------------------- outputs, conv windows
@@ -240,8 +240,9 @@ def _outputs_batch(comp, batch: Batch) -> None:
     buf, rows = comp.buf, batch.rows
     o_run = batch.snap["out"].to(F64)
     m6 = batch.m[:, None, :, :, None, None]
-    buf["out_err2"][rows] = ((o_run - batch.tw_out) * m6).square().sum((3, 5))
-    buf["out_ref2"][rows] = (batch.tw_out * m6).square().sum((3, 5))
+    # In place where the operand is a temporary of its own: fewer batch-sized buffers, the same values.
+    buf["out_err2"][rows] = (o_run - batch.twin.out).mul_(m6).square_().sum((3, 5))
+    buf["out_ref2"][rows] = (batch.twin.out * m6).square_().sum((3, 5))
     # Round to nearest moves a value by at most half an ulp of the result (an ulp of a bf16
     # output bounds the ulp of the fp32 value it was rounded from).
     buf["out_round2"][rows] = (ulp_sq(o_run, torch.bfloat16) * m6).sum((3, 5)) / 4.0
@@ -255,7 +256,7 @@ MEASURES.register("outputs", Measure(
 
 
 def _conv_batch(comp, batch: Batch) -> None:
-    comp.buf["conv_bad"][batch.rows] = (batch.snap["win"].to(F64) != batch.tw_win).sum((1, 3, 4)).to(F64)
+    comp.buf["conv_bad"][batch.rows] = (batch.snap["win"].to(F64) != batch.twin.window).sum((1, 3, 4)).to(F64)
 
 
 MEASURES.register("conv", Measure("conv", "bits of each row's committed conv window that differ from the "
@@ -272,50 +273,45 @@ def _tracked_snapshot(comp, view):
     return sim.flow.tracked_snapshot(view.track)
 
 
-def _tracked_step(comp, batch: Batch, j: int) -> None:
-    """Tracked snapshots of step j (taken when it ran) against the twin's track state now."""
-    tracked = batch.extra["tracked"][j]
-    if tracked is None:
+def _tracked_batch(comp, batch: Batch) -> None:
+    """The batch's tracked snapshots (taken when their steps ran) against the twin's track states
+    and windows at those steps, all at once: one entry per tracked (step, row)."""
+    steps = [j for j, t in enumerate(batch.extra["tracked"]) if t is not None]
+    if not steps:
         return
-    twin, buf, dev, i = comp.twin, comp.buf, comp.ref_device, batch.idx[j]
-    rows, got, win, bits_bad = tracked
-    rows_d = torch.from_numpy(rows).to(dev)
-    buf["trk_bits_bad"][i].index_copy_(0, rows_d, bits_bad.to(dev, F64))
-    ref = twin.track_state[:, rows_d]
-    buf["trk_err2"][i][:, rows_d] = (got.to(dev, F64) - ref).square().sum((-1, -2))
-    buf["trk_ref2"][i][:, rows_d] = ref.square().sum((-1, -2))
-    buf["trk_conv_bad"][i].index_copy_(0, rows_d, (win.to(dev, F64) != twin.track_window[:, rows_d])
-                                       .sum((0, 2, 3)).to(F64))
+    buf, dev, tw = comp.buf, comp.ref_device, batch.twin
+    snaps = [batch.extra["tracked"][j] for j in steps]  # (rows, got, win, bits_bad) each
+    i = torch.tensor([batch.idx[j] for j, s in zip(steps, snaps) for _ in s[0]], device=dev)
+    local = torch.tensor([j for j, s in zip(steps, snaps) for _ in s[0]], device=dev)
+    r = torch.from_numpy(np.concatenate([s[0] for s in snaps])).to(dev)
+    got = torch.cat([s[1] for s in snaps], 1).to(dev)  # [L, m, HV, V, K] in the state dtype
+    ref = torch.cat([tw.tracked[j][1] for j in steps], 1)  # the twin's, same rows in the same order
+    buf["trk_bits_bad"][i, r] = torch.cat([s[3] for s in snaps]).to(dev, F64)
+    # got - ref computes in float64 (exact upcast); squared in place: fewer batch-sized buffers
+    buf["trk_err2"][i, :, r] = (got - ref).square_().sum((-1, -2)).transpose(0, 1)
+    buf["trk_ref2"][i, :, r] = ref.square_().sum((-1, -2)).transpose(0, 1)
+    win = torch.cat([s[2] for s in snaps], 1).to(dev, F64)  # [L, m, Kc-1, C]
+    buf["trk_conv_bad"][i, r] = (win != tw.track_window[local, :, r].transpose(0, 1)).sum((0, 2, 3)).to(F64)
 
 
 MEASURES.register("tracked", Measure(
     "tracked", "prefix-cache snapshots vs the twin's boundary state, and bit for bit vs what the run held",
     head=("trk_err2", "trk_ref2"), row=("trk_bits_bad", "trk_conv_bad"),
-    snapshot=_tracked_snapshot, on_step=_tracked_step))
+    snapshot=_tracked_snapshot, on_batch=_tracked_batch))
 
 
 # ----------------------------------------------------------------------- golden validation
-def _golden_step(comp, batch: Batch, j: int) -> None:
-    if comp.golden is None:
-        return
-    if "p_twin" not in batch.scratch:
-        batch.scratch["p_twin"] = torch.empty_like(comp.buf["gold_dev"][:batch.n])
-    g, twin = comp.gold, comp.twin
-    batch.scratch["p_twin"][j] = torch.einsum("lhv,lrhvk,lhk->lrh", g["proj_w"], twin.state, g["proj_u"])
-    if batch.marks[j] is not None:
-        _checkpoint(comp, batch.idx[j], batch.pre[j], batch.marks[j])
-
-
-def _checkpoint(comp, i: int, pre: np.ndarray, mark: np.ndarray) -> None:
-    """Full state and conv window of the twin against golden checkpoints passed at step i."""
-    ga, buf, dev, twin = comp.golden.arrays, comp.buf, comp.ref_device, comp.twin
+def _checkpoint(comp, i: int, pre: np.ndarray, mark: np.ndarray, state: torch.Tensor, window: torch.Tensor) -> None:
+    """Full state and conv window of the twin (its mark_state, mark_window) against golden
+    checkpoints passed at step i."""
+    ga, buf, dev = comp.golden.arrays, comp.buf, comp.ref_device
     for r in np.nonzero(mark >= 0)[0]:
         c = comp.golden_ckpt[int(pre[r] + mark[r] + 1)]
         ref = torch.from_numpy(ga["ckpt_state"][c][:, r]).to(dev, F64)
-        d = torch.linalg.vector_norm(twin.mark_state[:, r] - ref) / torch.linalg.vector_norm(ref)
+        d = torch.linalg.vector_norm(state[:, r] - ref) / torch.linalg.vector_norm(ref)
         wref = torch.from_numpy(ga["ckpt_window"][c][:, r]).to(dev, F64)
         buf["gold_ckpt_dev"][i, r] = d
-        buf["gold_ckpt_bad"][i, r] = (twin.mark_window[:, r] != wref).sum().to(F64)
+        buf["gold_ckpt_bad"][i, r] = (window[:, r] != wref).sum().to(F64)
         comp.golden_checkpoints += 1
 
 
@@ -325,7 +321,13 @@ def _golden_batch(comp, batch: Batch) -> None:
     if comp.golden is None:
         return
     cfg, buf, dev, g = comp.sim.cfg, comp.buf, comp.ref_device, comp.gold
-    pre, rows, m, tw_out, p_twin = batch.pre, batch.rows, batch.m, batch.tw_out, batch.scratch["p_twin"]
+    for j, (mark_state, mark_window) in batch.twin.marks.items():
+        _checkpoint(comp, batch.idx[j], batch.pre[j], batch.marks[j], mark_state, mark_window)
+    # The projection of each step's state, one einsum per step (one over the batch copies all its
+    # states into einsum's layout first, and is slower)
+    p_twin = torch.stack([torch.einsum("lhv,lrhvk,lhk->lrh", g["proj_w"], state, g["proj_u"])
+                          for state in batch.twin.state])
+    pre, rows, m, tw_out = batch.pre, batch.rows, batch.m, batch.twin.out
     post = pre + batch.accept
     inside = post <= comp.golden_limit  # [n, R]
     comp.beyond_golden_steps += int((~inside.all(1)).sum())
@@ -354,4 +356,4 @@ MEASURES.register("golden", Measure(
     "golden", "the float64 twin vs the golden trajectory (NaN past the golden horizon: not covered)",
     head=("gold_dev",       # |proj(twin) - golden proj| / (|golden proj| + ||h|| / sqrt(K V))
           "gold_out_dev"),  # the same for the outputs of the accepted tokens (max over them)
-    row=("gold_ckpt_bad", "gold_ckpt_dev"), on_step=_golden_step, on_batch=_golden_batch))
+    row=("gold_ckpt_bad", "gold_ckpt_dev"), states=True, on_batch=_golden_batch))

@@ -104,7 +104,7 @@ def growth_exponent(steps: np.ndarray, values: np.ndarray, start: float) -> Opti
     """Robust log-log slope (Theil-Sen, scipy) of ``values`` against ``steps`` for steps >= start.
 
     ~0 for a bounded error, 0.5 for a random walk, 1 for linear growth. None with fewer
-    than 3 usable points.
+    than 3 usable points. The definition; the checks use :func:`growth_exponents`.
     """
     from scipy.stats import theilslopes
 
@@ -113,3 +113,28 @@ def growth_exponent(steps: np.ndarray, values: np.ndarray, start: float) -> Opti
         return None
     slope = theilslopes(np.log(values[ok]), np.log(steps[ok]))[0]
     return float(slope)
+
+
+def growth_exponents(steps: np.ndarray, values: np.ndarray, start: float) -> np.ndarray:
+    """:func:`growth_exponent` of every series at once, without scipy: ``steps`` ``[B]`` (distinct),
+    ``values`` ``[B, ...]`` float64 -> ``[...]`` float64, NaN where fewer than 3 points are usable.
+
+    The same numbers, bit for bit: the same pairwise slopes ``(log y_i - log y_j) / (log x_i - log
+    x_j)`` over the pairs with ``x_i > x_j`` that scipy's ``theilslopes`` forms, and their median
+    as ``np.median`` takes it (the middle one, or the mean of the middle two).
+    """
+    B, shape = len(steps), values.shape[1:]
+    y = values.reshape(B, -1)  # [B, N]
+    ok = (steps >= start)[:, None] & np.isfinite(y) & (y > 0)
+    lx = np.log(np.where(steps > 0, steps, 1.0))
+    ly = np.log(np.where(ok, y, 1.0))
+    dx = lx[:, None] - lx[None, :]  # [B, B]
+    pair = dx > 0
+    use = pair[:, :, None] & ok[:, None, :] & ok[None, :, :]  # [B, B, N]
+    slopes = np.where(use, (ly[:, None, :] - ly[None, :, :]) / np.where(pair, dx, 1.0)[:, :, None], np.nan)
+    slopes = np.sort(slopes.reshape(B * B, -1), axis=0)  # NaN (pairs not used) sort last
+    m = use.sum((0, 1))  # [N] slopes per series
+    cols = np.arange(slopes.shape[1])
+    hi, lo = slopes[m // 2, cols], slopes[np.maximum(m - 1, 0) // 2, cols]
+    med = np.where(m % 2 == 1, hi, (lo + hi) / 2.0)
+    return np.where(ok.sum(0) >= 3, med, np.nan).reshape(shape)

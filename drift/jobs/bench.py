@@ -340,7 +340,7 @@ def _clocked(sim: Simulation, steps: int, comparison) -> dict:
         twin = comparison.twin
         advance = twin.advance_batch
 
-        def timed_advance(*args):
+        def timed_advance(*args, **kwargs):
             *head, on_step = args
             inner = [0.0]
 
@@ -350,8 +350,9 @@ def _clocked(sim: Simulation, steps: int, comparison) -> dict:
                 inner[0] += clock._now() - t0
 
             t0 = clock._now()
-            advance(*head, timed_on_step)
+            out = advance(*head, timed_on_step if on_step is not None else None, **kwargs)
             twin_s[0] += clock._now() - t0 - inner[0]
+            return out
 
         twin.advance_batch = timed_advance
     sim.clock = clock

@@ -11,6 +11,9 @@ recurrence) is float64. States are ``[.., V, K]`` like the op's.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Optional
+
 import numpy as np
 import torch
 
@@ -113,15 +116,19 @@ class Float64Twin:
         self.window = _advance_window(self.window, x, take)
 
     def advance_batch(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accept: np.ndarray,
-                      track: np.ndarray, marks: list, on_step) -> None:
+                      track: np.ndarray, marks: list, on_step=None, keep_states: bool = False) -> "TwinSteps":
         """``n`` decode steps at once: the same trajectory as ``n`` calls of :meth:`advance`, bit for
         bit, with the input stages (conv, gating, L2 norm: elementwise or per-row work) computed for
         all steps in one pass and only the recurrence stepped. x ``[n, L, R, D, C]``, a, b ``[n, L, R,
         D, HV]``; accept, track host ``[n, R]``; marks: n entries (None or a mark array). After
-        each step the attributes are those :meth:`advance` leaves and ``on_step(j)`` is called.
+        each step the attributes are those :meth:`advance` leaves (``track_state`` /
+        ``track_window`` valid for the rows tracked that step) and ``on_step(j)``, if given, is
+        called. Returns every step's values stacked (:class:`TwinSteps`; committed states only
+        with ``keep_states``), in buffers the next call reuses.
 
         The window before step j is the last Kc-1 true tokens of the row: its window before the
-        batch followed by the accepted tokens of steps 0 .. j-1, gathered by host-built indices."""
+        batch followed by the accepted tokens of steps 0 .. j-1, gathered by host-built indices;
+        the window at a track boundary (after token t of step j) likewise."""
         dev, cfg = self.device, self.cfg
         n, L, R, D, C = x.shape
         Km1 = self.window.shape[2]
@@ -129,32 +136,87 @@ class Float64Twin:
         accept = np.asarray(accept, np.int64)
         # Token j * D + t of a row sits after the Km1 window tokens: index Km1 + j * D + t.
         seq_pos = np.zeros((n + 1, R, Km1), np.int64)
+        track_pos = np.zeros((n, R, Km1), np.int64)
         for r in range(R):
             pos = list(range(Km1)) + [Km1 + j * D + t for j in range(n) for t in range(int(accept[j, r]))]
             start = np.concatenate([[0], np.cumsum(accept[:, r])])
             for j in range(n + 1):
                 seq_pos[j, r] = pos[start[j]:start[j] + Km1]
+            for j in range(n):  # the window after token track[j, r] of step j (a window of -1: any)
+                track_pos[j, r] = (list(seq_pos[j, r]) + [Km1 + j * D + t for t in range(int(track[j, r]) + 1)])[-Km1:]
         tokens = torch.cat([self.window, x.permute(1, 2, 0, 3, 4).reshape(L, R, n * D, C)], dim=2)
         rows = torch.arange(R, device=dev)[None, :, None]
         windows = tokens[:, rows, torch.from_numpy(seq_pos).to(dev)]  # [L, n + 1, R, Km1, C]
+        track_windows = tokens[:, rows, torch.from_numpy(track_pos).to(dev)].transpose(0, 1)  # [n, L, R, Km1, C]
         fold = lambda t: t.transpose(0, 1).reshape(L, n * R, *t.shape[3:])  # [n, L, R, ..] -> [L, n R, ..]
         q, k, v, decay, beta = _inputs(cfg, self.params, windows[:, :n].reshape(L, n * R, Km1, C), fold(x),
                                        fold(a), fold(b))
         unfold = lambda t: t.view(L, n, R, *t.shape[2:]).transpose(0, 1).contiguous()  # -> [n, L, R, ..]
         q, k, v, decay, beta = (unfold(t) for t in (q, k, v, decay, beta))
+        buf = self._buffers(n, keep_states)
+        steps = TwinSteps(state=buf["state"][:n] if keep_states else None, window=windows[:, 1:].transpose(0, 1),
+                          track_window=track_windows, decay=decay, beta=beta, q_sq=q.square(),
+                          norm2=buf["norm2"][:n], out=buf["out"][:n])
+        tracked = (np.asarray(track) >= 0).any(1)
         for j in range(n):
-            self.decay, self.beta = decay[j], beta[j]
-            self.q_sq = q[j].square()
+            self.decay, self.beta, self.q_sq, self.norm2 = decay[j], beta[j], steps.q_sq[j], steps.norm2[j]
             take = torch.from_numpy(accept[j]).to(dev)
             mark = marks[j]
-            captures = [(track[j], self.track_state)] + ([(mark, self.mark_state)] if mark is not None else [])
-            self.out = kernels.gdn_decode(self.state, self._rows, q[j], k[j], v[j], decay[j], beta[j], take,
-                                          compute_dtype=F64, captures=captures, norms_out=self.norm2)
-            for steps, attr in ((track[j], "track_window"), (mark, "mark_window")):
-                if steps is not None and (np.asarray(steps) >= 0).any():
-                    tw = _advance_window(windows[:, j], x[j], torch.from_numpy(np.maximum(steps, 0) + 1).to(dev))
-                    sel = torch.from_numpy(np.asarray(steps) >= 0).to(dev)[None, :, None, None]
-                    setattr(self, attr, torch.where(sel, tw, getattr(self, attr)))
+            captures = ([(track[j], self.track_state)] if tracked[j] else []) + (
+                [(mark, self.mark_state)] if mark is not None else [])
+            out = kernels.gdn_decode(self.state, self._rows, q[j], k[j], v[j], decay[j], beta[j], take,
+                                     compute_dtype=F64, captures=captures, norms_out=self.norm2)
+            self.out = steps.out[j]
+            self.out.copy_(out)
+            if keep_states:
+                steps.state[j].copy_(self.state)
+            if tracked[j]:
+                rows_j = torch.from_numpy(np.nonzero(np.asarray(track[j]) >= 0)[0]).to(dev)
+                steps.tracked[j] = (rows_j, self.track_state.index_select(1, rows_j))
+            self.track_window = track_windows[j]
+            if mark is not None and (np.asarray(mark) >= 0).any():
+                tw = _advance_window(windows[:, j], x[j], torch.from_numpy(np.maximum(mark, 0) + 1).to(dev))
+                sel = torch.from_numpy(np.asarray(mark) >= 0).to(dev)[None, :, None, None]
+                self.mark_window = torch.where(sel, tw, self.mark_window)
+                steps.marks[j] = (self.mark_state.clone(), self.mark_window.clone())
             self.window = windows[:, j + 1]
-            on_step(j)
+            if on_step is not None:
+                on_step(j)
         self.window = windows[:, n].clone()
+        self.track_window = self.track_window.clone()
+        return steps
+
+    def _buffers(self, n: int, keep_states: bool) -> dict:
+        """Per-step output buffers for ``n`` steps, kept between batches (fresh ones every batch
+        cost page faults on every first write); what a batch returns is a view of them."""
+        cfg, have = self.cfg, getattr(self, "_buf", {})
+        if have.get("n", 0) < n or ("state" in have) < keep_states:
+            L, R, D, HV = cfg.num_layers, cfg.num_requests, cfg.num_draft_tokens, cfg.num_v_heads
+            have = {"n": n, "norm2": torch.empty(n, L, R, D, HV, dtype=F64, device=self.device),
+                    "out": torch.empty(n, L, R, D, HV, cfg.head_v_dim, dtype=F64, device=self.device)}
+            if keep_states:
+                have["state"] = torch.empty(n, *self.state.shape, dtype=F64, device=self.device)
+            self._buf = have
+        return have
+
+
+@dataclass
+class TwinSteps:
+    """The twin's values at each of the ``n`` steps of one :meth:`Float64Twin.advance_batch`, float64
+    on its device: ``state`` (committed, ``[n, L, R, HV, V, K]``, or None), ``out [n, L, R, D, HV, V]``,
+    ``window`` and ``track_window`` ``[n, L, R, Kc-1, C]`` (after the step; at each row's track
+    boundary, meaningful where the row was tracked), ``decay``, ``beta``, ``norm2`` ``[n, L, R, D,
+    HV]``, ``q_sq [n, L, R, D, HV, K]``; ``tracked``: step -> (rows ``[m]``, their ``track_state``
+    ``[L, m, HV, V, K]``) at the steps that tracked a row; ``marks``: step -> (``mark_state``,
+    ``mark_window``) at the steps that had a mark."""
+
+    state: Optional[torch.Tensor]
+    window: torch.Tensor
+    track_window: torch.Tensor
+    decay: torch.Tensor
+    beta: torch.Tensor
+    q_sq: torch.Tensor
+    norm2: torch.Tensor
+    out: torch.Tensor
+    tracked: dict = field(default_factory=dict)
+    marks: dict = field(default_factory=dict)

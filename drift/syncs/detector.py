@@ -666,6 +666,13 @@ if TorchDispatchMode is not None:
     class _DispatchMode(_BoundMode, TorchDispatchMode):
         """Counts every op, records the syncing ones, runs virtual ops on their CPU data."""
 
+        @classmethod
+        def _should_skip_dynamo(cls) -> bool:
+            """False: torch's ``__init_subclass__`` would wrap ``__torch_dispatch__`` in
+            ``torch._disable_dynamo``, whose first call imports torch._dynamo (a third of the scan's
+            time). The detector is never compiled: there is nothing for the wrap to disable."""
+            return False
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             det = self.det

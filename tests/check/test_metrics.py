@@ -11,7 +11,8 @@ import torch
 from drift.check.bounds import KAPPA, KAPPA_COMPUTE
 from drift.check.measures import ulp2_sum
 from drift.sim.kernels import _gdn_token, round_to
-from drift.check.metrics import DriftCurves, bin_center, growth_exponent, norm_floor, rel_err, step_bin, ulp_err
+from drift.check.metrics import (DriftCurves, bin_center, growth_exponent, growth_exponents, norm_floor, rel_err,
+                                 step_bin, ulp_err)
 
 F64 = torch.float64
 
@@ -49,6 +50,49 @@ def test_growth_exponent_recovers_power_laws(true_exp):
 
 def test_growth_exponent_needs_points():
     assert growth_exponent(np.array([1.0, 2.0]), np.array([1.0, 1.0]), start=1) is None
+
+
+def test_growth_exponents_are_the_scalar_fit_bit_for_bit():
+    """The vectorised fit the checks use against the scipy definition, series by series, on random
+    log-binned curves with the holes real curves have (NaN, inf, zeros, negatives, short runs)."""
+    rng = np.random.default_rng(7)
+    seen = {"odd": 0, "even": 0, "none": 0}
+    for trial in range(40):
+        B = int(rng.integers(1, 40))
+        steps = bin_center(np.sort(rng.choice(60, B, replace=False)))
+        vals = np.exp(rng.normal(-5, 2, (B, 3, 4)) + rng.uniform(0, 1) * np.log(steps + 1)[:, None, None])
+        holes = rng.random(vals.shape)
+        vals[holes < 0.1] = np.nan
+        vals[(holes >= 0.1) & (holes < 0.15)] = np.inf
+        vals[(holes >= 0.15) & (holes < 0.2)] = 0.0
+        vals[(holes >= 0.2) & (holes < 0.25)] *= -1
+        start = float(rng.choice([0.0, 4.0, 64.0]))
+        got = growth_exponents(steps, vals, start)
+        assert got.shape == (3, 4) and got.dtype == np.float64
+        for l in range(3):
+            for h in range(4):
+                ref = growth_exponent(steps, vals[:, l, h], start)
+                n = int(((steps >= start) & np.isfinite(vals[:, l, h]) & (vals[:, l, h] > 0)).sum())
+                seen["none" if ref is None else ("odd" if n * (n - 1) // 2 % 2 else "even")] += 1
+                if ref is None:
+                    assert np.isnan(got[l, h]), (trial, l, h)
+                else:
+                    assert got[l, h] == ref, (trial, l, h, got[l, h], ref)  # the same bits
+    assert min(seen.values()) > 20, seen  # both medians (odd, even slope counts) and too-short series
+
+
+def test_growth_exponents_see_what_the_scalar_fit_sees():
+    """Negative control: equality above is not two fits ignoring their input -- one value moved
+    moves both, alike, and the median of an even count is the mean of the middle two."""
+    steps = np.array([1.0, 2.0, 4.0, 8.0])  # 6 slopes: an even count
+    vals = np.array([1.0, 2.0, 8.0, 16.0])[:, None]
+    base = growth_exponents(steps, vals, 0.0)[0]
+    assert base == growth_exponent(steps, vals[:, 0], 0.0)
+    # In log2 units the points are (0, 0), (1, 1), (2, 3), (3, 4): slopes 1, 1, 4/3, 3/2, 3/2, 2.
+    assert base == pytest.approx((4 / 3 + 3 / 2) / 2, rel=1e-12)
+    moved = vals.copy()
+    moved[3] = 256.0
+    assert growth_exponents(steps, moved, 0.0)[0] == growth_exponent(steps, moved[:, 0], 0.0) != base
 
 
 def test_drift_curves_bin_mean_and_max():

@@ -102,6 +102,61 @@ def test_device_marker_fails_when_asked_and_absent(tmp_path):
     assert asked.returncode == 1 and "was asked for but is absent" in asked.stdout
 
 
+# A test that records, in the process that runs it, what drift's plugin left for OpenMP.
+OPENMP_PROBE = """
+import json, os, torch
+def test_probe(tmp_path_factory):
+    facts = {"policy": os.environ.get("OMP_WAIT_POLICY"), "threads": torch.get_num_threads()}
+    with open(os.environ["PROBE_OUT"], "a") as f:
+        f.write(json.dumps({"worker": os.environ.get("PYTEST_XDIST_WORKER"), **facts}) + "\\n")
+"""
+
+
+def _openmp_probe(tmp_path, policy, argv):
+    """Run the probe test under ``argv`` with ``OMP_WAIT_POLICY`` ``policy`` (None: unset) and no
+    thread setting inherited; returns (the probe's facts, the run). OMP_DISPLAY_ENV=VERBOSE has
+    GNU OpenMP print, in each process, what it read when torch loaded it (GOMP_SPINCOUNT 0 passive)."""
+    (tmp_path / "test_probe.py").write_text(OPENMP_PROBE)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMP_", "PYTEST_XDIST_")) and k != "PYTEST_ADDOPTS"}
+    env.update({"PROBE_OUT": str(tmp_path / "probe.jsonl"), "OMP_DISPLAY_ENV": "VERBOSE"},
+               **({"OMP_WAIT_POLICY": policy} if policy else {}))
+    run = subprocess.run([sys.executable, *argv], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    import json
+
+    return [json.loads(line) for line in (tmp_path / "probe.jsonl").read_text().splitlines()], run
+
+
+def _gnu_openmp() -> bool:
+    """torch runs GNU OpenMP (libgomp) in this process (Linux: its mapped libraries)."""
+    maps = Path("/proc/self/maps")
+    return maps.exists() and "libgomp" in maps.read_text()
+
+
+@pytest.mark.parametrize("policy", [None, "ACTIVE"], ids=["unset", "the-users-active"])
+def test_the_gate_lets_idle_openmp_threads_sleep_in_every_xdist_worker(tmp_path, policy):
+    """pytest-xdist workers import the plugin afresh: OMP_WAIT_POLICY reaches the worker that runs
+    the test, and the OpenMP runtime of every process read it. The user's ACTIVE stands (control)."""
+    [probe], run = _openmp_probe(tmp_path, policy, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "1",
+                                                    "test_probe.py"])
+    assert probe["worker"] == "gw0" and probe["policy"] == (policy or "PASSIVE"), probe
+    spins = [line.split("=")[1].strip() for line in run.stderr.splitlines() if "GOMP_SPINCOUNT" in line]
+    if _gnu_openmp():  # what GNU OpenMP itself read, in the controller and the worker
+        assert len(spins) >= 2 and set(spins) == ({"'0'"} if policy is None else {"'30000000000'"}), spins
+
+
+@pytest.mark.parametrize("policy", [None, "ACTIVE"], ids=["unset", "the-users-active"])
+def test_the_gate_takes_one_openmp_thread_where_torch_was_imported_before_it(tmp_path, policy):
+    """torch loaded (two threads) before pytest imports the plugin: too late for the environment in
+    this process, so one intra-op thread; the user's ACTIVE keeps both (control)."""
+    code = ("import sys, torch, pytest; torch.set_num_threads(2); "
+            "sys.exit(pytest.main(['-p', 'no:cacheprovider', 'test_probe.py']))")
+    [probe], run = _openmp_probe(tmp_path, policy, ["-c", code])
+    assert probe == {"worker": None, "policy": policy or "PASSIVE", "threads": 1 if policy is None else 2}, probe
+    assert ("1 intra-op thread" in run.stdout) == (policy is None), run.stdout[:2000]
+
+
 FAKE_LEGACY = FIXTURES / "fake_legacy_npu_op.py"
 
 

@@ -27,6 +27,7 @@ import subprocess
 import sys
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -180,6 +181,76 @@ def test_native_bits_do_not_depend_on_the_thread_count(monkeypatch):
         runs.append((as_bits(out), as_bits(a.intermediate_state)))
     for out, s in runs[1:]:
         assert torch.equal(out, runs[0][0]) and torch.equal(s, runs[0][1])
+
+
+LANES = 16  # the C kernel's lane-split sums (gdn_verify.c: NL)
+
+
+def _decode_f64_arithmetic(state, ntok, q, k, v, decay, beta, cap_steps, lane_order=range(LANES)):
+    """drift_decode_f64's documented arithmetic in numpy float64, one IEEE rounding per operation
+    (nothing fused): per row, ``h <- d h`` with ``s = h . k``, then ``h <- h + u k`` with ``o = h . q``
+    and ``u = (v - s) beta``; each dot (and ``||h_r||^2``) summed in LANES lanes (lane j: columns j,
+    j + LANES, ..), the lanes added in ``lane_order``, then the columns past the last whole group one
+    by one; the rows' ``||h_r||^2`` added in row order; a token past ``ntok`` runs as an identity
+    (decay 1, beta 0). Returns the state, outputs, norms and the capture at ``cap_steps``."""
+    S = state.numpy().copy()
+    q, k, v, decay, beta = (t.numpy() for t in (q, k, v, decay, beta))
+    L, R, D, HV, K = q.shape
+    out, norms, cap = np.empty(v.shape), np.empty(decay.shape), np.zeros(S.shape)
+    whole = K // LANES * LANES
+
+    def lanes(p):  # [V, K] products -> [V] sums, in the kernel's order
+        acc = np.zeros((p.shape[0], LANES))
+        for c in range(0, whole, LANES):
+            acc = acc + p[:, c:c + LANES]
+        s = np.zeros(p.shape[0])
+        for j in lane_order:
+            s = s + acc[:, j]
+        for c in range(whole, K):
+            s = s + p[:, c]
+        return s
+
+    for l, r, hv in np.ndindex(L, R, HV):
+        h = S[l, r, hv]
+        for t in range(D):
+            active = t < ntok[r]
+            d, bt = (decay[l, r, t, hv], beta[l, r, t, hv]) if active else (1.0, 0.0)
+            h[:] = h * d
+            u = (v[l, r, t, hv] - lanes(h * k[l, r, t, hv])) * bt
+            h[:] = h + u[:, None] * k[l, r, t, hv]
+            out[l, r, t, hv] = lanes(h * q[l, r, t, hv])
+            n2 = 0.0
+            for row_norm in lanes(h * h):
+                n2 = n2 + row_norm
+            norms[l, r, t, hv] = n2
+            if cap_steps[r] == t:
+                cap[l, r, hv] = h
+    return S, out, norms, cap
+
+
+# K = 32: whole 16-lane groups (the kernel's rows-at-a-time path where the CPU has AVX-512), V = 20:
+# two groups of 8 rows and 4 rows one by one; K = 24: the row-at-a-time path with a tail of columns.
+@pytest.mark.parametrize("K,V", [(32, 20), (24, 20)])
+def test_the_float64_decode_is_its_documented_arithmetic_bit_for_bit(K, V):
+    """The twin's C decode against its arithmetic replayed in numpy (above): the same bits, state,
+    outputs, norms and capture. Control: the lanes added in another order differ."""
+    L, R, D, HV = 2, 3, 4, 2
+    gen = torch.Generator().manual_seed(11)
+    F64 = torch.float64
+    state = torch.randn(L, R, HV, V, K, dtype=F64, generator=gen) * 0.3
+    q = torch.randn(L, R, D, HV, K, dtype=F64, generator=gen) * K ** -0.5
+    k = torch.nn.functional.normalize(torch.randn(L, R, D, HV, K, dtype=F64, generator=gen), dim=-1)
+    v = torch.randn(L, R, D, HV, V, dtype=F64, generator=gen)
+    decay, beta = (torch.rand(L, R, D, HV, dtype=F64, generator=gen) for _ in range(2))
+    ntok, cap_steps = [4, 1, 3], [2, -1, 0]
+    got = state.clone()
+    out, norms, cap = torch.empty_like(v), torch.empty_like(decay), torch.zeros_like(state)
+    native.decode_f64(got, ntok, q, k, v, decay, beta, out, norms, [(cap_steps, cap)])
+    ref = _decode_f64_arithmetic(state, ntok, q, k, v, decay, beta, cap_steps)
+    for name, a, b in zip(("state", "out", "norms", "capture"), (got, out, norms, cap), ref):
+        assert np.array_equal(a.numpy(), b), name
+    other = _decode_f64_arithmetic(state, ntok, q, k, v, decay, beta, cap_steps, lane_order=range(LANES)[::-1])
+    assert not np.array_equal(out.numpy(), other[1]) and not np.array_equal(got.numpy(), other[0])
 
 
 def test_what_the_native_kernel_leaves_to_the_torch_path(monkeypatch):

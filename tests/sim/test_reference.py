@@ -125,3 +125,51 @@ def test_twin_outputs_are_those_of_the_true_tokens(setup):
             for j in range(int(ch.accept[s, r])):
                 ref = truth[r][int(ch.pre[s, r]) + j][2]
                 assert (rel_fro(twin.out[:, r, j], ref, dims=-1) <= TOL).all(), (s, r, j)
+
+
+def test_the_batched_twin_is_the_stepped_twin_bit_for_bit(setup):
+    """advance_batch (what the comparison runs) against advance step by step, from the same start:
+    the same bits at every step -- states, outputs, windows, the inputs it keeps, the track boundary
+    of every tracked row and a golden-checkpoint mark -- both in what it returns and in the
+    attributes it leaves at each step."""
+    cfg, params, _ = setup
+    stream = InputStream(cfg, CPU)
+    lengths = [stream.prefill_len(r) for r in range(cfg.num_requests)]
+    start = prefill(cfg, stream.tokens, params, lengths, CPU)
+    stepped, batched = Float64Twin(cfg, params, CPU, *start), Float64Twin(cfg, params, CPU, *start)
+    R, n = cfg.num_requests, 24
+    ch = stream.chunk(n)
+    marks = [None] * n
+    marks[5] = np.array([1, -1]) if ch.accept[5, 0] > 1 else np.array([0, -1])
+    names = ("state", "out", "window", "decay", "beta", "q_sq", "norm2")
+    want = []
+    for s in range(n):
+        stepped.advance(ch.x[s][:, :R], ch.a[s][:, :R], ch.b[s][:, :R], ch.accept[s], ch.track_host[s], marks[s])
+        want.append({name: getattr(stepped, name).clone() for name in names}
+                    | {"track_state": stepped.track_state.clone(), "track_window": stepped.track_window.clone(),
+                       "mark_state": stepped.mark_state.clone(), "mark_window": stepped.mark_window.clone()})
+    seen = []
+
+    def on_step(j):
+        tracked = ch.track_host[j] >= 0
+        assert all(torch.equal(getattr(batched, name), want[j][name]) for name in names), j
+        for name in ("track_state", "track_window"):  # meaningful on the rows tracked this step
+            assert torch.equal(getattr(batched, name)[:, tracked], want[j][name][:, tracked]), (j, name)
+        seen.append(j)
+
+    steps = batched.advance_batch(ch.x[:, :, :R], ch.a[:, :, :R], ch.b[:, :, :R], ch.accept, ch.track_host, marks,
+                                  on_step, keep_states=True)
+    assert seen == list(range(n))
+    for j in range(n):
+        for name in names:
+            assert torch.equal(getattr(steps, name)[j], want[j][name]), (j, name)
+        rows = np.nonzero(ch.track_host[j] >= 0)[0]
+        assert (j in steps.tracked) == bool(rows.size)
+        if rows.size:
+            assert steps.tracked[j][0].tolist() == rows.tolist()
+            assert torch.equal(steps.tracked[j][1], want[j]["track_state"][:, rows])
+            assert torch.equal(steps.track_window[j][:, rows], want[j]["track_window"][:, rows])
+    assert len(steps.tracked) >= 3 and list(steps.marks) == [5]  # both capture paths ran
+    assert torch.equal(steps.marks[5][0][:, 0], want[5]["mark_state"][:, 0])
+    assert torch.equal(steps.marks[5][1][:, 0], want[5]["mark_window"][:, 0])
+    assert not torch.equal(steps.state[0], steps.state[1])  # the trajectory moves: equality is not vacuous

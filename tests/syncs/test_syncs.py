@@ -449,6 +449,34 @@ def test_sync_check_plugin_from_file_spec():
     assert res.worst == 1.0  # one host read per step, tracking on
 
 
+def test_the_scan_catches_syncs_without_importing_dynamo():
+    """The scan never imports torch._dynamo (torch wraps a dispatch mode's ``__torch_dispatch__``
+    in ``_disable_dynamo`` unless the mode opts out, and the wrap's first call imports it: a third
+    of the scan's time), and still catches the guarded update's ``.item()``. Control: a plain
+    dispatch mode, in the same fresh interpreter, does import it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from drift.config import preset\n"
+            "from drift.syncs.scan import sync_check\n"
+            "cfg = preset('ci-small')\n"
+            "found = [sync_check(cfg, u, 2).passed for u in ('sglang-31659', 'sglang-0.5.23')]\n"
+            "print(found, 'torch._dynamo' in sys.modules)\n"
+            "from torch.utils._python_dispatch import TorchDispatchMode\n"
+            "class Plain(TorchDispatchMode):\n"
+            "    def __torch_dispatch__(self, func, types, args=(), kwargs=None):\n"
+            "        return func(*args, **(kwargs or {}))\n"
+            "with Plain():\n"
+            "    torch.ones(2) + 1\n"
+            "print(hasattr(TorchDispatchMode, '_should_skip_dynamo'), 'torch._dynamo' in sys.modules)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    scan, control = run.stdout.split("\n")[-3:-1]
+    assert scan == "[False, True] False", run.stdout  # the guarded update fails, the released one passes
+    assert control in ("True True", "False False"), run.stdout  # a torch without the hook never wraps
+
+
 @pytest.mark.cuda
 def test_cuda_debug_mode_confirms_guarded_item():
     scan = scan_update(resolve(CI.replace(device="cuda"), "sglang-31659"), steps=STEPS)

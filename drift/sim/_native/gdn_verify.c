@@ -339,6 +339,87 @@ static inline double axpy_dot64(double *restrict hr, const double *restrict kt, 
     return s;
 }
 
+#define GR64 8 /* float64 state rows advanced together */
+
+#if defined(__AVX512F__)
+/* decay_dot64 / axpy_dot64 on GR64 rows (K a multiple of NL = 16 lanes = two zmm of doubles): the
+ * same multiplies and adds on the same lanes, never fused, lane sums in lane order, so the same
+ * bits; the rows' independent dependency chains overlap. axpy_dot64_rows returns each row's
+ * ||h_r||^2 in s2 (the caller adds them to the item's norm in row order, as axpy_dot64 does). */
+static inline void decay_dot64_rows(double *restrict h, int64_t K, const double *restrict kt, double d,
+                                    double *restrict s) {
+    const __m512d dv = _mm512_set1_pd(d);
+    double acc[GR64][NL] __attribute__((aligned(64)));
+    for (int g = 0; g < GR64; ++g) {
+        double *restrict hr = h + g * K;
+        __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
+        for (int64_t c = 0; c < K; c += NL) {
+            const __m512d x0 = _mm512_mul_pd(_mm512_loadu_pd(hr + c), dv);
+            const __m512d x1 = _mm512_mul_pd(_mm512_loadu_pd(hr + c + 8), dv);
+            _mm512_storeu_pd(hr + c, x0);
+            _mm512_storeu_pd(hr + c + 8, x1);
+            a0 = _mm512_add_pd(a0, _mm512_mul_pd(x0, _mm512_loadu_pd(kt + c)));
+            a1 = _mm512_add_pd(a1, _mm512_mul_pd(x1, _mm512_loadu_pd(kt + c + 8)));
+        }
+        _mm512_store_pd(acc[g], a0);
+        _mm512_store_pd(acc[g] + 8, a1);
+    }
+    for (int g = 0; g < GR64; ++g) {
+        double t = 0.0;
+        for (int j = 0; j < NL; ++j) t += acc[g][j];
+        s[g] = t;
+    }
+}
+
+static inline void axpy_dot64_rows(double *restrict h, int64_t K, const double *restrict kt,
+                                   const double *restrict qt, const double *restrict u, double *restrict s,
+                                   double *restrict s2) {
+    double acc[GR64][NL] __attribute__((aligned(64))), sq[GR64][NL] __attribute__((aligned(64)));
+    for (int g = 0; g < GR64; ++g) {
+        double *restrict hr = h + g * K;
+        const __m512d uv = _mm512_set1_pd(u[g]);
+        __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
+        __m512d q0 = _mm512_setzero_pd(), q1 = _mm512_setzero_pd();
+        for (int64_t c = 0; c < K; c += NL) {
+            const __m512d x0 = _mm512_add_pd(_mm512_loadu_pd(hr + c), _mm512_mul_pd(uv, _mm512_loadu_pd(kt + c)));
+            const __m512d x1 = _mm512_add_pd(_mm512_loadu_pd(hr + c + 8),
+                                             _mm512_mul_pd(uv, _mm512_loadu_pd(kt + c + 8)));
+            _mm512_storeu_pd(hr + c, x0);
+            _mm512_storeu_pd(hr + c + 8, x1);
+            a0 = _mm512_add_pd(a0, _mm512_mul_pd(x0, _mm512_loadu_pd(qt + c)));
+            a1 = _mm512_add_pd(a1, _mm512_mul_pd(x1, _mm512_loadu_pd(qt + c + 8)));
+            q0 = _mm512_add_pd(q0, _mm512_mul_pd(x0, x0));
+            q1 = _mm512_add_pd(q1, _mm512_mul_pd(x1, x1));
+        }
+        _mm512_store_pd(acc[g], a0);
+        _mm512_store_pd(acc[g] + 8, a1);
+        _mm512_store_pd(sq[g], q0);
+        _mm512_store_pd(sq[g] + 8, q1);
+    }
+    for (int g = 0; g < GR64; ++g) {
+        double t = 0.0, t2 = 0.0;
+        for (int j = 0; j < NL; ++j) {
+            t += acc[g][j];
+            t2 += sq[g][j];
+        }
+        s[g] = t;
+        s2[g] = t2;
+    }
+}
+#define ROWS64_FAST(K) ((K) % NL == 0)
+#else
+static inline void decay_dot64_rows(double *restrict h, int64_t K, const double *restrict kt, double d,
+                                    double *restrict s) {
+    (void)h, (void)K, (void)kt, (void)d, (void)s;
+}
+static inline void axpy_dot64_rows(double *restrict h, int64_t K, const double *restrict kt,
+                                   const double *restrict qt, const double *restrict u, double *restrict s,
+                                   double *restrict s2) {
+    (void)h, (void)K, (void)kt, (void)qt, (void)u, (void)s, (void)s2;
+}
+#define ROWS64_FAST(K) 0
+#endif
+
 /* The float64 truth's sequential decode (drift.sim.kernels.gdn_decode with float64 state and
  * compute): per item w = (l * R + r) * HV + hv the [V][K] block of state (dense [L, R, HV, V, K],
  * updated in place) runs all D tokens, those past ntok[r] as identities (decay 1, beta 0), as the
@@ -353,22 +434,40 @@ static void decode_items(int64_t w0, int64_t w1, int64_t R, int64_t D, int64_t H
     for (int64_t w = w0; w < w1; ++w) {
         const int64_t hv = w % HV, r = (w / HV) % R, l = w / (HV * R);
         double *restrict S = state + w * KV;
-        for (int64_t t = 0; t < D; ++t) {
-            const int64_t tok = ((l * R + r) * D + t) * HV + hv;
-            const double *restrict qt = q + tok * K, *restrict kt = k + tok * K;
-            const double *restrict vt = v + tok * V;
-            const int active = t < ntok[r];
-            const double d = active ? dec[tok] : 1.0, bt = active ? beta[tok] : 0.0;
-            double n2 = 0.0;
-            for (int64_t row = 0; row < V; ++row) {
-                double *restrict Sr = S + row * K;
-                const double u = (vt[row] - decay_dot64(Sr, kt, d, K)) * bt;
-                out[tok * V + row] = axpy_dot64(Sr, kt, qt, u, K, &n2);
+        double n2[D]; /* per token, ||S||_F^2 summed over the rows in row order */
+        for (int64_t t = 0; t < D; ++t) n2[t] = 0.0;
+        /* The rows evolve independently: each group of rows (GR64 at a time, then one by one) runs
+         * through all D tokens while it stays in L1; every row sees the same operations in the same
+         * order as token by token over the whole state. */
+        for (int64_t row = 0; row < V;) {
+            const int64_t nr = ROWS64_FAST(K) && row + GR64 <= V ? GR64 : 1;
+            double *restrict Sg = S + row * K;
+            for (int64_t t = 0; t < D; ++t) {
+                const int64_t tok = ((l * R + r) * D + t) * HV + hv;
+                const double *restrict qt = q + tok * K, *restrict kt = k + tok * K;
+                const double *restrict vt = v + tok * V + row;
+                const int active = t < ntok[r];
+                const double d = active ? dec[tok] : 1.0, bt = active ? beta[tok] : 0.0;
+                if (nr == GR64) {
+                    double sd[GR64], u[GR64], so[GR64], s2[GR64];
+                    decay_dot64_rows(Sg, K, kt, d, sd);
+                    for (int g = 0; g < GR64; ++g) u[g] = (vt[g] - sd[g]) * bt;
+                    axpy_dot64_rows(Sg, K, kt, qt, u, so, s2);
+                    for (int g = 0; g < GR64; ++g) {
+                        out[tok * V + row + g] = so[g];
+                        n2[t] += s2[g];
+                    }
+                } else {
+                    const double u = (vt[0] - decay_dot64(Sg, kt, d, K)) * bt;
+                    out[tok * V + row] = axpy_dot64(Sg, kt, qt, u, K, &n2[t]);
+                }
+                for (int64_t c = 0; c < ncap; ++c)
+                    if (cap_steps[c * R + r] == t)
+                        memcpy(cap_out[c] + w * KV + row * K, Sg, (size_t)(nr * K) * sizeof(double));
             }
-            norms[tok] = n2;
-            for (int64_t c = 0; c < ncap; ++c)
-                if (cap_steps[c * R + r] == t) memcpy(cap_out[c] + w * KV, S, (size_t)KV * sizeof(double));
+            row += nr;
         }
+        for (int64_t t = 0; t < D; ++t) norms[((l * R + r) * D + t) * HV + hv] = n2[t];
     }
 }
 
