@@ -41,6 +41,29 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture
+def toy(monkeypatch):
+    """The toy extension (tests/fixtures/toy_extension.py) loaded through $DRIFT_EXTENSIONS for one
+    test; its registry entries and module removed afterwards."""
+    import sys
+
+    from drift.check.registry import CHECKS
+    from drift.config import PROFILES
+    from drift.plug import extensions
+    from drift.plug.loader import KERNELS
+    from helpers import TOY_EXTENSION
+
+    monkeypatch.setenv(extensions.ENV, str(TOY_EXTENSION))
+    before = {r: set(r) for r in (KERNELS, CHECKS, PROFILES)}
+    yield
+    for reg, names in before.items():
+        for name in set(reg) - names:
+            reg.unregister(name)
+    extensions._loaded.pop(str(TOY_EXTENSION), None)
+    sys.modules.pop(next((m for m, mod in sys.modules.items()
+                          if getattr(mod, "__file__", None) == str(TOY_EXTENSION)), ""), None)
+
+
+@pytest.fixture
 def cpu_only(monkeypatch):
     """Pin the accelerator probes to "absent": no CUDA, and torch_npu fails to import."""
     from drift import devices

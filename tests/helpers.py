@@ -81,6 +81,7 @@ def assert_conforms(kernel, reference, args: VerifyArgs, conformance: Conformanc
 TESTS_DIR = Path(__file__).resolve().parent
 FIXTURES = TESTS_DIR / "fixtures"
 BAD_UPDATES = FIXTURES / "bad_updates.py"
+TOY_EXTENSION = FIXTURES / "toy_extension.py"  # loaded through $DRIFT_EXTENSIONS (the toy fixture, tests/conftest.py)
 
 U32 = 2.0 ** -24  # fp32 unit roundoff
 U64 = 2.0 ** -53  # float64 unit roundoff

@@ -8,33 +8,15 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from drift.check.registry import CHECKS
 from drift.cli import main
-from drift.config import PROFILES
 from drift.errors import EXIT_FAIL, EXIT_PASS
 from drift.plug import extensions
-from drift.plug.loader import KERNELS
+from helpers import TOY_EXTENSION as TOY
 
-TOY = Path(__file__).resolve().parent / "fixtures" / "toy_extension.py"
 RUN = ["run", "--steps", "32", "--profile", "toy-profile", "--kernel", "toy-kernel", "--quiet"]
-
-
-@pytest.fixture
-def toy(monkeypatch):
-    """The toy extension loaded for one test; its entries removed afterwards."""
-    monkeypatch.setenv(extensions.ENV, str(TOY))
-    before = {r: set(r) for r in (KERNELS, CHECKS, PROFILES)}
-    yield
-    for reg, names in before.items():
-        for name in set(reg) - names:
-            reg.unregister(name)
-    extensions._loaded.pop(str(TOY), None)
-    sys.modules.pop(next((m for m, mod in sys.modules.items()
-                          if getattr(mod, "__file__", None) == str(TOY)), ""), None)
 
 
 def test_drift_run_uses_the_toy_kernel_check_and_profile(toy, tmp_path, capsys):
