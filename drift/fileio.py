@@ -225,7 +225,11 @@ def locked(directory: Path, holder: str, option: str = "--report") -> Iterator[N
     left behind holds no lock and is taken over."""
     path = Path(directory) / LOCK_NAME
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as exc:
+            raise ConfigError(f"{option} {directory}: cannot create its lock file {path} ({exc.strerror or exc}); "
+                              f"pass a writable {option} directory") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -265,7 +269,11 @@ def staged(directory: Path, names: Sequence[str]) -> Iterator[Path]:
     :func:`locked` on ``directory`` around it."""
     directory = Path(directory)
     _finish_unit(directory)
-    stage = Path(tempfile.mkdtemp(prefix=UNIT_DIR + "-", dir=directory))
+    try:
+        stage = Path(tempfile.mkdtemp(prefix=UNIT_DIR + "-", dir=directory))
+    except OSError as exc:
+        _write_error(exc, directory)
+        raise
     try:
         yield stage
         written = sorted(p.name for p in stage.iterdir())

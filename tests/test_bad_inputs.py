@@ -287,6 +287,22 @@ def test_a_run_replaces_its_report_files_as_one_unit(tmp_path, capsys, monkeypat
     assert json.loads((out / "report.json").read_text())["run"]["update"] == "sglang-32130"
 
 
+def test_a_lock_or_unit_that_cannot_be_made_is_one_clear_error(tmp_path):
+    from drift.errors import ConfigError, WriteError
+
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    with pytest.raises(ConfigError, match="cannot create its lock file"):
+        with fileio.locked(not_a_dir, "drift run"):
+            pass
+    with pytest.raises(WriteError, match=f"cannot write {not_a_dir}"):
+        with fileio.staged(not_a_dir, ["report.json"]):
+            pass
+    with fileio.locked(tmp_path, "drift run"), fileio.staged(tmp_path, ["x"]) as stage:  # control: a directory
+        (stage / "x").write_text("x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "x"]
+
+
 def test_a_unit_a_killed_process_committed_is_completed_by_the_next(tmp_path, monkeypatch):
     d = tmp_path
     for name in "abc":
