@@ -18,6 +18,7 @@ load, data or device error -- every bad input is rejected before any work starts
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -31,15 +32,13 @@ from .config import Config, preset
 from .devices import resolve_device
 from .errors import (EXIT_FAIL, EXIT_PASS, ConfigError, DriftError, Terminated, UpdateRaised, clear_interrupt, interrupt,
                      raise_if_interrupted)
-from .fileio import output_file, output_files, writable_dir
+from .fileio import locked, output_file, output_files, refuse_overwriting, writable_dir
 from .options import CONFIG_OPTIONS, RUN_OPTIONS, add_options, dest, positive_int
 from .plug.mutants import MUTANTS
 from .runspec import Resolved, RunSpec
 from .version import __version__
 
 PROG = "drift"
-REPORT_FILES = ("report.json", "report.md", "drift_vs_step.png")  # what --report DIR receives
-NIGHTLY_FILES = REPORT_FILES + ("mtp_vs_sequential.png", "rounding_modes.png")
 
 
 # ------------------------------------------------------------------ helpers
@@ -70,6 +69,19 @@ def resolve_args(args: argparse.Namespace, **fixed) -> Resolved:
     return run
 
 
+def _inputs(trace: Optional[str], golden: bool = True) -> list[tuple[str, Path]]:
+    """The data files a command reads, which no output may be: a trace (npz and manifest) and
+    the golden data a run compares with (the trace's, else the golden directory's)."""
+    from .check.golden import golden_dir, trace_golden_dir
+    from .sim.tracefile import trace_paths
+
+    found = list(zip(("the trace", "the trace's manifest"), trace_paths(trace))) if trace else []
+    gdir = trace_golden_dir(trace) if trace else golden_dir()
+    if golden and gdir.is_dir():
+        found += [("golden data", p) for p in sorted(gdir.iterdir()) if p.is_file()]
+    return found
+
+
 def _output_format(p: argparse.ArgumentParser) -> None:
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="print JSON")
@@ -94,25 +106,28 @@ def add_run(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .jobs.report import progress_printer, summary_text, write_report
+    from .jobs.report import REPORT_FILES, progress_printer, summary_text, write_report
     from .runner import run_checked
     from .syncs.scan import RUN_SAMPLE
 
     run = resolve_args(args)
     cfg = run.cfg
     report_dir = output_files(args.report, REPORT_FILES, "--report") if args.report else None
+    if report_dir is not None:
+        refuse_overwriting([("--report", report_dir / name) for name in REPORT_FILES], _inputs(cfg.trace))
     golden = None
     if cfg.trace:  # the trace's golden data beside it, generated on first use (saying so), before the run
         from .check.golden import load_golden
 
         golden, _ = load_golden(cfg)
     progress = None if args.quiet else progress_printer(f"drift run {cfg.name}")
-    rep = run_checked(run, progress=progress, vs_sequential=args.vs_sequential, golden=golden,
-                      sync_first=not args.all_checks, fail_fast=args.fail_fast, sync_sample=RUN_SAMPLE)
-    print(summary_text(rep))
-    if report_dir is not None:
-        for path in write_report(rep, report_dir):
-            print(f"wrote {path}")
+    with locked(report_dir, "drift run") if report_dir is not None else contextlib.nullcontext():
+        rep = run_checked(run, progress=progress, vs_sequential=args.vs_sequential, golden=golden,
+                          sync_first=not args.all_checks, fail_fast=args.fail_fast, sync_sample=RUN_SAMPLE)
+        print(summary_text(rep))
+        if report_dir is not None:
+            for path in write_report(rep, report_dir):
+                print(f"wrote {path}")
     return EXIT_PASS if rep.passed else EXIT_FAIL
 
 
@@ -219,6 +234,8 @@ def add_nightly(p: argparse.ArgumentParser) -> None:
                         "--resume or --force)")
     p.add_argument("--checkpoint-every", type=positive_int, default=DEFAULT_CHECKPOINT_EVERY, metavar="N",
                    help=f"write a checkpoint every N steps of an entry (default: {DEFAULT_CHECKPOINT_EVERY})")
+    p.add_argument("--keep-checkpoint", action="store_true", help="keep the last checkpoint of each finished entry "
+                   "(default: a finished entry keeps none; its result is in DIR/entries/)")
     p.add_argument("--resume", action="store_true", help="continue from checkpoints and finished entries (those "
                    "of exactly this configuration; the others are redone, saying why)")
     p.add_argument("--force", action="store_true", help="overwrite a report already in --report (without --resume "
@@ -251,9 +268,9 @@ def _variants_of_flow(variants, args, preset: str, update: str, steps, layers) -
 
 
 def cmd_nightly(args: argparse.Namespace) -> int:
-    from .jobs.nightly import (DEFAULT_STEPS, VARIANTS, build_matrix, layers_for, locked, match_baseline,
-                               parse_shard, read_report, run_nightly, shard)
-    from .jobs.report import progress_printer
+    from .jobs.nightly import (DEFAULT_STEPS, VARIANTS, build_matrix, identity, layers_for, match_baseline,
+                               parse_shard, read_report, run_nightly, shard, written_by)
+    from .jobs.report import NIGHTLY_FILES, progress_printer
 
     presets, updates = args.nightly_defaults
     resolve_device(args.device)
@@ -275,27 +292,29 @@ def cmd_nightly(args: argparse.Namespace) -> int:
     k, n = parse_shard(args.shard)
     mine = shard(entries, k, n)
     baseline = read_report(args.baseline) if args.baseline else None
+    out = output_files(args.report, NIGHTLY_FILES, "--report")
+    refuse_overwriting([("--report", p) for p in written_by(out, mine)],
+                       _inputs(args.trace) + ([("the baseline", args.baseline)] if args.baseline else []))
     if baseline is not None:
-        unmatched = match_baseline(baseline, [e.key for e in mine], args.baseline)
+        unmatched = match_baseline(baseline, {e.key: identity(e, args.device) for e in mine}, args.baseline)
         if unmatched:
             print(f"drift nightly: --baseline {args.baseline} has no entry for {len(unmatched)} of this run's "
                   f"{len(mine)} entries; they get no trend: {', '.join(unmatched)}", file=sys.stderr)
     if not args.trend_factor > 0:
         raise ConfigError(f"--trend-factor {args.trend_factor} is invalid; allowed: a number > 0")
-    out = output_files(args.report, NIGHTLY_FILES, "--report")
     for sub in ("entries", "checkpoints"):
         writable_dir(out / sub, "--report")
     if (out / "report.json").exists() and not (args.resume or args.force):
         raise ConfigError(f"--report {out} already holds a report (report.json); pass --resume to continue that "
                           "run, --force to overwrite it, or another --report directory")
     steps_text = f"{steps} steps" if steps is not None else "the whole trace"
-    with locked(out):
+    with locked(out, "drift nightly"):
         print(f"drift nightly: {len(mine)} of {len(entries)} entries (shard {k}/{n}), {steps_text} each, "
               f"device {args.device}" + (f", at most {layers} layers per preset" if layers else "")
               + (f", trace {args.trace}" + (" (looped)" if args.loop else "") if args.trace else ""), file=sys.stderr)
         report, written = run_nightly(entries, mine, f"{k}/{n}", args.device, out, args.checkpoint_every,
                                       args.resume, baseline, args.trend_factor,
-                                      None if args.quiet else progress_printer)
+                                      None if args.quiet else progress_printer, keep_checkpoint=args.keep_checkpoint)
     for path in written:
         print(f"wrote {path}")
     if report["trend"]:
@@ -309,14 +328,23 @@ def add_report(p: argparse.ArgumentParser) -> None:
                            help="merge: combine the reports of nightly shards")
     m = sub.add_parser("merge", help="combine shard reports into one", description="Combine nightly shard reports.")
     m.add_argument("dirs", nargs="+", type=Path, help="--report directories of the shards")
-    m.add_argument("-o", "--out", type=Path, required=True, help="output directory")
+    m.add_argument("-o", "--out", type=Path, required=True, help="output directory (one holding a report is "
+                   "refused without --force; never one of the shard directories)")
+    m.add_argument("--force", action="store_true", help="overwrite a report already in --out")
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     from .jobs.nightly import merge
+    from .jobs.report import NIGHTLY_FILES
 
     out = output_files(args.out, NIGHTLY_FILES, "--out")
-    rep = merge(args.dirs, out)
+    refuse_overwriting([("--out", out / name) for name in NIGHTLY_FILES],
+                       [(f"a file of shard {d}", d / name) for d in args.dirs for name in NIGHTLY_FILES])
+    if (out / "report.json").exists() and not args.force:
+        raise ConfigError(f"--out {out} already holds a report (report.json); pass --force to overwrite it, or "
+                          "another --out directory")
+    with locked(out, "drift report merge", "--out"):
+        rep = merge(args.dirs, out)
     print(f"merged {len(rep['entries'])} entries into {out}")
     return EXIT_PASS if rep["verdict"] == "pass" else EXIT_FAIL
 
@@ -449,6 +477,9 @@ def cmd_capture(args: argparse.Namespace) -> int:
     if args.model != "tiny" and not (Path(args.model) / "config.json").is_file():
         raise ConfigError(f"--model {args.model}: not a checkpoint directory (no config.json); pass tiny or a local "
                           "Hugging Face model directory (drift capture downloads nothing)")
+    if args.model != "tiny":
+        refuse_overwriting([("--out", npz), ("--out", man)],
+                           [("a file of --model", p) for p in Path(args.model).iterdir() if p.is_file()])
     _need_transformers()
     resolve_device(args.device)
     from .capture.transformers_capture import build_tiny_model, capture_to_file, load_model
@@ -497,6 +528,7 @@ def cmd_trace_stats(args: argparse.Namespace) -> int:
 
     if args.plot is not None:
         output_file(args.plot, "--plot")
+        refuse_overwriting([("--plot", args.plot)], _inputs(args.file, golden=False))
     tr = read_trace(args.file)
     stats = {"trace": trace_stats(tr), "presets": preset_stats(tokens=args.preset_tokens)}
     if args.plot is not None:

@@ -7,7 +7,10 @@ where the file goes) raises :class:`~drift.errors.WriteError` (exit 2) naming th
 cause, and leaves no partial file.
 
 Outputs are checked before any work: :func:`writable_dir` and :func:`output_file` prove a file can
-be created where it will go and that nothing of the wrong kind (a directory) stands in its way.
+be created where it will go and that nothing of the wrong kind (a directory) stands in its way;
+:func:`refuse_overwriting` that no output is one of the command's inputs. A directory of outputs is
+held by one command at a time (:func:`locked`), and a set of files that belong together (a report)
+is replaced as one unit (:func:`staged`).
 
 Reads refuse, with :class:`~drift.errors.DataError` (exit 2) naming the file: what is not a
 regular file, JSON nested past what Python's parser can follow, and ``.npz`` members whose
@@ -17,14 +20,18 @@ headers, before anything is allocated) or more bytes than the member holds.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import io
 import json
 import os
+import shutil
+import signal
 import stat
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any, Type
+from typing import Any, Iterable, Iterator, Sequence, Type
 
 import numpy as np
 
@@ -186,6 +193,140 @@ def output_files(directory: str | os.PathLike, names: tuple[str, ...], option: s
     return directory
 
 
+def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether ``a`` and ``b`` name one file: the same real path (``./x`` and ``x``, symlinks
+    resolved), or, where both exist, the same inode (a hard link)."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return False
+
+
+def refuse_overwriting(outputs: Iterable[tuple[str, Path]], inputs: Sequence[tuple[str, Path]]) -> None:
+    """ConfigError, before any work, when an output (``(option, path)``) is one of the command's
+    inputs (``(what, path)``): the same path, or the same file through a symlink or a hard link."""
+    for option, out in outputs:
+        for what, src in inputs:
+            if same_file(out, src):
+                raise ConfigError(f"{option} {out} is the same file as {what} ({src}): drift never writes over "
+                                  f"its own inputs; pass another {option} path")
+
+
+LOCK_NAME = ".lock"
+
+
+@contextlib.contextmanager
+def locked(directory: Path, holder: str, option: str = "--report") -> Iterator[None]:
+    """Hold an advisory lock (``flock``) on output directory ``directory`` for ``holder`` (e.g.
+    "drift run"): a second command on it gets ConfigError naming the holder's pid. The lock
+    file (``DIR/.lock``) is removed when the block ends, however it ends; one a killed process
+    left behind holds no lock and is taken over."""
+    path = Path(directory) / LOCK_NAME
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as exc:
+            raise ConfigError(f"{option} {directory}: cannot create its lock file {path} ({exc.strerror or exc}); "
+                              f"pass a writable {option} directory") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid, _, who = os.pread(fd, 256, 0).decode(errors="replace").strip().partition(" ")
+            os.close(fd)
+            raise ConfigError(f"{option} {directory} is in use by another {who or 'drift command'} (pid "
+                              f"{pid or 'unknown'}); wait for it to finish, or pass another {option} directory") from None
+        try:  # a holder unlinked the file on release after this one opened it: open the new one
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {holder}\n".encode(), 0)
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)  # while still locked: one who opened it meanwhile re-opens (above)
+        os.close(fd)  # closing releases the lock
+
+
+UNIT_DIR = ".drift-unit"  # a committed unit whose files are being moved into place
+UNIT_LIST = ".unit.json"  # in it: the names to move into place and the names to remove
+
+
+@contextlib.contextmanager
+def staged(directory: Path, names: Sequence[str]) -> Iterator[Path]:
+    """A set of files in ``directory`` (``names``) replaced as one unit: the block writes the new
+    ones into the yielded staging directory (a hidden sibling of the files, on the same file
+    system); when it ends without error they replace the old set -- a name it did not write is
+    removed -- and when it raises the old set is left as it was. The staging directory is
+    renamed to ``DIR/.drift-unit`` (the commit) before the files are moved, and the moves run
+    with SIGINT/SIGTERM held back; a unit a killed process left committed is completed by the
+    next :func:`staged` on the directory, one left uncommitted is discarded. Hold
+    :func:`locked` on ``directory`` around it."""
+    directory = Path(directory)
+    _finish_unit(directory)
+    try:
+        stage = Path(tempfile.mkdtemp(prefix=UNIT_DIR + "-", dir=directory))
+    except OSError as exc:
+        _write_error(exc, directory)
+        raise
+    try:
+        yield stage
+        written = sorted(p.name for p in stage.iterdir())
+        atomic_write_json(stage / UNIT_LIST, {"move": written, "remove": sorted(set(names) - set(written))})
+        os.rename(stage, directory / UNIT_DIR)  # the commit point
+    except BaseException as exc:
+        shutil.rmtree(stage, ignore_errors=True)
+        if isinstance(exc, WriteError):  # name the file where it goes, not its staging copy
+            raise WriteError(str(exc).replace(str(stage), str(directory))) from None
+        _write_error(exc, directory)
+        raise
+    _finish_unit(directory)
+
+
+def _write_error(exc: BaseException, path: Path) -> None:
+    """An OSError (not drift's own) while writing ``path`` raised as WriteError (exit 2)."""
+    if isinstance(exc, OSError) and not isinstance(exc, DriftError):
+        raise WriteError(f"cannot write {path} ({exc.strerror or exc}); nothing was written there: "
+                         "free space or fix the permissions, or pass another path") from None
+
+
+def _finish_unit(directory: Path) -> None:
+    """Complete a committed unit (move its files into place) and drop uncommitted staging dirs."""
+    for leftover in directory.glob(UNIT_DIR + "-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    unit = directory / UNIT_DIR
+    if not unit.is_dir():
+        return
+    fix = f"remove {unit} (a damaged unit of drift's) and run the command again"
+    plan = read_json(unit / UNIT_LIST, "report unit list", fix)
+    if not (isinstance(plan, dict) and all(isinstance(plan.get(k), list) for k in ("move", "remove"))
+            and all(isinstance(n, str) and n and n == Path(n).name for n in plan["move"] + plan["remove"])):
+        raise DataError(f"{unit / UNIT_LIST} does not list plain file names to move and remove; {fix}")
+    masked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        for name in plan["move"]:
+            if (unit / name).exists():  # absent: moved before the process that committed it was killed
+                os.replace(unit / name, directory / name)
+        for name in plan["remove"]:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(directory / name)
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        shutil.rmtree(unit)
+    except OSError as exc:
+        _write_error(exc, directory)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, masked)
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically; WriteError (exit 2) naming the path and the cause."""
     path = Path(path)
@@ -205,9 +346,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     except BaseException as exc:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
-        if isinstance(exc, OSError) and not isinstance(exc, DriftError):
-            raise WriteError(f"cannot write {path} ({exc.strerror or exc}); nothing was written there: "
-                             "free space or fix the permissions, or pass another path") from None
+        _write_error(exc, path)
         raise
 
 

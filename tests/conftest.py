@@ -41,6 +41,18 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture
+def toy(monkeypatch):
+    """The toy extension (tests/fixtures/toy_extension.py) loaded through $DRIFT_EXTENSIONS for one
+    test; its registry entries and module removed afterwards."""
+    from drift.check.registry import CHECKS
+    from drift.config import PROFILES
+    from drift.plug.loader import KERNELS
+    from helpers import TOY_EXTENSION, loaded_for_one_test
+
+    yield from loaded_for_one_test(monkeypatch, TOY_EXTENSION, (KERNELS, CHECKS, PROFILES))
+
+
+@pytest.fixture
 def cpu_only(monkeypatch):
     """Pin the accelerator probes to "absent": no CUDA, and torch_npu fails to import."""
     from drift import devices

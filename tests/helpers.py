@@ -85,6 +85,25 @@ def assert_conforms(kernel, reference, args: VerifyArgs, conformance: Conformanc
 TESTS_DIR = Path(__file__).resolve().parent
 FIXTURES = TESTS_DIR / "fixtures"
 BAD_UPDATES = FIXTURES / "bad_updates.py"
+TOY_EXTENSION = FIXTURES / "toy_extension.py"  # loaded through $DRIFT_EXTENSIONS (the toy fixture, tests/conftest.py)
+
+
+def loaded_for_one_test(monkeypatch, path, registries):
+    """A fixture body: the extension at ``path`` named in $DRIFT_EXTENSIONS for one test; the entries
+    it added to ``registries`` and its module removed afterwards."""
+    import sys
+
+    from drift.plug import extensions
+
+    monkeypatch.setenv(extensions.ENV, str(path))
+    before = {r: set(r) for r in registries}
+    yield
+    for reg, names in before.items():
+        for name in set(reg) - names:
+            reg.unregister(name)
+    extensions._loaded.pop(str(path), None)
+    sys.modules.pop(next((m for m, mod in sys.modules.items()
+                          if getattr(mod, "__file__", None) == str(path)), ""), None)
 
 U32 = 2.0 ** -24  # fp32 unit roundoff
 U64 = 2.0 ** -53  # float64 unit roundoff

@@ -202,6 +202,133 @@ def test_outputs_of_the_wrong_kind_are_refused_before_work(tmp_path, capsys):
     assert "cap.npz: is a directory" in err_of(capsys)
 
 
+def _same_as(kind: str, target: Path, tmp_path: Path) -> str:
+    """An output path that names ``target``: as given, relative with ./, a symlink or a hard link."""
+    if kind == "same":
+        return str(target)
+    if kind == "dot":
+        return f"./{target.relative_to(tmp_path)}"
+    link = tmp_path / f"{kind}.png"
+    (link.symlink_to if kind == "symlink" else link.hardlink_to)(target)
+    return str(link)
+
+
+@pytest.mark.parametrize("kind", ["same", "dot", "symlink", "hardlink"])
+@pytest.mark.parametrize("member", ["npz", "json"])
+def test_trace_stats_never_writes_its_plot_over_the_trace(tmp_path, capsys, monkeypatch, kind, member):
+    npz = _trace(tmp_path)
+    target = npz.with_suffix(f".{member}")
+    before = target.read_bytes()
+    monkeypatch.chdir(tmp_path)
+    assert main(["trace-stats", str(npz), "--plot", _same_as(kind, target, tmp_path)]) == EXIT_USAGE
+    assert "is the same file as the trace" in err_of(capsys) and target.read_bytes() == before
+    assert main(["trace-stats", str(npz), "--plot", str(tmp_path / "fine.png")]) == EXIT_PASS  # control
+    assert (tmp_path / "fine.png").read_bytes()[:4] == b"\x89PNG" and target.read_bytes() == before
+
+
+def test_a_run_never_writes_its_report_over_its_trace(tmp_path, capsys):
+    npz = _trace(tmp_path, "report")  # its manifest is report.json: --report beside it would overwrite it
+    before = npz.with_suffix(".json").read_bytes()
+    assert main(["run", "--trace", str(npz), "--quiet", "--report", str(tmp_path)]) == EXIT_USAGE
+    assert "is the same file as the trace's manifest" in err_of(capsys)
+    assert npz.with_suffix(".json").read_bytes() == before
+    assert main(["run", "--trace", str(npz), "--quiet", "--report", str(tmp_path / "out")]) == EXIT_PASS  # control
+
+
+def test_a_capture_never_writes_over_the_model_it_reads(tmp_path, capsys, monkeypatch):
+    from drift import cli
+    from drift.errors import ConfigError
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    assert main(["capture", "--model", str(model), "--out", str(model / "config")]) == EXIT_USAGE
+    assert "--out" in (err := err_of(capsys)) and "is the same file as a file of --model" in err
+    assert (model / "config.json").read_text() == "{}"
+
+    def reached():
+        raise ConfigError("past the output checks")
+
+    monkeypatch.setattr(cli, "_need_transformers", reached)  # control: another --out gets past them
+    assert main(["capture", "--model", str(model), "--out", str(tmp_path / "trace")]) == EXIT_USAGE
+    assert "past the output checks" in err_of(capsys)
+
+
+def test_two_runs_never_share_a_report_directory(tmp_path, capsys):
+    out = tmp_path / "rep"
+    assert main(RUN + ["--report", str(out)]) == EXIT_PASS
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with fileio.locked(out, "drift run"):  # another drift run writing there
+        assert main(RUN + ["--update", "sglang-32130", "--report", str(out)]) == EXIT_USAGE
+        assert f"is in use by another drift run (pid {os.getpid()})" in err_of(capsys)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_a_run_replaces_its_report_files_as_one_unit(tmp_path, capsys, monkeypatch):
+    """A write that fails halfway (here the plot, after report.json was staged) leaves the old
+    report whole; a run that makes no plot removes the old one with the rest (all new or all old)."""
+    from drift.jobs import report
+
+    out = tmp_path / "rep"
+    assert main(RUN + ["--report", str(out)]) == EXIT_PASS
+    old = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert set(old) == {"report.json", "report.md", "drift_vs_step.png"}
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(report, "run_plot", full)
+    assert main(RUN + ["--steps", "16", "--report", str(out)]) == EXIT_USAGE
+    assert "No space left on device" in err_of(capsys)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == old  # all old, no staging left
+    monkeypatch.undo()
+    assert main(RUN + ["--update", "sglang-32130", "--report", str(out)]) == EXIT_FAIL  # no drift curves: no plot
+    assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.md"]
+    assert json.loads((out / "report.json").read_text())["run"]["update"] == "sglang-32130"
+
+
+def test_a_lock_or_unit_that_cannot_be_made_is_one_clear_error(tmp_path):
+    from drift.errors import ConfigError, WriteError
+
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    with pytest.raises(ConfigError, match="cannot create its lock file"):
+        with fileio.locked(not_a_dir, "drift run"):
+            pass
+    with pytest.raises(WriteError, match=f"cannot write {not_a_dir}"):
+        with fileio.staged(not_a_dir, ["report.json"]):
+            pass
+    with fileio.locked(tmp_path, "drift run"), fileio.staged(tmp_path, ["x"]) as stage:  # control: a directory
+        (stage / "x").write_text("x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "x"]
+
+
+def test_a_unit_a_killed_process_committed_is_completed_by_the_next(tmp_path, monkeypatch):
+    d = tmp_path
+    for name in "abc":
+        (d / name).write_text(f"old {name}")
+    real, moves = os.replace, []
+
+    def killed_after_one(src, dst):
+        if Path(src).parent.name == fileio.UNIT_DIR:  # a move of the committed unit into place
+            if moves:
+                raise SystemExit("killed")  # as SIGKILL would: between two renames of the unit
+            moves.append(dst)
+        real(src, dst)
+
+    monkeypatch.setattr(fileio.os, "replace", killed_after_one)
+    with pytest.raises(SystemExit):
+        with fileio.staged(d, "abc") as stage:
+            (stage / "a").write_text("new a")
+            (stage / "b").write_text("new b")  # c: not written, so removed with the unit
+    assert [(d / n).read_text() for n in "abc"] == ["new a", "old b", "old c"]  # a mix, committed
+    monkeypatch.undo()
+    with fileio.staged(d, "abc") as stage:
+        assert (d / "b").read_text() == "new b" and not (d / "c").exists()  # completed before anything else
+        (stage / "c").write_text("newer c")
+    assert sorted(p.name for p in d.iterdir()) == ["c"] and (d / "c").read_text() == "newer c"
+
+
 def test_a_full_disk_exits_2_naming_the_path_and_leaves_no_partial_file(tmp_path, capsys, monkeypatch):
     def full(fd):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -305,17 +432,25 @@ def test_a_report_directory_is_never_silently_overwritten_or_shared(nightly_dir,
     before = (nightly_dir / "report.json").read_bytes()
     assert main(NIGHTLY + ["--steps", "8", "--report", str(nightly_dir)]) == EXIT_USAGE
     assert "already holds a report" in err_of(capsys)
-    with nightly.locked(nightly_dir):  # another nightly writing there
+    with fileio.locked(nightly_dir, "drift nightly"):  # another nightly writing there
         assert main(NIGHTLY + ["--steps", "8", "--report", str(nightly_dir), "--resume"]) == EXIT_USAGE
         assert f"in use by another drift nightly (pid {os.getpid()})" in err_of(capsys)
     assert (nightly_dir / "report.json").read_bytes() == before
+    assert not (nightly_dir / ".lock").exists()  # released and removed
+
+
+def _of_seed(entry: dict, seed: int) -> dict:
+    """A copy of a report entry that says it ran with another seed (another configuration)."""
+    entry = json.loads(json.dumps(entry))
+    entry["identity"]["entry"]["seed"] = entry["identity"]["config"]["seed"] = seed
+    return entry
 
 
 def test_a_bad_baseline_is_refused_before_the_nightly_runs(nightly_dir, tmp_path, capsys):
     rep = json.loads((nightly_dir / "report.json").read_text())
     cases = {"list": ({**rep, "entries": list(rep["entries"].values())}, "'entries' is a list"),
              "deep": (None, "nested deeper"),
-             "none": ({**rep, "entries": {"other.seed0.x.rne": next(iter(rep["entries"].values()))}},
+             "none": ({**rep, "entries": {"other.seed0.x.rne": _of_seed(next(iter(rep["entries"].values())), 7)}},
                       "matches no entry of this run")}
     for name, (obj, words) in cases.items():
         base = tmp_path / f"{name}.json"
@@ -330,6 +465,76 @@ def test_a_bad_baseline_is_refused_before_the_nightly_runs(nightly_dir, tmp_path
     (shard / "report.json").write_text(json.dumps(cases["list"][0]))
     assert main(["report", "merge", str(shard), "-o", str(tmp_path / "merged")]) == EXIT_USAGE
     assert "'entries' is a list" in err_of(capsys)
+
+
+def test_a_nightly_never_writes_over_its_baseline(nightly_dir, capsys):
+    base = nightly_dir / "report.json"
+    before = base.read_bytes()
+    assert main(NIGHTLY + ["--steps", "16", "--report", str(nightly_dir), "--force", "--baseline", str(base)]) == EXIT_USAGE
+    assert "is the same file as the baseline" in err_of(capsys) and base.read_bytes() == before
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> dict[str, Path]:
+    """Shards 1/2 and 2/2 of a two-variant matrix at 16 steps, and shard 2/2 of it at 8 steps."""
+    root = tmp_path_factory.mktemp("shards")
+    out = {}
+    for name, shard, steps in (("one", "1/2", "16"), ("two", "2/2", "16"), ("two_short", "2/2", "8")):
+        out[name] = root / name
+        assert main(NIGHTLY + ["--variant", "fp32", "--steps", steps, "--shard", shard, "--report", str(out[name])]) == 0
+    return out
+
+
+def _edited(src: Path, dst: Path, edit) -> Path:
+    rep = json.loads((src / "report.json").read_text())
+    edit(rep)
+    dst.mkdir()
+    (dst / "report.json").write_text(json.dumps(rep))
+    return dst
+
+
+def _ident(rep: dict) -> dict:
+    return next(iter(rep["entries"].values()))["identity"]
+
+
+@pytest.mark.parametrize("case, words", [
+    ("steps", "in its matrix (matrix.0.steps 16 -> 8"),
+    ("alone", "shard 2/2 is missing"),
+    ("twice", "shard 1/2 is given 2 times"),
+    ("duplicate", "is in 2 shards"),
+    ("code", "the code of update sglang-0.5.23 differs"),
+    ("no identity", "records no identity"),
+])
+def test_merge_refuses_reports_that_do_not_belong_together(shards, tmp_path, capsys, case, words):
+    one, two = shards["one"], shards["two"]
+    key_one = next(iter(json.loads((one / "report.json").read_text())["entries"]))
+    dirs = {"steps": lambda: [one, shards["two_short"]], "alone": lambda: [one], "twice": lambda: [one, one, two],
+            "duplicate": lambda: [one, _edited(two, tmp_path / "dup", lambda r: r["entries"].update(
+                {key_one: json.loads((one / "report.json").read_text())["entries"][key_one]}))],
+            "code": lambda: [one, _edited(two, tmp_path / "code", lambda r: _ident(r)["update"]["modules"].update(
+                {"drift.plug.parts": "0" * 16}))],
+            "no identity": lambda: [one, _edited(two, tmp_path / "old", lambda r: next(iter(
+                r["entries"].values())).pop("identity"))]}[case]()
+    out = tmp_path / "merged"
+    assert main(["report", "merge", *map(str, dirs), "-o", str(out)]) == EXIT_USAGE
+    assert words in err_of(capsys) and not (out / "report.json").exists()
+    assert main(["report", "merge", str(one), str(two), "-o", str(out)]) == EXIT_PASS  # control: the two shards
+    assert json.loads((out / "report.json").read_text())["shard"] == "merged 1/2, 2/2"
+
+
+def test_merge_never_overwrites_a_shard_or_a_report_without_force(shards, tmp_path, capsys):
+    one, two = shards["one"], shards["two"]
+    before = (one / "report.json").read_bytes()
+    for out in (one, Path(f"{one}/../{one.name}")):
+        assert main(["report", "merge", str(one), str(two), "-o", str(out)]) == EXIT_USAGE
+        assert "is the same file as a file of shard" in err_of(capsys)
+    assert (one / "report.json").read_bytes() == before
+    out = tmp_path / "merged"
+    assert main(["report", "merge", str(one), str(two), "-o", str(out)]) == EXIT_PASS
+    assert main(["report", "merge", str(one), str(two), "-o", str(out)]) == EXIT_USAGE
+    err = err_of(capsys)
+    assert "already holds a report" in err and "pass --force" in err
+    assert main(["report", "merge", str(one), str(two), "-o", str(out), "--force"]) == EXIT_PASS
 
 
 # ------------------------------------------------------------------- interrupts

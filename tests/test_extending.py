@@ -15,43 +15,21 @@ from pathlib import Path
 
 import pytest
 
-from drift.check.registry import CHECKS
 from drift.cli import main
-from drift.config import PROFILES
 from drift.errors import EXIT_FAIL, EXIT_PASS
 from drift.flows.registry import FLOW_KINDS, FLOWS, UPDATES
 from drift.plug import extensions
-from drift.plug.loader import KERNELS
 from drift.plug.mutants import MUTANTS
+from helpers import TOY_EXTENSION as TOY, loaded_for_one_test
 
-TOY = Path(__file__).resolve().parent / "fixtures" / "toy_extension.py"
 TOY_KIND = Path(__file__).resolve().parent / "fixtures" / "toy_flow_kind.py"
 RUN = ["run", "--steps", "32", "--profile", "toy-profile", "--kernel", "toy-kernel", "--quiet"]
-
-
-def _loaded_for_one_test(monkeypatch, path: Path, registries):
-    """The extension at ``path`` named in $DRIFT_EXTENSIONS for one test; what it registered removed after."""
-    monkeypatch.setenv(extensions.ENV, str(path))
-    before = {r: set(r) for r in registries}
-    yield
-    for reg, names in before.items():
-        for name in set(reg) - names:
-            reg.unregister(name)
-    extensions._loaded.pop(str(path), None)
-    sys.modules.pop(next((m for m, mod in sys.modules.items()
-                          if getattr(mod, "__file__", None) == str(path)), ""), None)
-
-
-@pytest.fixture
-def toy(monkeypatch):
-    """The toy extension loaded for one test; its entries removed afterwards."""
-    yield from _loaded_for_one_test(monkeypatch, TOY, (KERNELS, CHECKS, PROFILES))
 
 
 @pytest.fixture
 def toy_kind(monkeypatch):
     """The toy flow kind loaded for one test; its kind, flow, update and mutant removed afterwards."""
-    yield from _loaded_for_one_test(monkeypatch, TOY_KIND, (FLOW_KINDS, FLOWS, UPDATES, MUTANTS))
+    yield from loaded_for_one_test(monkeypatch, TOY_KIND, (FLOW_KINDS, FLOWS, UPDATES, MUTANTS))
 
 
 def test_drift_run_uses_the_toy_kernel_check_and_profile(toy, tmp_path, capsys):

@@ -10,44 +10,48 @@ The matrix is presets x seeds x updates x variants:
 
 Each entry is a checked run (every check of ``drift run``, the float64 twin or golden as
 reference) to a long horizon, checkpointed every N steps; a resumed run continues a killed one
-and reproduces the uninterrupted report byte for byte (timings aside, which live in the
-report's ``timings`` entry only). The two newest checkpoints of an entry are kept: a damaged
-newest one is set aside and the run resumes from the one before (or starts the entry over),
-saying so.
+and reproduces the uninterrupted report.json byte for byte except its ``timings`` block (wall-clock
+seconds), and report.md and the plots exactly. While an entry runs, its two newest checkpoints are
+kept: a damaged newest one is set aside and the run resumes from the one before (or starts the
+entry over), saying so. A finished entry keeps none (its result is in ``entries/``) unless asked
+to keep its last.
 
 A run's identity (:func:`identity`) is everything its result depends on: the entry (preset, seed,
 update, variant, steps, layers, trace, loop, graph), the full config it ran (profile, flow, device,
-horizon, ...), drift's version and the update's source file. Every finished entry and every
-checkpoint records it; ``--resume`` reuses only exact matches and says which entries it redid and
-why. A report directory is locked (an advisory ``flock`` on ``DIR/.lock``) while a nightly writes it.
+horizon, ...), drift's version, the update's code by content, the checks with their limits and the
+extensions (drift/jobs/identity.py). Every finished entry, every checkpoint and every report entry
+records it; ``--resume`` reuses only exact matches and says which entries it redid and why, and
+``drift report merge`` combines only the shards of one matrix made alike. A baseline pairs entries
+by configuration, not by key (:func:`drift.jobs.identity.pair`). A report directory is locked
+(drift/fileio.py: locked) while a nightly writes it, and its report files are replaced as one unit.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
 import json
+import math
 import os
 import re
 import sys
 import time
+from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence, TextIO
+from typing import Callable, Optional, Sequence, TextIO
 
 from .. import checkpoint
 from ..config import PRESETS, Config, find_profile
 from ..errors import ConfigError, DataError, DriftError
-from ..fileio import atomic_write_json, atomic_write_text, read_json
+from ..fileio import atomic_write_json, atomic_write_text, read_json, staged
 from ..flows.registry import FLOWS, default_update
-from ..plug.loader import load_update
 from ..runner import CheckedRun, versions
+from ..check.metrics import BINS_PER_OCTAVE
 from ..check.registry import find_result, result_key
 from ..runspec import Resolved, RunSpec
 from ..version import __version__
+from .identity import checks_identity, differences, extensions_identity, pair, update_identity
 from .plots import nightly_plots
-from .report import nightly_markdown
+from .report import NIGHTLY_FILES, nightly_markdown
 
 VARIANTS = ("rne", "stochastic", "fp32", "sequential")
 # The fp32 variant's profile: fp32 states in dense tensors (CUDA's default).
@@ -160,45 +164,32 @@ def layers_for(device: str, requested: Optional[str]) -> Optional[int]:
 
 
 # -------------------------------------------------------------------- identity
-def _source_hash(spec: str) -> Optional[str]:
-    """sha256 (16 hex) of the file an update spec's code lives in; None for sequential decode."""
-    if spec == "-":
-        return None
-    source = load_update(spec).source.rsplit(":", 1)[0]
-    try:
-        return hashlib.sha256(Path(source).read_bytes()).hexdigest()[:16] if source else None
-    except OSError:
-        return None
+def mode_of(variant: str) -> str:
+    """The decode mode of an entry of ``variant``: sequential decode for its variant, else MTP."""
+    return "sequential" if variant == "sequential" else "mtp"
 
 
-def identity(entry: Entry, device: str) -> dict:
-    """Everything an entry's result depends on (see the module docstring), JSON-comparable."""
-    cfg = entry.config(device)
+def identity(entry: Entry, device: str, run: Optional[Resolved] = None) -> dict:
+    """Everything an entry's result depends on (see the module docstring), JSON-comparable;
+    ``run``: the entry already resolved on ``device`` (resolved here when not given)."""
+    run = run if run is not None else entry.resolve(device)
+    cfg = run.cfg
     ident = {"entry": asdict(entry), "config": {**cfg.to_dict(), "profile": cfg.profile}, "drift": __version__,
-             "update_source_sha256": _source_hash(entry.update)}
+             "update": None if entry.update == "-" else update_identity(run.update),
+             "checks": checks_identity(cfg, run.mode), "extensions": extensions_identity()}
     return json.loads(json.dumps(ident, sort_keys=True))  # as a file holds it: tuples are lists
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
+def _listed(items: Sequence[str], most: int = 6, sep: str = ", ") -> str:
+    return sep.join(items[:most]) + (f"{sep}and {len(items) - most} more" if len(items) > most else "")
 
 
 def identity_diff(saved: object, wanted: dict) -> str:
     """Why ``saved`` (an identity read back, or None) is not ``wanted``: the differing fields."""
     if not isinstance(saved, dict):
         return "it records no configuration (written by an older drift)"
-    a, b = _flatten(saved), _flatten(wanted)
-    diff = [f"{k} {a.get(k, '(none)')!r} -> {b.get(k, '(none)')!r}" for k in sorted(set(a) | set(b))
-            if a.get(k) != b.get(k) and not k.startswith("entry.")]
-    diff = diff or [f"{k} {a.get(k, '(none)')!r} -> {b.get(k, '(none)')!r}" for k in sorted(set(a) | set(b))
-                    if a.get(k) != b.get(k)]
-    return "it was made with " + ", ".join(diff[:6]) + (f" and {len(diff) - 6} more" if len(diff) > 6 else "")
+    diff = differences(saved, wanted)
+    return "it was made with " + _listed([d for d in diff if not d.startswith("entry.")] or diff)
 
 
 # ----------------------------------------------------------------------- entry
@@ -240,7 +231,7 @@ def run_entry(entry: Entry, device: str, ckpt_dir: Optional[Path] = None,
     resolved = entry.resolve(device)
     cfg = resolved.cfg
     run = CheckedRun(resolved)
-    ident = identity(entry, device)
+    ident = identity(entry, device, resolved)
     state = load_resume_state(ckpt_dir, entry, log, ident) if (resume and ckpt_dir is not None) else None
     prior = float(state.get("elapsed", 0.0)) if state else 0.0
     t0 = time.perf_counter()
@@ -270,12 +261,16 @@ def run_entry(entry: Entry, device: str, ckpt_dir: Optional[Path] = None,
 
 
 # ---------------------------------------------------------------------- trend
-def trend(current: dict, baseline: dict, factor: float = TREND_FACTOR) -> list[dict]:
+def trend(current: dict, baseline: dict, factor: float = TREND_FACTOR,
+          pairs: Optional[dict[str, str]] = None) -> list[dict]:
     """Heads whose mean relative error at the largest horizon both reports reach grew by more
-    than ``factor`` (entries matched by key)."""
+    than ``factor``; each entry against its baseline entry (``pairs``: key -> baseline key,
+    default :func:`drift.jobs.identity.pair`). ``step``: the last step of that log bin both runs
+    reached (an integer)."""
     flags = []
+    pairs = pair(current["entries"], baseline.get("entries", {})) if pairs is None else pairs
     for key, entry in current["entries"].items():
-        old = baseline.get("entries", {}).get(key)
+        old = baseline.get("entries", {}).get(pairs.get(key))
         if old is None:
             continue
         a, b = _curve(old), _curve(entry)
@@ -284,14 +279,24 @@ def trend(current: dict, baseline: dict, factor: float = TREND_FACTOR) -> list[d
         common = sorted(set(a[0]) & set(b[0]))
         if not common:
             continue
-        step = common[-1]
-        va, vb = a[1][a[0].index(step)], b[1][b[0].index(step)]
+        centre = common[-1]
+        va, vb = a[1][a[0].index(centre)], b[1][b[0].index(centre)]
+        step = _last_step(centre, old.get("steps"), entry.get("steps"))
         for l, (ra, rb) in enumerate(zip(va, vb)):
             for h, (x, y) in enumerate(zip(ra, rb)):
                 if x is not None and y is not None and x > 0 and y > factor * x:
-                    flags.append({"key": key, "layer": l, "head": h, "step": step, "baseline": x,
-                                  "current": y, "ratio": y / x})
+                    flags.append({"key": key, "baseline_key": pairs[key], "layer": l, "head": h, "step": step,
+                                  "baseline": x, "current": y, "ratio": y / x})
     return flags
+
+
+def _last_step(centre: float, *horizons: Optional[int]) -> int:
+    """The last step of the log bin whose centre (drift/check/metrics.py: bin_center, in the
+    report rounded to 0.01) is ``centre``, at most each run's horizon: steps s with
+    floor(log2(s + 1) * BINS_PER_OCTAVE) = b end below 2^((b + 1) / BINS_PER_OCTAVE) - 1."""
+    b = round(math.log2(centre + 1.0) * BINS_PER_OCTAVE - 0.5)
+    last = math.ceil(2.0 ** ((b + 1) / BINS_PER_OCTAVE)) - 2
+    return int(min([last] + [int(h) for h in horizons if isinstance(h, int)]))
 
 
 def _curve(entry: dict):
@@ -305,35 +310,108 @@ def _curve(entry: dict):
 # --------------------------------------------------------------------- report
 def assemble(results: dict[str, dict], meta: dict, timings: dict[str, float],
              baseline: Optional[dict] = None, factor: float = TREND_FACTOR) -> dict:
+    """The report of ``results`` (entries by key). ``timings`` (wall-clock seconds per entry, a
+    resumed entry's summed over the runs that computed it) are the only part two runs of the same
+    matrix may differ in."""
     report = {"schema": SCHEMA, "kind": "drift-nightly", **meta,
               "entries": {k: results[k] for k in sorted(results)},
               "timings": {k: round(v, 3) for k, v in sorted(timings.items())}}
-    report["trend"] = trend(report, baseline, factor) if baseline is not None else None
-    if baseline is not None:  # entries the trend could not compare: the baseline has no entry of their key
-        report["trend_unmatched"] = sorted(k for k in report["entries"] if k not in baseline.get("entries", {}))
+    pairs = pair(report["entries"], baseline.get("entries", {})) if baseline is not None else {}
+    report["trend"] = trend(report, baseline, factor, pairs) if baseline is not None else None
+    if baseline is not None:  # each entry's baseline entry; those the trend could not compare
+        report["trend_pairs"] = pairs
+        report["trend_unmatched"] = sorted(k for k in report["entries"] if k not in pairs)
     report["trend_factor"] = factor if baseline is not None else None
     report["verdict"] = "pass" if all(e["verdict"] == "pass" for e in report["entries"].values()) \
         and not report["trend"] else "fail"
     return report
 
 
-def write(report: dict, out: Path) -> list[Path]:
-    """report.json, report.md and the PNG plots under ``out``."""
+def write(report: dict, out: Path, baseline: Optional[dict] = None) -> list[Path]:
+    """report.json, report.md and the PNG plots (the baseline's curves overlaid) under ``out``,
+    replaced as one unit (drift/fileio.py: staged)."""
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / "report.json", report)
-    atomic_write_text(out / "report.md", nightly_markdown(report))
-    return [out / "report.json", out / "report.md"] + nightly_plots(report, out)
+    with staged(out, NIGHTLY_FILES) as stage:
+        atomic_write_json(stage / "report.json", report)
+        atomic_write_text(stage / "report.md", nightly_markdown(report))
+        plots = nightly_plots(report, stage, baseline)
+    return [out / "report.json", out / "report.md"] + [out / p.name for p in plots]
+
+
+def check_shards(shards: Sequence[tuple[Path, dict]]) -> tuple[int, list[dict]]:
+    """``(N, matrix)`` when ``shards`` (directory, report) are shards 1..N of one matrix, each
+    once, holding exactly their own entries, made alike (:func:`_unlike`); else ConfigError
+    naming every problem."""
+    (first_dir, first), by_shard, holders = shards[0], defaultdict(list), defaultdict(list)
+    problems = [f"{d} differs from {first_dir} in its {field} "
+                f"({_listed(differences({field: first.get(field)}, {field: rep.get(field)}), 3)})"
+                for d, rep in shards[1:] for field in ("matrix", "device", "versions") if rep.get(field) != first.get(field)]
+    for d, rep in shards:
+        try:
+            by_shard[parse_shard(rep.get("shard") if isinstance(rep.get("shard"), str) else "?")].append(d)
+        except ConfigError:
+            problems.append(f"{d} is not one shard of a nightly run (its shard is {rep.get('shard')!r})")
+        for key in rep["entries"]:
+            holders[key].append(str(d))
+    splits = sorted({n for _, n in by_shard})
+    if len(splits) > 1:
+        problems.append("the shards split the matrix differently (" + ", ".join(f"{k}/{n}" for k, n in by_shard) + ")")
+    n = splits[0] if splits else 1
+    problems += [f"shard {k}/{n} is missing" for k in range(1, n + 1) if (k, n) not in by_shard]
+    problems += [f"shard {k}/{m} is given {len(ds)} times ({', '.join(map(str, ds))})"
+                 for (k, m), ds in by_shard.items() if len(ds) > 1]
+    problems += [f"entry {key} is in {len(ds)} shards ({', '.join(ds)})" for key, ds in holders.items() if len(ds) > 1]
+    if not problems:  # each shard holds its own part of the matrix
+        try:
+            matrix = [Entry(**m) for m in first.get("matrix") or []]
+        except TypeError as exc:
+            raise DataError(f"{first_dir}: its matrix is not of this drift's entries ({exc}); merge the reports "
+                            "of this drift's nightly") from None
+        for (k, _), (d,) in sorted(by_shard.items()):
+            want, have = {e.key for e in shard(matrix, k, n)}, set(dict(shards)[d]["entries"])
+            problems += [f"{d} (shard {k}/{n}) lacks entry {key}" for key in sorted(want - have)]
+            problems += [f"{d} (shard {k}/{n}) holds entry {key}, which is not of its shard" for key in sorted(have - want)]
+    problems += _unlike(shards)
+    if problems:
+        raise ConfigError("these reports are not the shards of one nightly run: " + _listed(problems, 8, "; ")
+                          + "; merge every shard directory of one run (the same matrix and options, each shard once)")
+    return n, first.get("matrix")
+
+
+def _unlike(shards: Sequence[tuple[Path, dict]]) -> list[str]:
+    """What differs between the entries' identities where they must be alike: drift's version, the
+    extensions, per update its code, per decode mode the checks; an entry without an identity."""
+    problems, facets = [], defaultdict(lambda: defaultdict(list))  # what must be alike -> value (JSON) -> where
+    for d, rep in shards:
+        for key, e in rep["entries"].items():
+            ident = e.get("identity")
+            if not isinstance(ident, dict) or not {"entry", "update", "checks", "extensions", "drift"} <= set(ident):
+                problems.append(f"entry {key} of {d} records no identity (written by an older drift): run that "
+                                "shard again")
+                continue
+            for facet, value in (("drift's version", ident["drift"]), ("the extensions", ident["extensions"]),
+                                 (f"the code of update {ident['entry'].get('update')}", ident["update"]),
+                                 (f"the checks of {mode_of(ident['entry'].get('variant'))} entries", ident["checks"])):
+                facets[facet][json.dumps(value, sort_keys=True)].append(f"{key} of {d}")
+    for facet, values in facets.items():
+        if len(values) > 1:
+            (a, (where_a, *_)), (b, (where_b, *_)) = list(values.items())[:2]
+            problems.append(f"{facet} differs between {where_a} and {where_b} "
+                            f"({_listed(differences(json.loads(a), json.loads(b)), 3)})")
+    return problems
 
 
 def merge(dirs: Sequence[Path], out: Path) -> dict:
-    """Combine shard reports (``drift report merge``)."""
-    results, timings, meta = {}, {}, None
-    for d in dirs:
-        rep = read_report(Path(d) / "report.json")
+    """Combine shard reports (``drift report merge``), after :func:`check_shards`."""
+    shards = [(Path(d), read_report(Path(d) / "report.json")) for d in dirs]
+    n, matrix = check_shards(shards)
+    results, timings = {}, {}
+    for _, rep in shards:
         results.update(rep["entries"])
         timings.update(rep.get("timings", {}))
-        meta = meta or {k: rep[k] for k in ("versions", "device", "matrix") if k in rep}
-    meta = {**(meta or {}), "shards": [str(d) for d in dirs]}
+    first = shards[0][1]
+    meta = {"versions": first.get("versions"), "device": first.get("device"), "matrix": matrix,
+            "shard": "merged " + ", ".join(f"{k}/{n}" for k in range(1, n + 1)), "shards": [str(d) for d in dirs]}
     report = assemble(results, meta, timings)
     write(report, out)
     return report
@@ -375,67 +453,76 @@ def read_report(path: Path) -> dict:
     return rep
 
 
-def match_baseline(baseline: dict, keys: Sequence[str], path: Path) -> list[str]:
-    """The keys of this run that ``baseline`` has no entry for (a trend compares entries by key);
-    ConfigError naming both key sets when it matches none."""
+def match_baseline(baseline: dict, identities: dict[str, dict], path: Path) -> list[str]:
+    """The keys of this run's entries (``identities``: key -> identity) that have no entry in
+    ``baseline`` to compare with (:func:`drift.jobs.identity.pair`); ConfigError naming both key
+    sets when none has."""
     theirs = set(baseline["entries"])
-    unmatched = [k for k in keys if k not in theirs]
-    if keys and len(unmatched) == len(keys):
-        raise ConfigError(f"--baseline {path} matches no entry of this run, so no trend could be computed: "
-                          f"this run's keys are {', '.join(sorted(keys))}; the baseline's are "
+    paired = pair({k: {"identity": ident} for k, ident in identities.items()}, baseline["entries"])
+    unmatched = [k for k in identities if k not in paired]
+    if identities and len(unmatched) == len(identities):
+        raise ConfigError(f"--baseline {path} matches no entry of this run (by configuration: preset, seed, variant, "
+                          f"layers, profile, flow, device, trace content, update name), so no trend could be "
+                          f"computed: this run's keys are {', '.join(sorted(identities))}; the baseline's are "
                           f"{', '.join(sorted(theirs)) or '(none)'}; pass the report of a run of the same matrix")
     return unmatched
 
 
-@contextlib.contextmanager
-def locked(out: Path) -> Iterator[None]:
-    """Hold an advisory lock on report directory ``out`` (``out/.lock``, holding the pid); a second
-    nightly on the same directory gets ConfigError naming the holder."""
-    path = out / ".lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+def written_by(out: Path, entries: Sequence[Entry]) -> list[Path]:
+    """Every file a nightly of ``entries`` may write under ``out``."""
+    ckpt = [p for e in entries for p in checkpoint_paths(out / "checkpoints", e)]
+    return [out / name for name in NIGHTLY_FILES] + [out / "entries" / f"{e.key}.json" for e in entries] + ckpt
+
+
+def drop_checkpoints(ckpt_dir: Path, entry: Entry, keep_last: bool = False) -> None:
+    """A finished entry's checkpoints removed (``keep_last``: all but the newest)."""
+    newest, previous = checkpoint_paths(ckpt_dir, entry)
+    for path in (previous,) if keep_last else (previous, newest):
+        path.unlink(missing_ok=True)
+
+
+def finished(done_file: Path, key: str, ident: dict, log: TextIO) -> Optional[tuple[dict, float]]:
+    """(result, seconds) of the finished-entry file ``done_file`` when it was made with identity
+    ``ident``; else None, saying on ``log`` why entry ``key`` is run again."""
+    if not os.path.lexists(done_file):
+        return None
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            raise ConfigError(f"--report {out} is in use by another drift nightly (pid {holder}); wait for it to "
-                              "finish, or pass another --report directory") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield
-    finally:
-        os.close(fd)  # closing releases the lock
+        saved = read_json(done_file, "finished-entry file", "it is run again")
+        if saved.get("identity") == ident:
+            return saved["result"], float(saved["seconds"])
+        print(f"drift nightly: redoing {key}: its finished result {done_file} is of another configuration "
+              f"({identity_diff(saved.get('identity'), ident)})", file=log)
+    except (DriftError, AttributeError, KeyError, TypeError, ValueError) as exc:
+        print(f"drift nightly: redoing {key}: finished-entry file {done_file} is damaged ({exc})", file=log)
+    return None
 
 
 def run_nightly(entries: Sequence[Entry], mine: Sequence[Entry], shard_text: str, device: str, out: Path,
                 checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY, resume: bool = False,
                 baseline: Optional[dict] = None, trend_factor: float = TREND_FACTOR,
                 progress: Optional[Callable[[str], Callable[[int, int], None]]] = None,
-                log: Optional[TextIO] = None) -> tuple[dict, list[Path]]:
+                log: Optional[TextIO] = None, keep_checkpoint: bool = False) -> tuple[dict, list[Path]]:
     """Run this shard's entries (``mine``) and write the report under ``out``; returns the report
-    and the files written."""
+    and the files written. A finished entry's checkpoints are removed (``keep_checkpoint``: all
+    but its newest)."""
     log = log or sys.stderr
     (out / "entries").mkdir(parents=True, exist_ok=True)
+    ckpt_dir = out / "checkpoints"
     results, timings = {}, {}
     for e in mine:
         done_file = out / "entries" / f"{e.key}.json"
         ident = identity(e, device)
-        if resume and os.path.lexists(done_file):
-            try:
-                saved = read_json(done_file, "finished-entry file", "it is run again")
-                if saved.get("identity") != ident:
-                    print(f"drift nightly: redoing {e.key}: its finished result {done_file} is of another "
-                          f"configuration ({identity_diff(saved.get('identity'), ident)})", file=log)
-                else:
-                    results[e.key], timings[e.key] = saved["result"], float(saved["seconds"])
-                    continue
-            except (DriftError, AttributeError, KeyError, TypeError, ValueError) as exc:
-                print(f"drift nightly: redoing {e.key}: finished-entry file {done_file} is damaged ({exc})", file=log)
-        res, secs = run_entry(e, device, out / "checkpoints", checkpoint_every, resume,
-                              progress(e.key) if progress else None, log)
-        results[e.key], timings[e.key] = res, secs
-        atomic_write_json(done_file, {"result": res, "seconds": secs, "identity": ident})
-        print(f"{e.key}: {res['verdict'].upper()}", file=log)
+        done = finished(done_file, e.key, ident, log) if resume else None
+        if done is None:
+            res, secs = run_entry(e, device, ckpt_dir, checkpoint_every, resume,
+                                  progress(e.key) if progress else None, log)
+            atomic_write_json(done_file, {"result": res, "seconds": secs, "identity": ident})
+            print(f"{e.key}: {res['verdict'].upper()}", file=log)
+            done = res, secs
+        results[e.key], timings[e.key] = {**done[0], "identity": ident}, done[1]
+        drop_checkpoints(ckpt_dir, e, keep_checkpoint)
+    if ckpt_dir.is_dir() and not any(ckpt_dir.iterdir()):
+        ckpt_dir.rmdir()
     meta = {"versions": versions(), "device": device, "matrix": [asdict(e) for e in entries], "shard": shard_text}
     report = assemble(results, meta, timings, baseline, trend_factor)
-    return report, write(report, out)
+    return report, write(report, out, baseline)

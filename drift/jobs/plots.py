@@ -106,6 +106,8 @@ def _ratio_figure(plt, groups: list[tuple[str, dict, dict]], title: str):
     return fig
 
 
+RUN_PLOT, SEQUENTIAL_PLOT, ROUNDING_PLOT = "drift_vs_step.png", "mtp_vs_sequential.png", "rounding_modes.png"
+NIGHTLY_PLOTS = (RUN_PLOT, SEQUENTIAL_PLOT, ROUNDING_PLOT)
 COLORS = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
 ROUNDING_MODES = (("rne", "round to nearest, bf16", "tab:blue"), ("stochastic", "stochastic rounding, bf16", "tab:green"),
                   ("fp32", "fp32 state", "tab:red"))
@@ -114,40 +116,55 @@ ROUNDING_MODES = (("rne", "round to nearest, bf16", "tab:blue"), ("stochastic", 
 def planned_plots(entries: dict) -> list[str]:
     """The nightly plots a report's entries allow: a comparison only when both sides ran."""
     variants = {e["entry"]["variant"] for e in entries.values()}
-    names = ["drift_vs_step.png"] if entries else []
+    names = [RUN_PLOT] if entries else []
     if {"rne", "sequential"} <= variants:
-        names.append("mtp_vs_sequential.png")
+        names.append(SEQUENTIAL_PLOT)
     if len(variants & {m for m, _, _ in ROUNDING_MODES}) >= 2:
-        names.append("rounding_modes.png")
+        names.append(ROUNDING_PLOT)
     return names
 
 
-def nightly_figures(report: dict) -> dict:
+def _with_baseline(groups: list, report: dict, baseline: Optional[dict]) -> list:
+    """``groups`` with, after each, its entry's baseline entry (``report["trend_pairs"]``) dashed."""
+    if baseline is None:
+        return groups
+    out = []
+    for label, e, style in groups:
+        out.append((label, e, style))
+        old = baseline["entries"].get((report.get("trend_pairs") or {}).get(e.get("key")))
+        if old is not None:
+            out.append((f"{label}, baseline", old, {**style, "linestyle": "--", "alpha": 0.8}))
+    return out
+
+
+def nightly_figures(report: dict, baseline: Optional[dict] = None) -> dict:
     """The :func:`planned_plots` of a nightly report as matplotlib figures (name -> figure), each
-    the gated quantity per head with the bound line and what ran in its title."""
+    the gated quantity per head with the bound line and what ran in its title; with the
+    ``baseline`` report, each entry's baseline curve beside it (dashed, labelled)."""
     plt = _plt()
     entries = report["entries"]
     planned = planned_plots(entries)
     figs = {}
-    if "drift_vs_step.png" in planned:
+
+    def figure(name: str, groups: list, title: str) -> None:
+        figs[name] = _ratio_figure(plt, _with_baseline(groups, report, baseline),
+                                   f"{title}\n{_entry_what([g[1] for g in groups])}")
+
+    if RUN_PLOT in planned:
         rne = _pick(entries, "rne")
         groups = [(f"{e['entry']['preset']} seed {e['entry']['seed']}", e, {"color": COLORS[i % len(COLORS)]})
                   for i, (_, e) in enumerate(rne)] or \
                  [(k, e, {"color": COLORS[i % len(COLORS)]}) for i, (k, e) in enumerate(list(entries.items())[:3])]
         what = "bf16 round to nearest" if rne else "the first entries"
-        figs["drift_vs_step.png"] = _ratio_figure(plt, groups, f"Drift vs step, {what}: worst error / bound\n"
-                                                               f"{_entry_what([g[1] for g in groups])}")
-    if "mtp_vs_sequential.png" in planned:
+        figure(RUN_PLOT, groups, f"Drift vs step, {what}: worst error / bound")
+    if SEQUENTIAL_PLOT in planned:
         pairs = [("MTP" if mode == "rne" else "sequential", e, {"color": color})
                  for mode, color in (("rne", "tab:blue"), ("sequential", "tab:orange")) for _, e in _pick(entries, mode)[:1]]
-        figs["mtp_vs_sequential.png"] = _ratio_figure(
-            plt, pairs, f"MTP (one rounding per step) vs sequential decode (one per token): worst error / bound\n"
-                        f"{_entry_what([g[1] for g in pairs])}")
-    if "rounding_modes.png" in planned:
+        figure(SEQUENTIAL_PLOT, pairs, "MTP (one rounding per step) vs sequential decode (one per token): "
+                                        "worst error / bound")
+    if ROUNDING_PLOT in planned:
         modes = [(text, e, {"color": color}) for mode, text, color in ROUNDING_MODES for _, e in _pick(entries, mode)[:1]]
-        figs["rounding_modes.png"] = _ratio_figure(
-            plt, modes, f"Store rounding: {' vs '.join(m[0] for m in modes)}: worst error / its bound\n"
-                        f"{_entry_what([g[1] for g in modes])}")
+        figure(ROUNDING_PLOT, modes, f"Store rounding: {' vs '.join(m[0] for m in modes)}: worst error / its bound")
     return figs
 
 
@@ -157,9 +174,9 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def nightly_plots(report: dict, out: Path) -> list[Path]:
+def nightly_plots(report: dict, out: Path, baseline: Optional[dict] = None) -> list[Path]:
     """Write :func:`nightly_figures` under ``out``; returns their paths."""
-    return [_save(fig, out / name) for name, fig in nightly_figures(report).items()]
+    return [_save(fig, out / name) for name, fig in nightly_figures(report, baseline).items()]
 
 
 def run_figure(report: dict):
@@ -175,4 +192,4 @@ def run_figure(report: dict):
 def run_plot(report: dict, out: Path) -> Optional[Path]:
     """drift_vs_step.png for one ``drift run`` report (None when it has no drift curves)."""
     fig = run_figure(report)
-    return None if fig is None else _save(fig, out / "drift_vs_step.png")
+    return None if fig is None else _save(fig, out / RUN_PLOT)

@@ -9,8 +9,11 @@ from typing import Callable, Optional, TextIO
 
 from ..check.registry import find_result, result_key
 from ..check.result import CheckResult
-from ..fileio import atomic_write_json, atomic_write_text
-from .plots import planned_plots, run_plot
+from ..fileio import atomic_write_json, atomic_write_text, staged
+from .plots import NIGHTLY_PLOTS, RUN_PLOT, planned_plots, run_plot
+
+REPORT_FILES = ("report.json", "report.md", RUN_PLOT)  # what drift run --report DIR receives, one unit
+NIGHTLY_FILES = ("report.json", "report.md") + NIGHTLY_PLOTS  # a nightly's (or a merge's) report
 
 
 def _fmt(v: Optional[float]) -> str:
@@ -93,16 +96,17 @@ def summary_markdown(rep) -> str:
 
 
 def write_report(rep, directory: str | Path) -> list[Path]:
-    """Write report.json, report.md and drift_vs_step.png under ``directory`` (atomically)."""
+    """Write :data:`REPORT_FILES` under ``directory``, replacing the old ones as one unit
+    (drift/fileio.py: staged; a run without drift curves writes no plot and removes an old one)."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "report.json", out / "report.md"]
     data = rep.to_dict()
-    atomic_write_json(paths[0], data)
-    plot = run_plot(data, out)
-    md = summary_markdown(rep) + ("\n![drift vs step](drift_vs_step.png)\n" if plot else "")
-    atomic_write_text(paths[1], md)
-    return paths + ([plot] if plot else [])
+    with staged(out, REPORT_FILES) as stage:
+        atomic_write_json(stage / "report.json", data)
+        plot = run_plot(data, stage)
+        md = summary_markdown(rep) + (f"\n![drift vs step]({RUN_PLOT})\n" if plot else "")
+        atomic_write_text(stage / "report.md", md)
+    return [out / "report.json", out / "report.md"] + ([out / RUN_PLOT] if plot else [])
 
 
 class _Lines:
@@ -218,7 +222,7 @@ def nightly_markdown(rep: dict) -> str:
         lines += ["", f"## Trend against the baseline (flag: error grew > {rep['trend_factor']}x at equal horizon)", ""]
         if rep["trend"]:
             lines.append(markdown_table(["entry", "layer", "head", "step", "baseline", "now", "ratio"],
-                                        [[t["key"], str(t["layer"]), str(t["head"]), _fmt(t["step"]),
+                                        [[t["key"], str(t["layer"]), str(t["head"]), str(int(t["step"])),
                                           _fmt(t["baseline"]), _fmt(t["current"]), _fmt(t["ratio"])]
                                          for t in rep["trend"]]))
         else:
@@ -233,7 +237,9 @@ def nightly_markdown(rep: dict) -> str:
     plots = planned_plots(entries)
     if plots:
         lines += ["", "Plots (per value head, the worst error over layers and rows as a ratio to its bound, "
-                  "log-log; a check fails above the line at 1): " + ", ".join(f"`{p}`" for p in plots) + ".", ""]
+                  "log-log; a check fails above the line at 1" + ("; dashed: the baseline's entry"
+                                                                  if rep.get("trend") is not None else "")
+                  + "): " + ", ".join(f"`{p}`" for p in plots) + ".", ""]
     else:
         lines.append("")
     return "\n".join(lines)

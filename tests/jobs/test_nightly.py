@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -32,12 +33,17 @@ def run_nightly(out: Path, *extra: str) -> int:
     return main(["nightly", *ARGS, "--report", str(out), *extra])
 
 
+TIMINGS_BLOCK = re.compile(r'^  "timings": \{\n(?:    .*\n)*  \},?\n', re.M)  # the one block that may differ
+
+
 def deterministic(report_dir: Path) -> dict:
-    """Everything a report holds except wall-clock timings."""
-    rep = json.loads((report_dir / "report.json").read_text())
-    rep.pop("timings")
+    """Every byte of a report's files except report.json's ``timings`` block (wall-clock seconds)."""
+    text = (report_dir / "report.json").read_text()
+    kept = TIMINGS_BLOCK.sub("", text, count=1)
+    rep = json.loads(text)
+    assert rep.pop("timings") and json.loads(kept) == rep  # the block and nothing else was cut
     files = {p.name: p.read_bytes() for p in report_dir.iterdir() if p.suffix in (".md", ".png")}
-    return {"json": rep, "files": files}
+    return {"json": kept, "files": files}
 
 
 @pytest.fixture(scope="module")
@@ -109,11 +115,13 @@ RESUMABLE = [*ARGS, "--variant", "rne", "--steps", "600", "--checkpoint-every", 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> tuple[Path, dict]:
-    """An uninterrupted RESUMABLE run: its report directory (checkpoints included; copy it before
-    changing it) and the deterministic part of its report, which every resumed run must
-    reproduce."""
+    """An uninterrupted RESUMABLE run: its report directory (both checkpoints kept, as an unfinished
+    entry has them; copy it before changing it) and the deterministic part of its report, which
+    every resumed run must reproduce."""
     whole = tmp_path_factory.mktemp("whole")
-    assert main(["nightly", *RESUMABLE, "--report", str(whole)]) == 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(nightly, "drop_checkpoints", lambda *args: None)
+        assert main(["nightly", *RESUMABLE, "--report", str(whole)]) == 0
     return whole, deterministic(whole)
 
 
@@ -132,6 +140,9 @@ def test_resume_after_kill_reproduces_the_uninterrupted_report(tmp_path, uninter
     assert not (killed / "report.json").exists()
     assert main(["nightly", *common, "--report", str(killed), "--resume"]) == 0
     assert deterministic(killed) == uninterrupted[1]
+    timings = json.loads((killed / "report.json").read_text())["timings"]
+    assert timings != json.loads((uninterrupted[0] / "report.json").read_text())["timings"]  # wall clock: differs
+    assert not (killed / ".lock").exists()  # the one the killed run left holds no lock and is gone
 
 
 def test_baseline_flags_an_injected_regression(short_report, tmp_path):
@@ -215,3 +226,67 @@ def test_the_kernel_commit_flow_runs_the_variants_that_apply_and_names_the_one_l
     assert main(["nightly", "--preset", "ci-small", "--flow", flow, "--variant", "stochastic", "--steps", "16",
                  "--report", str(tmp_path / "asked")]) == 2
     assert not (tmp_path / "asked" / "report.json").exists()
+
+
+def test_trend_rows_name_an_integer_step_of_the_run(short_report):
+    """The trend compares log bins of steps; a row names the bin's last step both runs reached, an
+    integer (4adf604 wrote the bin's centre, 'step 1578.22' for a 1,500-step run)."""
+    rep = json.loads((short_report / "report.json").read_text())
+    better = copy.deepcopy(rep)
+    for e in better["entries"].values():
+        bound = next(c for c in e["checks"] if c["key"] == "drift_bound")
+        bound["bound"]["curves"]["rel_err"]["mean"] = (np.array(bound["bound"]["curves"]["rel_err"]["mean"]) * 0.5).tolist()
+    flagged = nightly.assemble(rep["entries"], {}, {}, baseline=better)["trend"]
+    assert flagged and {type(t["step"]) for t in flagged} == {int} and {t["step"] for t in flagged} == {160}
+    centre = next(c for c in rep["entries"][flagged[0]["key"]]["checks"] if c["key"] == "drift_bound")
+    assert centre["bound"]["curves"]["rel_err"]["step"][-1] > 160  # negative control: the centre is past the run
+    from drift.check.metrics import step_bin
+
+    for b in range(8, 80):  # uncapped: the last step of each bin (from 8 on no bin is empty)
+        last = nightly._last_step(float(np.round(2.0 ** ((b + 0.5) / 4) - 1.0, 2)))
+        assert step_bin(np.array([last, last + 1])).tolist() == [b, b + 1]
+
+
+def test_the_plots_overlay_the_baseline_dashed_and_labelled(short_report):
+    from drift.jobs.plots import nightly_figures
+
+    rep = json.loads((short_report / "report.json").read_text())
+    with_base = nightly.assemble(rep["entries"], {}, {}, baseline=rep)
+
+    def dashed(figs) -> set[str]:
+        return {line.get_label() for f in figs.values() for ax in f.axes for line in ax.lines
+                if line.get_linestyle() == "--" and "baseline" in line.get_label()}
+
+    assert dashed(nightly_figures(with_base, rep)) == {"ci-small seed 0, baseline", "MTP, baseline",
+                                                        "sequential, baseline", "round to nearest, bf16, baseline",
+                                                        "stochastic rounding, bf16, baseline", "fp32 state, baseline"}
+    assert dashed(nightly_figures(with_base)) == set()  # negative control: no baseline, no overlay
+
+
+CHECKPOINTED = [*ARGS, "--variant", "rne", "--layers", "1", "--steps", "300", "--checkpoint-every", "100"]
+
+
+def test_a_finished_entry_keeps_no_checkpoint_and_no_lock_is_left(tmp_path):
+    out = tmp_path / "plain"
+    assert main(["nightly", *CHECKPOINTED, "--report", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["drift_vs_step.png", "entries", "report.json", "report.md"]
+    kept = tmp_path / "kept"  # the control: this run did write a checkpoint (at step 256), and keeps it
+    assert main(["nightly", *CHECKPOINTED, "--report", str(kept), "--keep-checkpoint"]) == 0
+    assert sorted(p.name for p in (kept / "checkpoints").iterdir()) == ["ci-small.seed0.sglang-0.5.23.rne.pt"]
+    assert not (kept / ".lock").exists()
+
+
+def test_no_lock_is_left_after_a_failure_or_an_interrupt(tmp_path, monkeypatch):
+    from drift.errors import Terminated
+
+    assert main(["nightly", "--preset", "ci-small", "--update", "sglang-32130", "--variant", "rne", "--steps", "16",
+                 "--layers", "1", "--report", str(tmp_path / "fail"), "--quiet"]) == 1
+    assert not (tmp_path / "fail" / ".lock").exists()
+
+    def interrupted(*args, **kwargs):
+        assert (tmp_path / "int" / ".lock").exists()  # held while it runs
+        raise Terminated()
+
+    monkeypatch.setattr(nightly, "run_entry", interrupted)
+    assert run_nightly(tmp_path / "int", "--variant", "rne", "--steps", "16") == 143
+    assert not (tmp_path / "int" / ".lock").exists()
