@@ -459,9 +459,10 @@ def test_the_scan_catches_syncs_without_importing_dynamo():
 
     code = ("import sys, torch\n"
             "from drift.config import preset\n"
+            "from drift.runspec import resolve\n"
             "from drift.syncs.scan import sync_check\n"
             "cfg = preset('ci-small')\n"
-            "found = [sync_check(cfg, u, 2).passed for u in ('sglang-31659', 'sglang-0.5.23')]\n"
+            "found = [sync_check(resolve(cfg, u), 2).passed for u in ('sglang-31659', 'sglang-0.5.23')]\n"
             "print(found, 'torch._dynamo' in sys.modules)\n"
             "from torch.utils._python_dispatch import TorchDispatchMode\n"
             "class Plain(TorchDispatchMode):\n"
