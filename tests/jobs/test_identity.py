@@ -34,11 +34,11 @@ def later():
     from drift_idtest_pkg.deep import FACTOR  # imported only when called: the walk reads it from the source
     return FACTOR
 '''
-HELPER = '''from drift.plug.updates import BUILTINS
+HELPER = '''from drift.flows.registry import UPDATES
 
 
 def commit(self, *args):
-    return BUILTINS["sglang-0.5.23"](self, *args)
+    return UPDATES["sglang-0.5.23"].fn(self, *args)
 '''
 DROPPED = '''def commit(self, *args):
     return None  # the commit dropped
