@@ -512,7 +512,7 @@ def test_merge_refuses_reports_that_do_not_belong_together(shards, tmp_path, cap
             "duplicate": lambda: [one, _edited(two, tmp_path / "dup", lambda r: r["entries"].update(
                 {key_one: json.loads((one / "report.json").read_text())["entries"][key_one]}))],
             "code": lambda: [one, _edited(two, tmp_path / "code", lambda r: _ident(r)["update"]["modules"].update(
-                {"drift.plug.parts": "0" * 16}))],
+                {"drift.flows.copy_commit.updates": "0" * 16}))],
             "no identity": lambda: [one, _edited(two, tmp_path / "old", lambda r: next(iter(
                 r["entries"].values())).pop("identity"))]}[case]()
     out = tmp_path / "merged"

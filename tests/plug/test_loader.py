@@ -212,7 +212,7 @@ def test_load_errors_name_the_spec_and_what_was_expected(plugin_file, qualname, 
     ("sglang-0.5.2", r"not a built-in \(" + re.escape(", ".join(UPDATES)) + r"\).*expected "
                      r"package.module:qualname or path/to/file.py:qualname"),
     ("sync_free", r"'sync_free' was renamed: use 'sglang-32130'"),
-    ("drift.plug.updates:", r"expected module:qualname or file.py:qualname"),
+    ("drift.flows.copy_commit.updates:", r"expected module:qualname or file.py:qualname"),
 ])
 def test_load_errors_for_bad_targets(spec, expected):
     with pytest.raises(LoadError, match=expected) as exc:

@@ -1,4 +1,4 @@
-"""drift.plug.updates: the built-ins agree bit for bit where their semantics agree, and
+"""drift.flows.copy_commit.updates: the built-ins agree bit for bit where their semantics agree, and
 ``sglang-31659`` differs exactly on the steps where every row accepted 1; each built-in is
 its recipe of named parts.
 
