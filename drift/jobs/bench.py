@@ -135,7 +135,7 @@ def naive_step(sim: Simulation, chunk: StepChunk, s: int) -> torch.Tensor:
                     h, o = naive.gdn_token(h, q[hd], k[hd], v[hd], math.exp(g), naive.sigmoid(b[l][n][t][hd]))
                     out[l, n, t, hd] = o
                     kernels.store_state(inter[l, n, t, hd], h, cfg.store_rounding, sim.step)
-    # The update (drift.flows.copy_commit.updates), as per-request loops.
+    # The update UPDATE (its flow package in drift/flows), as per-request loops.
     last, trk = chunk.last_steps[s], chunk.track_steps[s]
     src = torch.arange(N, dtype=torch.int64, device=pool.device)
     naive.move_intermediate_cache(pool.temporal, pool.intermediate_ssm, pool.row_slots, src, last)
