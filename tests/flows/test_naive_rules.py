@@ -64,14 +64,13 @@ class _Stop(Exception):
 
 def own_copy(args, dtype=None):
     """``args`` on copies of what a verify call writes (in ``dtype`` where given: the naive's
-    float64), the rule with its own pool where it has one."""
-    rec = args.recurrent_state.clone()
-    same = args.intermediate_state.data_ptr() == args.recurrent_state.data_ptr()  # in-place: one cache
-    inter = args.intermediate_state.clone()
-    if dtype is not None:
-        rec, inter = rec.to(dtype), inter.to(dtype)
-    if same:
-        inter = rec.view(args.intermediate_state.shape) if rec.shape != inter.shape else rec
+    float64), one copy where the committed states and the scratch are one cache (in-place), and
+    the rule with its own pool where it has one."""
+    rec = args.recurrent_state.to(dtype or args.recurrent_state.dtype, copy=True)
+    if args.intermediate_state.data_ptr() == args.recurrent_state.data_ptr():
+        inter = rec.view(args.intermediate_state.shape)
+    else:
+        inter = args.intermediate_state.to(dtype or args.intermediate_state.dtype, copy=True)
     rule = copy.copy(args.rule)
     if hasattr(rule, "pool"):
         rule.pool = copy.deepcopy(rule.pool)
