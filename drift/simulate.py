@@ -31,7 +31,7 @@ from .devices import resolve_device
 from .errors import DriftError, UpdateRaised, raise_if_interrupted
 from .flows.registry import state_flow
 from .plug.adapter import output_problem
-from .runspec import MODES, Resolved
+from .runspec import Resolved
 from .sim import kernels
 from .sim.graph import GraphStatus, StepGraph
 from .sim.pool import StatePool

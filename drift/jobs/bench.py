@@ -26,7 +26,7 @@ import torch
 
 from ..config import Config
 from ..errors import ConfigError
-from ..flows.registry import FLOWS, UPDATES, flows_of
+from ..flows.registry import UPDATES, flows_of
 from ..runspec import resolve
 from ..sim import kernels, naive, native
 from ..sim.stream import StepChunk

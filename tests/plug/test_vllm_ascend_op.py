@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from drift.check.registry import find_result
 from drift.cli import main
 from drift.config import preset
 from drift.flows.registry import FLOWS

@@ -8,7 +8,6 @@ import torch
 
 from helpers import run_sim, small_cfg
 from drift.dtypes import as_bits
-from drift.sim import kernels
 from drift.flows.registry import state_flow
 
 CPU = torch.device("cpu")
