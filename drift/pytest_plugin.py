@@ -60,6 +60,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     add_options(group.addoption, RUN_OPTIONS, prefix=PREFIX, repeat=("update",))
     group.addoption("--drift-force-regen", action="store_true", default=False,
                     help="regenerate golden trajectories used by the tests (then fail them for review)")
+    group.addoption("--drift-fail-fast", action="store_true", default=False,
+                    help="stop a precision run at the end of the chunk (at most 256 steps) in which a check "
+                         "first fails, as drift run --fail-fast (implied by -x / --maxfail 1)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -96,6 +99,40 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         specs = metafunc.config.getoption(dest(PREFIX, "update")) or [DEFAULTS["update"]]
         ids = [s.rsplit(":", 1)[-1][:60] if s else "the-flows-update" for s in specs]  # None: the flow's default
         metafunc.parametrize("drift_update", specs, ids=ids)
+
+
+@pytest.fixture
+def drift_fail_fast(request: pytest.FixtureRequest) -> bool:
+    """Stop a precision run at the first failing chunk: ``--drift-fail-fast``, or ``-x`` (pytest
+    stops at the first failure anyway, so the steps after it would be paid for nothing)."""
+    cfg = request.config
+    return bool(cfg.getoption("--drift-fail-fast") or cfg.getoption("maxfail") == 1)
+
+
+@pytest.fixture
+def drift_progress(request: pytest.FixtureRequest):
+    """``progress(done, total)`` for a simulation: one line per chunk of steps through pytest's
+    terminal reporter, past the output capture as pytest's live logging writes (shown with ``-q``
+    too; none under pytest-xdist's workers, which have no terminal, nor with ``-qq``), so a long
+    gate is never silent."""
+    import contextlib
+    import time
+
+    plugins = request.config.pluginmanager
+    term, capman = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
+    if term is None or request.config.getoption("verbose") < -1:
+        return None
+    uncaptured = capman.global_and_fixture_disabled if capman is not None else contextlib.nullcontext
+
+    label, t0 = request.node.nodeid, time.perf_counter()
+
+    def progress(done: int, total: int) -> None:
+        el = time.perf_counter() - t0
+        eta = el / done * (total - done) if done else float("nan")
+        with uncaptured():
+            term.write_line(f"drift: {label}: step {done}/{total} ({done / max(el, 1e-9):.0f} steps/s, "
+                            f"{el:.0f} s, ETA {eta:.0f} s)")
+    return progress
 
 
 @pytest.fixture

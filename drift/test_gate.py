@@ -28,9 +28,9 @@ def test_update_is_sync_free(drift_run, tracking):
     assert res.passed, f"{run.update.spec}: {res.where}; {res.detail}"
 
 
-def test_update_keeps_precision(drift_run, drift_golden):
+def test_update_keeps_precision(drift_run, drift_golden, drift_fail_fast, drift_progress):
     drift_golden(drift_run.cfg)  # PR-gating presets must have golden data; fails, never skips
-    rep = run_checked(drift_run, sync_scan=False)
+    rep = run_checked(drift_run, sync_scan=False, fail_fast=drift_fail_fast, progress=drift_progress)
     assert rep.passed, f"{drift_run.update.spec}: {_failures(rep)}"
 
 

@@ -216,7 +216,7 @@ class Comparison:
         if stop is None and self.fail_fast:
             failed = [c for c in self.consumers if getattr(c, "first_fail", None)]
             if failed:
-                stop = StopRun(f"--fail-fast: {failed[0].name} first over its limit at {failed[0].first_fail}")
+                stop = StopRun(f"fail-fast: {failed[0].name} first over its limit at {failed[0].first_fail}")
         if stop is not None:
             raise stop
 
