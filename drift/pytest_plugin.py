@@ -12,7 +12,9 @@ Options: every shared run option of ``drift run`` (drift/options.py: ``RUN_OPTIO
 --drift-flow --drift-update`` (repeatable) ``--drift-kernel --drift-mode --drift-trace --drift-loop
 --drift-no-graph``; ``pytest --help`` lists them with their defaults. Also ``--drift-force-regen``:
 regenerate golden data a test asks for, then fail that test so the change is reviewed (as
-pytest-regressions' ``--force-regen``).
+pytest-regressions' ``--force-regen``); ``--drift-fail-fast`` (implied by ``-x``): stop a
+precision run at its first failing chunk. A precision run prints a progress line per chunk of
+steps through the terminal reporter (fixtures ``drift_fail_fast``, ``drift_progress``).
 
 Markers: ``cuda``, ``npu`` (a test needing that device skips, naming it, when the run did not
 ask for the device, and fails when it asked and the device is absent) and ``nightly``.
