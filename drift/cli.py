@@ -360,14 +360,24 @@ def add_tradeoff(p: argparse.ArgumentParser) -> None:
     from .jobs.teeth import TEETH_STEPS
 
     add_options(p.add_argument, ("preset", "steps"), defaults={"steps": TEETH_STEPS})
+    add_options(p.add_argument, ("flow",), default_text={"flow": "every flow"})
+    p.add_argument("--update", action="append", default=[], metavar="SPEC",
+                   help="also a row for this implementation (a spec as drift run --update takes it: "
+                        "package.module:qualname, path/to/file.py:qualname, mutant:<name>), in the flows "
+                        "of the kinds it is written for, else in --flow (default: the preset's) (repeatable)")
     _output_format(p)
 
 
 def cmd_tradeoff(args: argparse.Namespace) -> int:
+    from .flows.registry import UPDATES
     from .jobs.teeth import tradeoff, tradeoff_markdown
 
     cfg = _teeth_config(args)
-    rows = tradeoff(cfg, progress=_item_progress(args, f"drift tradeoff {cfg.name}"))
+    if args.flow:
+        cfg = cfg.replace(flow=args.flow)
+    impls = tuple(UPDATES) + tuple(u for u in args.update if u not in UPDATES) if args.update else None
+    rows = tradeoff(cfg, impls, flows=[args.flow] if args.flow else None,
+                    progress=_item_progress(args, f"drift tradeoff {cfg.name}"))
     print(json.dumps(rows, indent=2) if args.json else tradeoff_markdown(rows, cfg))
     return EXIT_PASS
 

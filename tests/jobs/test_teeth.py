@@ -144,3 +144,31 @@ def test_readme_shows_the_measured_mutation_score(results):
 def test_readme_shows_the_measured_tradeoff(trade):
     assert _section("tradeoff") == tradeoff_markdown(trade, CFG).strip(), \
         "docs/teeth.md trade-off table is stale: run python scripts/update_readme.py"
+
+
+# The plug-in row of `drift tradeoff --update`: a run of 64 steps on one flow is enough to tell a
+# correct implementation (PASS, no syncs) from an off-by-one (precision FAIL from step 0).
+ENGINE_METHOD = (f"{Path(__file__).resolve().parents[1] / 'fixtures' / 'ascend_backend.py'}:"
+                 "AscendHybridLinearAttnBackend.update_mamba_state_after_mtp_verify")
+
+
+def test_tradeoff_adds_the_users_implementation_as_a_row(capsys):
+    import json
+
+    from drift.cli import main
+
+    assert main(["tradeoff", "--flow", "sglang", "--steps", "64", "--json", "--quiet",
+                 "--update", ENGINE_METHOD, "--update", "mutant:step_plus1"]) == 0
+    rows = {r["impl"]: r for r in json.loads(capsys.readouterr().out)}
+    assert {r["flow"] for r in rows.values()} == {"sglang"}  # --flow: that flow only
+    assert rows[ENGINE_METHOD]["precision_ok"] and rows[ENGINE_METHOD]["no_syncs"]
+    assert not rows["mutant:step_plus1"]["precision_ok"]  # the control: a wrong row says so
+    assert "sglang-0.5.23" in rows  # the built-ins stay beside it
+
+
+def test_tradeoff_refuses_an_update_that_does_not_load(tmp_path, capsys):
+    from drift.cli import main
+
+    assert main(["tradeoff", "--steps", "64", "--quiet", "--update", f"{tmp_path / 'nosuch.py'}:f"]) == 2
+    err = capsys.readouterr().err
+    assert "not found" in err and "Traceback" not in err
