@@ -237,3 +237,17 @@ def test_every_path_the_docs_cite_exists():
     cited = {m for t in texts for m in re.findall(r"\b((?:drift|tests)/[\w/]+\.py)\b", t.read_text(encoding="utf-8"))}
     assert cited, "no cited path found: the pattern is wrong"
     assert sorted(c for c in cited if not (repo / c).exists()) == []
+
+
+def test_the_test_extra_cannot_replace_torch():
+    """issue 32: `[test]` beside an older PyPI torch must keep it. PyPI's torch pins triton (2.4.x:
+    3.0.0), so a triton requirement in `test` lets pip swap torch; triton is its own extra
+    (docs/torch_range.md), and .ci/run asks for it beside its +cpu torch."""
+    import tomllib
+
+    checkout = Path(__file__).resolve().parents[1]
+    extras = tomllib.loads((checkout / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    names = {re.split(r"[<>=!;\[ ]", req, maxsplit=1)[0].lower() for req in extras["test"]}
+    assert names <= {"pytest", "pytest-xdist"}, names  # neither depends on torch or triton
+    assert any(req.startswith("triton") for req in extras["triton"])
+    assert '".[test,triton,capture]"' in (checkout / ".ci" / "run").read_text()
