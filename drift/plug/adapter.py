@@ -29,11 +29,18 @@ def engine_function(module: str, function: str, kernel: str, engine: str) -> Cal
     """``module.function`` from an installed engine; LoadError saying what is missing (the
     availability probe of ``--kernel <kernel>``; ``engine`` names the package and the version drift
     modelled, e.g. "sglang (0.5.23 was modelled)")."""
-    try:
-        mod = importlib.import_module(module)
+    from . import triton_interpreter
+
+    try:  # under TRITON_INTERPRET=1 with the interpreter mended, a --no-deps engine's server stubbed
+        mod = triton_interpreter.import_kernel_module(module)
+    except LoadError:
+        raise
     except Exception as exc:
+        hint = ("" if triton_interpreter.interpreting() else "; on a CPU runner with the engine installed "
+                "--no-deps, TRITON_INTERPRET=1 runs it through triton's interpreter, with the engine's server "
+                "stubbed (docs/reference.md: Triton kernels on a CPU)")
         raise LoadError(f"--kernel {kernel} needs an installed {engine} with triton; importing {module} raised "
-                        f"{exc!r}") from exc
+                        f"{exc!r}{hint}") from exc
     fn = getattr(mod, function, None)
     if fn is None:
         raise LoadError(f"{module} has no {function}; this is not the {engine}")
@@ -41,8 +48,11 @@ def engine_function(module: str, function: str, kernel: str, engine: str) -> Cal
     if triton is not None and not hasattr(triton, "next_power_of_2"):
         # An engine may hand out a placeholder when it finds no usable triton (vLLM's triton_utils with
         # HAS_TRITON false): the module imports, and every call would fail.
+        where = ("" if triton_interpreter.interpreting() else "; the engines probe their platform for it (a GPU): "
+                 "on a CPU runner TRITON_INTERPRET=1 runs the kernel through triton's interpreter, with the "
+                 "installed triton handed to the engine")
         raise LoadError(f"--kernel {kernel}: {module} imported without a usable triton (the engine gave its "
-                        "placeholder); install triton where the engine can import it")
+                        f"placeholder){where}; install triton where the engine can import it")
     return fn
 
 

@@ -19,8 +19,9 @@ it per layer with:
 * q and k L2-normalised by drift in fp32 with the op's formula, q times the scale, passed with
   ``scale=1.0`` and ``use_qk_l2norm_in_kernel=False``; v, g in fp32; beta = sigmoid(b) in fp32.
 
-It needs an installed ``sglang`` whose package imports; drift does not stub sglang's packages.
-Triton runs it on a GPU; on a CPU only under ``TRITON_INTERPRET=1`` (slow: tests run a few steps).
+It needs an installed ``sglang`` whose package imports; on a CPU under ``TRITON_INTERPRET=1``
+drift imports it over a ``--no-deps`` install with SGLang's server stubbed and the interpreter's
+stores mended to round to nearest (drift/plug/triton_interpreter.py; slow: a few steps).
 """
 
 from __future__ import annotations
