@@ -9,7 +9,11 @@
 * the README's ``<!-- drift:synopsis -->`` block: every command's usage, from the same parser;
 * the README's ``<!-- drift:checks -->`` block: the checks table, from drift's check registry;
 * docs/teeth.md's ``<!-- drift:mutants -->`` / ``<!-- drift:tradeoff -->`` blocks: ``drift mutants``
-  and ``drift tradeoff`` on ci-small at drift.jobs.teeth.TEETH_STEPS steps.
+  and ``drift tradeoff`` on ci-small at drift.jobs.teeth.TEETH_STEPS steps;
+* every duration, count and sample output of README.md and docs/reference.md (the
+  ``<!-- drift:durations -->``, ``nightly-rate`` and ``sample-*`` blocks), from the record of
+  measured runs, docs/measured.json (scripts/doc_runs.py). ``--measure [NAME ...]`` runs them first
+  (all, or the named ones: minutes; run it on a machine doing nothing else, it loads the cores itself).
 
 tests/test_cli.py (help, synopsis), tests/check/test_check_registry.py (checks) and tests/jobs/test_teeth.py
 (mutation score, trade-off) fail when these are stale.
@@ -25,6 +29,9 @@ import drift.check  # noqa: E402,F401  (registers the checks)
 from drift.check.registry import checks_markdown  # noqa: E402
 from drift.cli import help_texts, synopsis_markdown  # noqa: E402
 from drift.fileio import atomic_write_text  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import doc_runs  # noqa: E402
 
 HELP_MODULE = ROOT / "drift" / "_help.py"
 README = ROOT / "README.md"
@@ -48,12 +55,31 @@ def help_module() -> str:
             f"HELP = {{\n{body}}}\n")
 
 
+REFERENCE = ROOT / "docs" / "reference.md"
+
+
+def measured_sections(readme: str, reference: str) -> tuple[str, str]:
+    """README.md's and docs/reference.md's texts with their measured blocks rendered from the record."""
+    record = doc_runs.load_record()
+    readme = replace_section(readme, "durations", doc_runs.readme_table(record))
+    readme = replace_section(readme, "nightly-rate", doc_runs.nightly_rate(record))
+    for name in doc_runs.SAMPLED_IN_README:
+        readme = replace_section(readme, f"sample-{name}", doc_runs.sample(name, record))
+    return readme, replace_section(reference, "durations", doc_runs.reference_table(record), REFERENCE)
+
+
 def main(argv: list[str]) -> int:
+    if "--measure" in argv:
+        names = [a for a in argv[argv.index("--measure") + 1:] if not a.startswith("--")]
+        doc_runs.measure(names or None)
     atomic_write_text(HELP_MODULE, help_module())
     text = replace_section(README.read_text(), "synopsis", synopsis_markdown())
-    atomic_write_text(README, replace_section(text, "checks", checks_markdown()))
-    print(f"updated {HELP_MODULE}, and the synopsis and the checks table in {README}")
-    if "--help-only" in argv:
+    text, reference = measured_sections(replace_section(text, "checks", checks_markdown()), REFERENCE.read_text())
+    atomic_write_text(README, text)
+    atomic_write_text(REFERENCE, reference)
+    print(f"updated {HELP_MODULE}, the synopsis, the checks table and the measured blocks in {README}, "
+          f"the durations in {REFERENCE}")
+    if "--help-only" in argv or "--measure" in argv:
         return 0
     import torch
 
