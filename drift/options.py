@@ -94,6 +94,11 @@ SPECS: dict[str, dict] = {
                    "own built-in: " + "; ".join(f"{default_update(kind)} under {', '.join(flows_of(kind))}"
                                                 for kind in FLOW_KINDS if flows_of(kind)) + "; without --flow, "
                    "an update written for another flow's kind runs in its own flow)"),
+    "update-factory": dict(metavar="SPEC", help="builds the self of a Class.method --update the way the engine "
+                           "builds it: package.module:callable or path/to/file.py:callable, called as "
+                           "make(harness) -> the engine's object (e.g. through its own __init__); drift then "
+                           "attaches its harness's state (default: the class made without its constructor, "
+                           "docs/reference.md: The engine's class, built as it builds it)"),
     "kernel": dict(metavar="SPEC", help=lambda: "verify kernel under test: "
                    f"{', '.join(n + (':<spec>' if KERNELS[n].takes_arg else '') for n in KERNELS)}, "
                    "mutant:<name>, package.module:qualname or path/to/file.py:qualname"),
@@ -115,7 +120,7 @@ SPECS: dict[str, dict] = {
 # The shared options (every entry point that runs a simulation has them; docs/extending.md): the
 # options that make a Config, and those plus what is under test.
 CONFIG_OPTIONS = ("preset", "steps", "seed", "device", "profile", "rounding", "pattern", "drafts", "flow")
-RUN_OPTIONS = CONFIG_OPTIONS + ("update", "kernel", "mode", "trace", "loop", "no-graph")
+RUN_OPTIONS = CONFIG_OPTIONS + ("update", "update-factory", "kernel", "mode", "trace", "loop", "no-graph")
 DEFAULTS: dict[str, object] = {"preset": DEFAULT_PRESET, "device": "cpu", "update": None,
                                "kernel": "portable", "mode": "mtp", "loop": False}
 

@@ -2,7 +2,7 @@
 
 The ``drift`` command, the pytest plugin and the nightly each read the shared options
 (drift/options.py: ``--preset --steps --seed --device --profile --rounding --pattern --drafts --flow
---update --kernel --mode --trace --loop --no-graph``; ``--drift-`` prefixed in pytest) into a
+--update --update-factory --kernel --mode --trace --loop --no-graph``; ``--drift-`` prefixed in pytest) into a
 :class:`RunSpec`; :meth:`RunSpec.config` turns it into the validated :class:`Config` and
 :meth:`RunSpec.resolve` into a :class:`Resolved` run (the code under test loaded and accepted by
 the config's flow kind), which is all the layers below take. Every rule that ties options together
@@ -45,6 +45,7 @@ class RunSpec:
     drafts: Optional[str] = None
     flow: Optional[str] = None
     update: Optional[str] = None
+    update_factory: Optional[str] = None
     kernel: Optional[str] = None
     mode: str = "mtp"
     trace: Optional[str] = None
@@ -100,7 +101,11 @@ class RunSpec:
     def resolve(self) -> "Resolved":
         """The run: :meth:`config` with the update and kernel loaded and accepted by its flow kind
         (:func:`resolve`; without ``flow`` an update written for another kind runs in its own flow)."""
-        return resolve(self.config(), self.update, self.kernel, self.mode, choose_flow=self.flow is None, opt=self.opt)
+        cfg, update = self.config(), self.update
+        if self.update_factory:  # the Class.method's self built by the user's make(harness)
+            update = load_update(update if update is not None else default_update(check(cfg).name),
+                                 factory=self.update_factory, opt=self.opt)
+        return resolve(cfg, update, self.kernel, self.mode, choose_flow=self.flow is None, opt=self.opt)
 
 
 MODES = ("mtp", "sequential")

@@ -138,9 +138,11 @@ def _from_file(roots: list, text: str) -> list[str]:
 
 def update_identity(update) -> dict:
     """:func:`code_identity` of a loaded update (drift.plug.loader.Update): its function's module and,
-    for a ``Class.method``, the modules of the class and its bases."""
+    for a ``Class.method``, the modules of the class and its bases, and of its ``--update-factory``."""
     fn = inspect.unwrap(update.fn)
     roots = [inspect.getmodule(fn)] + [sys.modules.get(c.__module__) for c in getattr(update.owner, "__mro__", ())]
+    if getattr(update, "factory", None) is not None:  # --update-factory: the code that builds its self
+        roots.append(inspect.getmodule(inspect.unwrap(update.factory)))
     roots = list({id(m): m for m in roots if m is not None}.values())
     return code_identity(roots, _from_file(roots, update.spec.rsplit(":", 1)[0] if ":" in update.spec else ""))
 

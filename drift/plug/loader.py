@@ -19,6 +19,7 @@ signature), ``mutant:<name>``, or a ``module|file.py:qualname`` that is itself a
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import sys
 from dataclasses import dataclass, field
@@ -156,6 +157,8 @@ class Update:
     owner: Optional[type] = None
     kinds: tuple[str, ...] = ()
     flow: str = ""
+    factory: Optional[Callable[[Any], Any]] = None  # make(harness) -> the owner's instance (--update-factory)
+    factory_spec: str = ""
 
     def __call__(self, backend, last_correct_step_indices, mamba_track_indices, mamba_steps_to_track):
         kwargs = {name: None for name in self.extra}
@@ -170,11 +173,13 @@ class Update:
 
     def instance(self, harness) -> Any:
         """The ``self`` of a ``Class.method``: one instance of :attr:`owner` per harness, made
-        without its constructor, carrying the harness's attributes (:attr:`Harness.ATTRIBUTES`)."""
+        without its constructor (or by :attr:`factory`, as the engine makes it), carrying the
+        harness's attributes (:attr:`Harness.ATTRIBUTES`)."""
         cache = harness.__dict__.setdefault("_drift_instances", {})
         inst = cache.get(self.owner)
         if inst is None:
-            inst = cache[self.owner] = _bare_instance(self.owner, self.spec)
+            inst = cache[self.owner] = (_bare_instance(self.owner, self.spec) if self.factory is None
+                                        else self._made(harness))
             for name in harness.ATTRIBUTES:
                 try:
                     object.__setattr__(inst, name, getattr(harness, name))
@@ -182,6 +187,20 @@ class Update:
                     raise LoadError(f"update spec {self.spec!r}: cannot attach drift's {name} to a "
                                     f"{self.owner.__qualname__} ({exc}); a read-only property or __slots__ "
                                     f"without {name!r} blocks it") from None
+        return inst
+
+    def _made(self, harness) -> Any:
+        """:attr:`factory`'s object for ``harness``: LoadError (exit 2) when it raises or returns
+        something that is not an :attr:`owner`."""
+        try:
+            inst = self.factory(harness)
+        except Exception as exc:
+            raise LoadError(f"--update-factory {self.factory_spec}: make(harness) raised {exc!r}; it must return "
+                            f"the {self.owner.__qualname__} the update {self.spec} runs on") from exc
+        if not isinstance(inst, self.owner):
+            raise LoadError(f"--update-factory {self.factory_spec}: make(harness) returned a "
+                            f"{type(inst).__qualname__}, not a {self.owner.__qualname__} (the class of --update "
+                            f"{self.spec}); return the engine's object")
         return inst
 
     def _lacks(self, exc: AttributeError, harness, me) -> Optional[HarnessLacks]:
@@ -202,6 +221,12 @@ class Update:
         elsewhere = [f for f in FLOWS if not on_instance and name in FLOW_KINDS[FLOWS[f].kind].HARNESS.ATTRIBUTES]
         hint = (f" The harness of --flow {' or '.join(elsewhere)} provides self.{name}: if the update is written for "
                 f"that engine, pass --flow {elsewhere[0]}." if elsewhere else "")
+        if on_instance:
+            owner = self.owner.__qualname__
+            hint += (f" Or build the {owner} as the engine does, with --update-factory FILE.py:make where FILE.py "
+                     f"holds the one line `make = lambda harness: {owner}(...)` (its own __init__), or "
+                     f"`def make(harness): o = {owner}.__new__({owner}); o.{name} = ...; return o` "
+                     "(docs/reference.md: The engine's class, built as it builds it).")
         return HarnessLacks(f"the update under test ({self.spec}) read {what}, which drift's harness does "
                             f"not provide, so drift could not run it (not a regression). drift provides "
                             f"{provided}. To provide it: {how}.{hint}")
@@ -275,8 +300,22 @@ def _check_signature(fn: Callable, spec: str) -> tuple[str, ...]:
     return tuple(p.name for p in params[4:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
 
 
-def load_update(spec: "str | Callable | Update") -> Update:
-    """Turn a spec (or a callable) into an :class:`Update`; raises LoadError naming the spec."""
+def load_update(spec: "str | Callable | Update", factory: Optional[str] = None,
+                opt: Callable[[str], str] = lambda name: f"--{name}") -> Update:
+    """Turn a spec (or a callable) into an :class:`Update`; raises LoadError naming the spec.
+    ``factory``: a ``module|file.py:callable`` spec of ``make(harness)``, the ``self`` of a
+    ``Class.method`` update built as the engine builds it (``--update-factory``)."""
+    if factory:
+        upd = load_update(spec)
+        if upd.owner is None:
+            raise LoadError(f"{opt('update-factory')} {factory}: the update {upd.spec} is not a Class.method, so "
+                            "there is no object to build (a function's self is drift's harness); drop "
+                            f"{opt('update-factory')} or name the engine's Class.method")
+        make = resolve_spec(factory, "update factory")
+        if not callable(make):
+            raise LoadError(f"{opt('update-factory')} {factory} resolves to a {type(make).__name__}, not a "
+                            "callable make(harness)")
+        return dataclasses.replace(upd, factory=make, factory_spec=factory)
     if isinstance(spec, Update):
         return spec
     sgl_kernels()  # code under test imports its kernels at module import time

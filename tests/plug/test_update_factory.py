@@ -1,0 +1,71 @@
+"""--update-factory: the engine's class built as the engine builds it (issue 32 item 3). The factory's
+object is what the update runs on (a wrong build fails as a regression, exit 1); a factory that cannot
+build it, or a spec with nothing to build, is exit 2 naming it; a harness gap suggests the factory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from drift.cli import main
+from drift.errors import EXIT_FAIL, EXIT_PASS, EXIT_USAGE
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+UPDATE = f"{FIXTURES / 'engine_init.py'}:InitBackend.update_mamba_state_after_mtp_verify"
+STEPS = 40  # crosses track boundaries of ci-small at its least acceptance: the tracking path runs
+
+
+def _run(capsys, *args):
+    rc = main(["run", "--steps", str(STEPS), "--quiet", "--update", UPDATE, *args])
+    return rc, capsys.readouterr()
+
+
+def factory(name: str) -> str:
+    return f"{FIXTURES / 'engine_init.py'}:{name}"
+
+
+def test_without_the_factory_the_gap_names_the_attribute_and_the_factory_that_fills_it(capsys):
+    rc, out = _run(capsys)
+    assert rc == EXIT_USAGE
+    assert "self.draft_token_num" in out.err and "--update-factory FILE.py:make" in out.err
+    assert "make = lambda harness: InitBackend(...)" in out.err and "Traceback" not in out.err
+
+
+def test_the_engines_own_init_builds_it_and_every_check_passes(capsys):
+    rc, out = _run(capsys, "--update-factory", factory("make"))
+    assert rc == EXIT_PASS, out.err + out.out
+
+
+def test_a_wrong_build_is_a_regression_not_a_refusal(capsys):
+    """The negative control: the factory's object is the one that runs (one draft token: root commits)."""
+    rc, out = _run(capsys, "--update-factory", factory("make_wrong"))
+    assert rc == EXIT_FAIL, out.err + out.out
+    assert "committed state" in out.out
+
+
+@pytest.mark.parametrize("name, needle", [("make_not_a_backend", "returned a object, not a InitBackend"),
+                                          ("make_raises", "make(harness) raised RuntimeError")])
+def test_a_factory_that_cannot_build_it_is_exit_2_naming_it(capsys, name, needle):
+    rc, out = _run(capsys, "--update-factory", factory(name))
+    assert rc == EXIT_USAGE and needle in out.err and "Traceback" not in out.err, out.err
+
+
+def test_a_function_update_has_nothing_to_build(capsys):
+    rc = main(["run", "--steps", "8", "--quiet", "--update", "sglang-0.5.23", "--update-factory", factory("make")])
+    err = capsys.readouterr().err
+    assert rc == EXIT_USAGE and "is not a Class.method" in err
+
+
+def test_the_gate_takes_the_factory(tmp_path):
+    """pytest --pyargs drift --drift-update-factory: the same object through the plugin."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs", "drift",
+                          "-k", "precision", "--drift-steps", str(STEPS), "--drift-update", UPDATE,
+                          "--drift-update-factory", factory("make_wrong")],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 1 and "committed state" in res.stdout, res.stdout[-2000:]
