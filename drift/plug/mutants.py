@@ -11,6 +11,7 @@ extension adds its own.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, fields, replace
 from typing import Callable, Optional
 
@@ -65,6 +66,15 @@ def commit_python_loop(b: Batch) -> None:
 def commit_nonzero_rows(b: Batch) -> None:
     rows = torch.nonzero(b.last >= 0).squeeze(1)  # nonzero: a sync
     b.k.move_intermediate_cache(b.ssm, b.inter, b.dst[rows], b.src[rows], b.last[rows])
+
+
+_LOG = logging.getLogger("drift.mutants")
+
+
+def commit_logging_steps(b: Batch) -> None:
+    # debug logging off or on, the f-string formats the device tensor first: its values reach the host
+    _LOG.debug(f"committing draft steps {b.last}")
+    commit_all(b)
 
 
 # -------------------------------------------------------- commit parts: semantics
@@ -292,6 +302,9 @@ for _m in (
            _update("tolist_steps", "commit in a Python loop", commit=commit_python_loop), flow=SGLANG),
     Mutant("nonzero_rows", "sync", "update", "find valid rows with torch.nonzero", "",
            _update("nonzero_rows", "commit by nonzero", commit=commit_nonzero_rows), flow=SGLANG),
+    Mutant("log_fstring", "sync", "update", "logger.debug(f\"... {last_steps}\") in the commit: formatting the "
+           "device tensor copies it to the host every step", "",
+           _update("log_fstring", "commit behind a formatted tensor", commit=commit_logging_steps), flow=SGLANG),
     Mutant("step_plus1", "semantics", "update", "commit draft step last + 1 (off by one forward)", "",
            _update("step_plus1", "commit one step late", commit=commit_next_step), flow=SGLANG),
     Mutant("step_minus1", "semantics", "update", "commit draft step last - 1 (off by one back)", "",
