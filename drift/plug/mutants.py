@@ -149,6 +149,21 @@ def _kernel_beta_bf16(args: VerifyArgs) -> torch.Tensor:
     return kernels.recurrent_gated_delta_rule_torch(_given(args, (q, k, v, decay, beta.to(BF16).to(beta.dtype))))
 
 
+def tile_key_heads(x: torch.Tensor, num_k_heads: int) -> torch.Tensor:
+    """q or k ``[..., HV, K]`` as the op derives it (value head h reads key head h // (HV / HK)) remapped
+    by tiling: value head h reads key head h % HK. The same tensor when HK is 1 (or HK = HV)."""
+    group = x.shape[-2] // num_k_heads
+    heads = x[..., ::group, :]  # [..., HK, K]: one row per key head
+    return heads.repeat(*([1] * (x.dim() - 2)), group, 1)
+
+
+def _kernel_heads_tiled(args: VerifyArgs) -> torch.Tensor:
+    """The op (its torch-op path) with value heads mapped to key heads by tiling, not repeating."""
+    q, k, v, decay, beta = args.inputs()
+    return kernels.recurrent_gated_delta_rule_torch(
+        _given(args, (tile_key_heads(q, args.nk), tile_key_heads(k, args.nk), v, decay, beta)))
+
+
 def _kernel_round_every_token(args: VerifyArgs) -> torch.Tensor:
     """The op (its torch-op path) one draft token at a time: each token starts from the state the
     one before it stored (rounded to the scratch dtype), not from the running fp32 state.
@@ -211,6 +226,8 @@ TRANSPOSED = {"profile": find_profile("state, scratch and conv as transposed vie
 # The bug shows where committed state and scratch differ in layout:
 MIXED = {"profile": find_profile("committed state and scratch in different layouts",
                                  lambda p, lay: lay.state_kv_storage != lay.scratch_kv_storage)}
+# The bug shows with more than one key head (ci-small's 4 value heads over 2: Qwen3-Next-80B's ratio).
+TWO_KEY_HEADS = {"num_k_heads": 2}
 # ------------------------------------------------------- the vllm flow's bookkeeping
 def accept_one_ahead(self, last) -> None:
     # num_accepted_tokens one too high: the next verify starts from the block after the last accepted one
@@ -327,6 +344,9 @@ for _m in (
            "round-to-nearest", "", _kernel_truncate),
     Mutant("beta_bf16", "precision", "kernel", "beta rounded to bf16 after the sigmoid in the verify kernel",
            "vLLM #53877, sglang #38975", _kernel_beta_bf16),
+    Mutant("heads_tiled", "semantics", "kernel", "verify kernel maps value head h to key head h % HK (tiling) "
+           "instead of h // (HV / HK) (repeat_interleave, fla's i_hv // (HV // H)); identical at one key head",
+           "", _kernel_heads_tiled, TWO_KEY_HEADS),
     Mutant("round_every_token", "precision", "kernel", "verify kernel rounds the running state to the "
            "store dtype after every draft token", "sglang #25587, sgl-kernel-npu #651", _kernel_round_every_token),
     Mutant("vllm_start_plus1", "semantics", "update", "vllm flow: num_accepted_tokens one too high, so the next "
