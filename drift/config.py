@@ -376,7 +376,8 @@ def spread_decays(decays: tuple[float, ...], n: int) -> tuple[float, ...]:
 # (num_k_heads // attn_tp_size, num_v_heads // attn_tp_size), vLLM 0.33.0
 # model_executor/layers/mamba/mamba_utils.py: gated_delta_net_state_shape (divide(num_v_heads, tp)) and
 # layers/mamba/gdn/qwen_gdn_linear_attn.py: fix_query_key_value_ordering (num_k_heads // tp_size key
-# groups). A TP above the key heads (TP 32 for both) leaves a rank no key head: neither engine runs it.
+# groups). A TP above the key heads (TP 32 for both) leaves a rank 0 key groups, which neither engine's
+# view of the projection can hold (docs/semantics.md §5); Config refuses num_k_heads=0.
 MODEL_HEADS = {"qwen3-next-80b": (36, 16, 32, 128), "qwen3.5-397b": (45, 16, 64, 128)}  # L, HK, HV, K = V
 DEPLOYMENT_TP = (1, 4, 16)
 # The 397B preset's decays (fast to slow), spread over each rank's value heads (spread_decays).
