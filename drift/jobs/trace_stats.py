@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..config import PRESETS, Config, preset
+from ..config import Config, preset
 from ..fileio import check_memory, save_figure
 from ..sim.stream import StreamParams, TrueTokens
 from ..sim.tracefile import Trace
