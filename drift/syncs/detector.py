@@ -3,7 +3,8 @@
 A sync happens whenever the host needs a value that lives on the device (docs/semantics.md
 §8): ``.item()``, ``bool(t)``, ``float(t)``, ``int(t)``, ops whose output shape
 depends on device data (boolean-mask indexing, ``nonzero``, ``masked_select``,
-``unique`` ...), host reads (``.cpu()``, ``.tolist()``, ``.numpy()``) and blocking copies.
+``unique`` ...), host reads (``.cpu()``, ``.tolist()``, ``.numpy()``, and formatting a tensor:
+``str``, ``repr``, ``format``, f-strings) and blocking copies.
 
 How it sees them without an accelerator
 ---------------------------------------
@@ -18,7 +19,9 @@ first data-dependent op, and a CPU-only torch has no cuda device guard; ``meta``
 non-CPU device every build has one for.) A ``TorchFunctionMode`` names the Python-level
 call behind each op (``Tensor.item``, ``Tensor.__bool__`` ...) and catches the host reads
 that dispatch no op (``.tolist()``, ``.numpy()``, ``__array__``) and host data turned
-into a device tensor (``torch.tensor(data, device=...)``).
+into a device tensor (``torch.tensor(data, device=...)``). Formatting dispatches no op either: a
+virtual tensor prints only its metadata and records each ``repr`` / ``format`` of itself as a host
+read in the detector watching (:func:`_formatted`), as the real tensor's repr copies its values.
 
 On a machine with CUDA, ``torch.cuda.set_sync_debug_mode("error")`` is armed around each
 call (and restored after: the mode is process-global); with ``torch_npu`` its twin
