@@ -12,9 +12,9 @@ Options: every shared run option of ``drift run`` (drift/options.py: ``RUN_OPTIO
 --drift-drafts --drift-flow --drift-draft-tokens --drift-key-heads --drift-value-heads --drift-update``
 (repeatable) ``--drift-kernel --drift-mode --drift-trace --drift-loop --drift-no-graph``; ``pytest
 --help`` lists them with their defaults. Without ``--drift-preset`` every gate test runs on each of
-``GATE_PRESETS`` (drift/config.py: ci-small, and ci-heads with 2 key heads and D = 2). Also ``--drift-force-regen``:
-regenerate golden data a test asks for, then fail that test so the change is reviewed (as
-pytest-regressions' ``--force-regen``).
+``GATE_PRESETS`` (drift/config.py: ci-small, and ci-heads with 2 key heads and D = 2). Also
+``--drift-force-regen``: regenerate golden data a test asks for, then fail that test so the change is
+reviewed (as pytest-regressions' ``--force-regen``).
 
 Markers: ``cuda``, ``npu`` (a test needing that device skips, naming it, when the run did not
 ask for the device, and fails when it asked and the device is absent) and ``nightly``.

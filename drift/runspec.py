@@ -2,10 +2,10 @@
 
 The ``drift`` command, the pytest plugin and the nightly each read the shared options
 (drift/options.py: ``--preset --steps --seed --device --profile --rounding --pattern --drafts --flow
---draft-tokens --key-heads --value-heads --update --kernel --mode --trace --loop --no-graph``; ``--drift-`` prefixed in pytest) into a
-:class:`RunSpec`; :meth:`RunSpec.config` turns it into the validated :class:`Config` and
-:meth:`RunSpec.resolve` into a :class:`Resolved` run (the code under test loaded and accepted by
-the config's flow kind), which is all the layers below take. Every rule that ties options together
+--draft-tokens --key-heads --value-heads --update --kernel --mode --trace --loop --no-graph``;
+``--drift-`` prefixed in pytest) into a :class:`RunSpec`; :meth:`RunSpec.config` turns it into the
+validated :class:`Config` and :meth:`RunSpec.resolve` into a :class:`Resolved` run (the code under
+test loaded and accepted by the config's flow kind), which is all the layers below take. Every rule that ties options together
 (``--loop`` needs ``--trace``; a trace fixes the model) is written here, once, naming the options
 as the caller spells them (``prefix``).
 """
@@ -107,8 +107,8 @@ class RunSpec:
         decays spread as :func:`drift.config.spread_decays` does. ConfigError names the option."""
         out: dict = {}
         if self.trace and (self.key_heads is not None or self.value_heads is not None):
-            raise ConfigError(f"{self.opt('key-heads')} / {self.opt('value-heads')} with {self.opt('trace')}: the trace "
-                              "fixes the model's heads; drop them, or drop the trace for a synthetic stream")
+            raise ConfigError(f"{self.opt('key-heads')} / {self.opt('value-heads')} with {self.opt('trace')}: "
+                              "the trace fixes the model's heads; drop them, or drop the trace for a synthetic stream")
         D = self.draft_tokens
         if D is not None:
             if not 2 <= D <= len(cfg.acceptance) + 1:

@@ -144,8 +144,10 @@ POSITIVE = [
     (c_log_format, {"Tensor.__format__"}, RUNS),
 ]
 NEGATIVE = [n_numel, n_shape, n_where_3arg, n_masked_fill, n_index_select, n_index_copy, n_nonzero_static,
-            n_repeat_interleave_sized, n_cpu_scalar_operand, n_factory_on_device, n_log_fstring_metadata, n_log_lazy]
-METADATA_ONLY = {n_numel, n_shape, n_log_fstring_metadata, n_log_lazy}  # answered from the tensor's metadata: nothing is dispatched
+            n_repeat_interleave_sized, n_cpu_scalar_operand, n_factory_on_device, n_log_fstring_metadata,
+            n_log_lazy]
+# answered from the tensor's metadata (a lazy log argument is never formatted): nothing is dispatched
+METADATA_ONLY = {n_numel, n_shape, n_log_fstring_metadata, n_log_lazy}
 
 
 def _same(a, b) -> bool:
