@@ -462,6 +462,25 @@ def test_sync_check_sync_free(cfg, passed):
         assert f"copy_commit/updates.py:{min(SYNC_FREE_MASK)}" in res.where
 
 
+def _commit_logging_metadata(b) -> None:
+    LOG.debug(f"committing {b.last.shape} {b.last.dtype} on {b.last.device}")  # metadata only: no read
+    parts.commit_all(b)
+
+
+def test_a_formatted_tensor_in_the_update_fails_the_sync_check_and_its_metadata_passes():
+    """logger.debug(f"{last_steps}") in the commit (the log_fstring mutant) is a host read every step,
+    reported at its line; the same log line of the tensor's shape and dtype is clean."""
+    from drift.plug import mutants
+
+    res = sync_check(resolve(CI, "mutant:log_fstring"), steps=STEPS)
+    [line] = _lines(mutants.commit_logging_steps, "_LOG.debug(f")
+    assert not res.passed and res.worst == 1.0, res.detail  # one read per step
+    assert res.where.startswith("Tensor.__format__ at ") and f"plug/mutants.py:{line} " in res.where, res.where
+    clean = parts.SGLANG_0523.but(commit=_commit_logging_metadata).build("logs-metadata", "logs shape and dtype")
+    ok = sync_check(resolve(CI, clean), steps=STEPS)
+    assert ok.passed and ok.worst == 0.0, ok.where
+
+
 def test_sync_check_device_select_passes():
     res = sync_check(resolve(CI, "sglang-0.5.23"), steps=STEPS)
     assert res.passed and res.worst == 0.0 and res.where == "" and "no host-device sync" in res.detail
