@@ -354,11 +354,61 @@ def _validate_trace(cfg: Config) -> None:
                           "trace), or --loop to wrap around")
 
 
+def spread_decays(decays: tuple[float, ...], n: int) -> tuple[float, ...]:
+    """``n`` per-value-head decays spanning ``decays``' fastest to slowest: ``1 - d`` geometric from
+    ``1 - min`` to ``1 - max`` (``decays`` itself when it has ``n``; their geometric middle for one)."""
+    if len(decays) == n:
+        return tuple(decays)
+    lo, hi = 1.0 - min(decays), 1.0 - max(decays)
+    if n == 1:
+        return (1.0 - math.sqrt(lo * hi),)
+    return tuple(float(1.0 - lo * (hi / lo) ** (i / (n - 1))) for i in range(n))
+
+
+# Deployment shapes per tensor-parallel rank. Both models' GDN layers (config.json, transformers 5.24.0
+# models/qwen3_next/configuration_qwen3_next.py; Qwen3.5 reuses them):
+#   Qwen3-Next-80B-A3B (huggingface.co/Qwen/Qwen3-Next-80B-A3B-Instruct, config.json): 48 layers,
+#     full_attention_interval 4 -> 36 GDN layers; linear_num_key_heads 16, linear_num_value_heads 32,
+#     linear_key_head_dim = linear_value_head_dim = 128, linear_conv_kernel_dim 4.
+#   Qwen3.5-397B-A17B (huggingface.co/Qwen/Qwen3.5-397B-A17B's card, as mlx-community/Qwen3.5-397B-A17B-4bit
+#     copies it): 60 layers = 15 x (3 GDN + 1 full) -> 45 GDN layers; linear heads 16 QK / 64 V, dim 128.
+# Each rank holds key heads / TP and value heads / TP: SGLang 0.5.23 srt/models/qwen3_next.py
+# (num_k_heads // attn_tp_size, num_v_heads // attn_tp_size), vLLM 0.33.0
+# model_executor/layers/mamba/mamba_utils.py: gated_delta_net_state_shape (divide(num_v_heads, tp)) and
+# layers/mamba/gdn/qwen_gdn_linear_attn.py: fix_query_key_value_ordering (num_k_heads // tp_size key
+# groups). A TP above the key heads (TP 32 for both) leaves a rank 0 key groups, which neither engine's
+# view of the projection can hold (docs/semantics.md §5); Config refuses num_k_heads=0.
+MODEL_HEADS = {"qwen3-next-80b": (36, 16, 32, 128), "qwen3.5-397b": (45, 16, 64, 128)}  # L, HK, HV, K = V
+DEPLOYMENT_TP = (1, 4, 16)
+# The 397B preset's decays (fast to slow), spread over each rank's value heads (spread_decays).
+_DEPLOYMENT_DECAYS = (0.6, 0.9, 0.99, 0.997)
+
+
+def _deployment(model: str, tp: int) -> Config:
+    L, HK, HV, K = MODEL_HEADS[model]
+    hk, hv = HK // tp, HV // tp
+    title = {"qwen3-next-80b": "Qwen3-Next-80B-A3B", "qwen3.5-397b": "Qwen3.5-397B-A17B"}[model]
+    return Config(
+        name=f"{model}-tp{tp}", num_layers=L, num_requests=4, num_padded=1, num_k_heads=hk, num_v_heads=hv,
+        head_k_dim=K, head_v_dim=K, conv_kernel=4, num_draft_tokens=4, track_interval=256, steps=4096,
+        decays=spread_decays(_DEPLOYMENT_DECAYS, hv), prefill_len=64,
+        description=f"{title} per TP{tp} rank: {L} GDN layers, {hk} key head{'s' * (hk > 1)}, {hv} value heads, "
+                    f"K = V = {K}, {2 * hk * K + hv * K} conv channels, D = 4.")
+
+
 PRESETS: dict[str, Config] = {
     "ci-small": Config(
         name="ci-small",
         description="PR-gating: 2 GDN layers, 4 requests + 1 padded row, 4 value heads from "
                     "fast (0.5/token) to very slow (0.995/token) decay, K = V = 64, D = 4.",
+    ),
+    # The PR gate's multi-key-head shape: Qwen3-Next-80B's per-rank heads at TP 8 (16 / 8 key, 32 / 8
+    # value heads), ci-small's batch and head dims, D = 2 (one draft: the common MTP setting); half
+    # ci-small's steps (4,096 tokens) keeps the gate's time (ci-small gates the long horizon).
+    "ci-heads": Config(
+        name="ci-heads", num_k_heads=2, num_v_heads=4, num_draft_tokens=2, acceptance=(0.85,), steps=2048,
+        description="PR-gating: ci-small with 2 key heads over 4 value heads (Qwen3-Next-80B per TP8 "
+                    "rank), each key head serving 2 value heads, D = 2, 2048 steps.",
     ),
     "qwen3.5-397b-tp16": Config(
         name="qwen3.5-397b-tp16",
@@ -368,6 +418,8 @@ PRESETS: dict[str, Config] = {
         description="Qwen3.5-397B-A17B per TP16 rank: 45 GDN layers, 1 key head, 4 value heads, "
                     "K = V = 128, 768 conv channels, D = 4.",
     ),
+    **{f"{m}-tp{tp}": _deployment(m, tp) for m in MODEL_HEADS for tp in DEPLOYMENT_TP
+       if f"{m}-tp{tp}" != "qwen3.5-397b-tp16"},
     "stagnation": Config(
         name="stagnation",
         num_layers=1, num_requests=2, num_padded=1, num_k_heads=1, num_v_heads=2,
@@ -379,6 +431,9 @@ PRESETS: dict[str, Config] = {
 }
 
 DEFAULT_PRESET = "ci-small"
+# What the PR gate (pytest --pyargs drift) runs without --drift-preset: the default preset, and a
+# multi-key-head shape at D = 2.
+GATE_PRESETS = (DEFAULT_PRESET, "ci-heads")
 
 
 def preset(name: str, **overrides: Any) -> Config:

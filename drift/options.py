@@ -9,7 +9,8 @@ command (``--update``), ``"drift-"`` for pytest (``--drift-update``) -- pytest-b
   --seed S        the stream's seed         --device D     cpu, cuda or npu
   --profile P     state-store profile       --rounding R   store rounding of the state
   --pattern P     acceptance pattern        --mode M       mtp or sequential decode
-  --drafts K      full or ragged drafts
+  --drafts K      full or ragged drafts     --draft-tokens D  tokens verified per row and step
+  --key-heads HK  key heads per rank        --value-heads HV  value heads per rank
   --update SPEC   the update under test     --kernel SPEC  the verify kernel under test
   --trace FILE    replay a captured trace   --loop         wrap positions past the trace's end
   --flow F        state flow (FLOWS)        --no-graph     eager steps (no capture)
@@ -88,6 +89,13 @@ SPECS: dict[str, dict] = {
     "drafts": dict(type=_choice(DRAFTS, "drafts"), metavar="K",
                    help=lambda: "draft tokens per row: full (all D) or ragged (a seeded 1..D per row and step; "
                         "flows whose engine verifies varlen: " + ", ".join(f for f in FLOWS if FLOWS[f].ragged) + ")"),
+    "draft-tokens": dict(type=positive_int, metavar="D", help="tokens verified per row and step, D: the root and "
+                         "D - 1 drafts (SGLang's --speculative-num-draft-tokens; vLLM's num_speculative_tokens "
+                         "is D - 1); the preset's acceptance rates of the first D - 1 draft positions"),
+    "key-heads": dict(type=positive_int, metavar="HK", help="GDN key heads per rank (the model's "
+                      "linear_num_key_heads / TP); the value heads must be a multiple"),
+    "value-heads": dict(type=positive_int, metavar="HV", help="GDN value heads per rank (linear_num_value_heads "
+                        "/ TP); value head h reads key head h // (HV / HK), as the engines' kernels"),
     "mode": dict(type=_choice(MODES, "mode"), metavar="M", help="mtp or sequential (non-MTP) decode"),
     "update": dict(metavar="SPEC", help=lambda: f"update under test: a built-in ({', '.join(UPDATES)}), "
                    "mutant:<name>, package.module:qualname or path/to/file.py:qualname (default: the flow's "
@@ -119,7 +127,8 @@ SPECS: dict[str, dict] = {
 }
 # The shared options (every entry point that runs a simulation has them; docs/extending.md): the
 # options that make a Config, and those plus what is under test.
-CONFIG_OPTIONS = ("preset", "steps", "seed", "device", "profile", "rounding", "pattern", "drafts", "flow")
+CONFIG_OPTIONS = ("preset", "steps", "seed", "device", "profile", "rounding", "pattern", "drafts", "flow",
+                  "draft-tokens", "key-heads", "value-heads")
 RUN_OPTIONS = CONFIG_OPTIONS + ("update", "update-factory", "kernel", "mode", "trace", "loop", "no-graph")
 DEFAULTS: dict[str, object] = {"preset": DEFAULT_PRESET, "device": "cpu", "update": None,
                                "kernel": "portable", "mode": "mtp", "loop": False}

@@ -9,12 +9,15 @@ An engine's CI runs drift's PR-gating checks against its own code::
 Options: every shared run option of ``drift run`` (drift/options.py: ``RUN_OPTIONS``), spelled
 ``--drift-`` + its name and read into the same :class:`drift.runspec.RunSpec`: ``--drift-preset
 --drift-steps --drift-seed --drift-device --drift-profile --drift-rounding --drift-pattern
---drift-flow --drift-update`` (repeatable) ``--drift-kernel --drift-mode --drift-trace --drift-loop
---drift-no-graph``; ``pytest --help`` lists them with their defaults. Also ``--drift-force-regen``:
-regenerate golden data a test asks for, then fail that test so the change is reviewed (as
-pytest-regressions' ``--force-regen``); ``--drift-fail-fast`` (implied by ``-x``): stop a
-precision run at its first failing chunk. A precision run prints a progress line per chunk of
-steps through the terminal reporter (fixtures ``drift_fail_fast``, ``drift_progress``).
+--drift-drafts --drift-flow --drift-draft-tokens --drift-key-heads --drift-value-heads --drift-update``
+(repeatable) ``--drift-update-factory --drift-kernel --drift-mode --drift-trace --drift-loop
+--drift-no-graph``; ``pytest --help`` lists them with their defaults. Without ``--drift-preset``
+every gate test runs on each of ``GATE_PRESETS`` (drift/config.py: ci-small, and ci-heads with 2 key
+heads and D = 2). Also ``--drift-force-regen``: regenerate golden data a test asks for, then fail
+that test so the change is reviewed (as pytest-regressions' ``--force-regen``); ``--drift-fail-fast``
+(implied by ``-x``): stop a precision run at its first failing chunk. A precision run prints a
+progress line per chunk of steps through the terminal reporter (fixtures ``drift_fail_fast``,
+``drift_progress``).
 
 Markers: ``cuda``, ``npu`` (a test needing that device skips, naming it, when the run did not
 ask for the device, and fails when it asked and the device is absent) and ``nightly``.
@@ -36,6 +39,7 @@ from drift.openmp import openmp_defaults
 OPENMP = openmp_defaults()  # first: the imports below load torch and its OpenMP runtime
 
 from drift.check.golden import GOLDEN_PRESETS, load_golden, regenerate, write_trace_golden
+from drift.config import DEFAULT_PRESET, GATE_PRESETS
 from drift.runspec import RunSpec
 from drift.devices import resolve_device
 from drift.errors import DeviceUnavailable, DriftError
@@ -59,7 +63,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     except DriftError as exc:
         raise pytest.UsageError(f"drift: {exc}") from None
     group = parser.getgroup("drift", "drift precision-drift suite")
-    add_options(group.addoption, RUN_OPTIONS, prefix=PREFIX, repeat=("update",))
+    add_options(group.addoption, RUN_OPTIONS, prefix=PREFIX, repeat=("update",), defaults={"preset": None},
+                default_text={"preset": f"the gate's shapes, {' and '.join(GATE_PRESETS)}; with --drift-trace, "
+                                        f"{DEFAULT_PRESET}'s batch"})
     group.addoption("--drift-force-regen", action="store_true", default=False,
                     help="regenerate golden trajectories used by the tests (then fail them for review)")
     group.addoption("--drift-fail-fast", action="store_true", default=False,
@@ -96,7 +102,18 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             pytest.fail(f"--drift-device {dev} was asked for but is absent: {exc}", pytrace=False)
 
 
+def gate_presets(getoption) -> tuple[str, ...]:
+    """The presets the gate runs: --drift-preset, else :data:`drift.config.GATE_PRESETS` (with a trace,
+    which fixes the model's heads, the default preset's batch only)."""
+    asked = getoption(dest(PREFIX, "preset"), None)
+    if asked:
+        return (asked,)
+    return (DEFAULT_PRESET,) if getoption(dest(PREFIX, "trace"), None) else GATE_PRESETS
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "drift_spec" in metafunc.fixturenames:
+        metafunc.parametrize("drift_preset", gate_presets(metafunc.config.getoption))
     if "drift_update" in metafunc.fixturenames:
         specs = metafunc.config.getoption(dest(PREFIX, "update")) or [DEFAULTS["update"]]
         ids = [s.rsplit(":", 1)[-1][:60] if s else "the-flows-update" for s in specs]  # None: the flow's default
@@ -143,9 +160,10 @@ def drift_device(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def drift_spec(request: pytest.FixtureRequest) -> RunSpec:
-    """The run the --drift-* options ask for (drift/runspec.py), the same spec ``drift run`` builds."""
-    return spec_from_options(request.config.getoption)
+def drift_spec(request: pytest.FixtureRequest, drift_preset: str) -> RunSpec:
+    """The run the --drift-* options ask for (drift/runspec.py), the same spec ``drift run`` builds, on
+    one of the gate's presets (:func:`gate_presets`, parametrised)."""
+    return replace(spec_from_options(request.config.getoption), preset=drift_preset)
 
 
 def spec_from_options(getoption) -> RunSpec:

@@ -2,10 +2,11 @@
 
 The ``drift`` command, the pytest plugin and the nightly each read the shared options
 (drift/options.py: ``--preset --steps --seed --device --profile --rounding --pattern --drafts --flow
---update --update-factory --kernel --mode --trace --loop --no-graph``; ``--drift-`` prefixed in pytest) into a
-:class:`RunSpec`; :meth:`RunSpec.config` turns it into the validated :class:`Config` and
-:meth:`RunSpec.resolve` into a :class:`Resolved` run (the code under test loaded and accepted by
-the config's flow kind), which is all the layers below take. Every rule that ties options together
+--draft-tokens --key-heads --value-heads --update --update-factory --kernel --mode --trace --loop
+--no-graph``; ``--drift-`` prefixed in pytest) into a :class:`RunSpec`; :meth:`RunSpec.config` turns
+it into the validated :class:`Config` and :meth:`RunSpec.resolve` into a :class:`Resolved` run (the
+code under test loaded and accepted by the config's flow kind), which is all the layers below take.
+Every rule that ties options together
 (``--loop`` needs ``--trace``; a trace fixes the model) is written here, once, naming the options
 as the caller spells them (``prefix``).
 """
@@ -16,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from .config import Config, preset
+from .config import Config, preset, spread_decays
 from .devices import resolve_device
 from .errors import ConfigError, LoadError
 from .flows.registry import FLOW_KINDS, FLOWS, check, default_update, flows_of
@@ -44,6 +45,9 @@ class RunSpec:
     pattern: Optional[str] = None
     drafts: Optional[str] = None
     flow: Optional[str] = None
+    draft_tokens: Optional[int] = None
+    key_heads: Optional[int] = None
+    value_heads: Optional[int] = None
     update: Optional[str] = None
     update_factory: Optional[str] = None
     kernel: Optional[str] = None
@@ -82,6 +86,7 @@ class RunSpec:
                    if getattr(self, name) is not None}
         if self.no_graph:
             changes["graph_mode"] = False
+        changes.update(self._shape_changes(cfg))
         if self.loop and not self.trace:
             raise ConfigError(f"{self.opt('loop')} needs {self.opt('trace')} FILE: it wraps the positions of a "
                               "replayed trace")
@@ -97,6 +102,33 @@ class RunSpec:
             cfg = cfg.replace(num_layers=self.layers)
         resolve_device(cfg.device)
         return cfg
+
+    def _shape_changes(self, cfg: Config) -> dict:
+        """The Config fields ``--draft-tokens`` / ``--key-heads`` / ``--value-heads`` set. D takes the
+        preset's acceptance rates of the first D - 1 draft positions; other value heads take per-head
+        decays spread as :func:`drift.config.spread_decays` does. ConfigError names the option."""
+        out: dict = {}
+        if self.trace and (self.key_heads is not None or self.value_heads is not None):
+            raise ConfigError(f"{self.opt('key-heads')} / {self.opt('value-heads')} with {self.opt('trace')}: "
+                              "the trace fixes the model's heads; drop them, or drop the trace for a synthetic stream")
+        D = self.draft_tokens
+        if D is not None:
+            if not 2 <= D <= len(cfg.acceptance) + 1:
+                raise ConfigError(f"{self.opt('draft-tokens')} {D} is invalid for preset {cfg.name}; allowed: 2 .. "
+                                  f"{len(cfg.acceptance) + 1} (the preset has acceptance rates for "
+                                  f"{len(cfg.acceptance)} draft positions; MTP verifies at least one draft)")
+            out.update(num_draft_tokens=D, acceptance=tuple(cfg.acceptance[:D - 1]))
+        HK = cfg.num_k_heads if self.key_heads is None else self.key_heads
+        HV = cfg.num_v_heads if self.value_heads is None else self.value_heads
+        if (HK, HV) != (cfg.num_k_heads, cfg.num_v_heads):
+            if HV % HK:
+                raise ConfigError(f"{self.opt('value-heads')} {HV} is not a multiple of {self.opt('key-heads')} {HK} "
+                                  "(preset " + cfg.name + f": {cfg.num_k_heads} key, {cfg.num_v_heads} value heads); "
+                                  "allowed: value heads = m * key heads, as the models' linear attention has them")
+            out.update(num_k_heads=HK, num_v_heads=HV)
+            if HV != cfg.num_v_heads:
+                out["decays"] = spread_decays(cfg.decays, HV)
+        return out
 
     def resolve(self) -> "Resolved":
         """The run: :meth:`config` with the update and kernel loaded and accepted by its flow kind

@@ -1,8 +1,9 @@
 """drift's PR gate for the code under test: ``pytest --pyargs drift [--drift-update SPEC ...]``.
 
 Every implementation named with --drift-update (default: the built-in sglang-0.5.23) gets
-the full PR-gating checks on --drift-preset (default ci-small): precision against golden
-over the preset's horizon, and freedom from host syncs with tracking on and off. Tests
+the full PR-gating checks on --drift-preset (default: each of drift.config.GATE_PRESETS, ci-small
+and ci-heads -- 2 key heads over 4 value heads, D = 2): precision against golden over the preset's
+horizon, and freedom from host syncs with tracking on and off. Tests
 marked ``cuda`` / ``npu`` run the same on that device when --drift-device asks for it.
 """
 

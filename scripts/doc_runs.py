@@ -55,7 +55,8 @@ RUNS: tuple[DocRun, ...] = (
     DocRun("run-sync", "drift run --update sglang-32130", "the sglang #32130 version: the host-sync scan runs "
            "first and fails it, naming the line; exit 1", (*DRIFT, "run", "--quiet", "--update", "sglang-32130"),
            loaded=True, readme=True, sample=r"^(host syncs|precision checks|FAIL|PASS)"),
-    DocRun("gate", "pytest --pyargs drift", "the same gate as pytest tests (what an engine's CI runs)", GATE,
+    DocRun("gate", "pytest --pyargs drift", "the same gate as pytest tests (what an engine's CI runs), on "
+           "`ci-small` and `ci-heads`", GATE,
            loaded=True, readme=True),
     DocRun("gate-sync-x", "pytest --pyargs drift -x --drift-update sglang-32130", "the gate stops at the "
            "host-sync test", (*GATE, "-x", "--drift-update", "sglang-32130"), readme=True,

@@ -54,7 +54,7 @@ from ..sim.tracefile import trace_paths
 SCHEMA = 1
 GENERATOR_VERSION = "2"  # 2: the op's quantised inputs (bf16 mix_qkv, fp32 g), [V, K] states
 CHECKPOINT_EVERY = 4096  # positions between full-state checkpoints
-GOLDEN_PRESETS = ("ci-small", "stagnation")  # the PR-gating presets
+GOLDEN_PRESETS = ("ci-small", "ci-heads", "stagnation")  # the PR-gating presets
 REGEN_HINT = "drift regen-golden --preset {name} --force"
 F64 = torch.float64
 

@@ -11,6 +11,7 @@ extension adds its own.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, fields, replace
 from typing import Callable, Optional
 
@@ -65,6 +66,15 @@ def commit_python_loop(b: Batch) -> None:
 def commit_nonzero_rows(b: Batch) -> None:
     rows = torch.nonzero(b.last >= 0).squeeze(1)  # nonzero: a sync
     b.k.move_intermediate_cache(b.ssm, b.inter, b.dst[rows], b.src[rows], b.last[rows])
+
+
+_LOG = logging.getLogger("drift.mutants")
+
+
+def commit_logging_steps(b: Batch) -> None:
+    # debug logging off or on, the f-string formats the device tensor first: its values reach the host
+    _LOG.debug(f"committing draft steps {b.last}")
+    commit_all(b)
 
 
 # -------------------------------------------------------- commit parts: semantics
@@ -139,6 +149,21 @@ def _kernel_beta_bf16(args: VerifyArgs) -> torch.Tensor:
     return kernels.recurrent_gated_delta_rule_torch(_given(args, (q, k, v, decay, beta.to(BF16).to(beta.dtype))))
 
 
+def tile_key_heads(x: torch.Tensor, num_k_heads: int) -> torch.Tensor:
+    """q or k ``[..., HV, K]`` as the op derives it (value head h reads key head h // (HV / HK)) remapped
+    by tiling: value head h reads key head h % HK. The same tensor when HK is 1 (or HK = HV)."""
+    group = x.shape[-2] // num_k_heads
+    heads = x[..., ::group, :]  # [..., HK, K]: one row per key head
+    return heads.repeat(*([1] * (x.dim() - 2)), group, 1)
+
+
+def _kernel_heads_tiled(args: VerifyArgs) -> torch.Tensor:
+    """The op (its torch-op path) with value heads mapped to key heads by tiling, not repeating."""
+    q, k, v, decay, beta = args.inputs()
+    return kernels.recurrent_gated_delta_rule_torch(
+        _given(args, (tile_key_heads(q, args.nk), tile_key_heads(k, args.nk), v, decay, beta)))
+
+
 def _kernel_round_every_token(args: VerifyArgs) -> torch.Tensor:
     """The op (its torch-op path) one draft token at a time: each token starts from the state the
     one before it stored (rounded to the scratch dtype), not from the running fp32 state.
@@ -201,6 +226,8 @@ TRANSPOSED = {"profile": find_profile("state, scratch and conv as transposed vie
 # The bug shows where committed state and scratch differ in layout:
 MIXED = {"profile": find_profile("committed state and scratch in different layouts",
                                  lambda p, lay: lay.state_kv_storage != lay.scratch_kv_storage)}
+# The bug shows with more than one key head (ci-small's 4 value heads over 2: Qwen3-Next-80B's ratio).
+TWO_KEY_HEADS = {"num_k_heads": 2}
 # ------------------------------------------------------- the vllm flow's bookkeeping
 def accept_one_ahead(self, last) -> None:
     # num_accepted_tokens one too high: the next verify starts from the block after the last accepted one
@@ -292,6 +319,9 @@ for _m in (
            _update("tolist_steps", "commit in a Python loop", commit=commit_python_loop), flow=SGLANG),
     Mutant("nonzero_rows", "sync", "update", "find valid rows with torch.nonzero", "",
            _update("nonzero_rows", "commit by nonzero", commit=commit_nonzero_rows), flow=SGLANG),
+    Mutant("log_fstring", "sync", "update", "logger.debug(f\"... {last_steps}\") in the commit: formatting the "
+           "device tensor copies it to the host every step", "",
+           _update("log_fstring", "commit behind a formatted tensor", commit=commit_logging_steps), flow=SGLANG),
     Mutant("step_plus1", "semantics", "update", "commit draft step last + 1 (off by one forward)", "",
            _update("step_plus1", "commit one step late", commit=commit_next_step), flow=SGLANG),
     Mutant("step_minus1", "semantics", "update", "commit draft step last - 1 (off by one back)", "",
@@ -314,6 +344,9 @@ for _m in (
            "round-to-nearest", "", _kernel_truncate),
     Mutant("beta_bf16", "precision", "kernel", "beta rounded to bf16 after the sigmoid in the verify kernel",
            "vLLM #53877, sglang #38975", _kernel_beta_bf16),
+    Mutant("heads_tiled", "semantics", "kernel", "verify kernel maps value head h to key head h % HK (tiling) "
+           "instead of h // (HV / HK) (repeat_interleave, fla's i_hv // (HV // H)); identical at one key head",
+           "", _kernel_heads_tiled, TWO_KEY_HEADS),
     Mutant("round_every_token", "precision", "kernel", "verify kernel rounds the running state to the "
            "store dtype after every draft token", "sglang #25587, sgl-kernel-npu #651", _kernel_round_every_token),
     Mutant("vllm_start_plus1", "semantics", "update", "vllm flow: num_accepted_tokens one too high, so the next "

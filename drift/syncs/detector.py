@@ -3,7 +3,8 @@
 A sync happens whenever the host needs a value that lives on the device (docs/semantics.md
 §8): ``.item()``, ``bool(t)``, ``float(t)``, ``int(t)``, ops whose output shape
 depends on device data (boolean-mask indexing, ``nonzero``, ``masked_select``,
-``unique`` ...), host reads (``.cpu()``, ``.tolist()``, ``.numpy()``) and blocking copies.
+``unique`` ...), host reads (``.cpu()``, ``.tolist()``, ``.numpy()``, and formatting a tensor:
+``str``, ``repr``, ``format``, f-strings) and blocking copies.
 
 How it sees them without an accelerator
 ---------------------------------------
@@ -18,7 +19,9 @@ first data-dependent op, and a CPU-only torch has no cuda device guard; ``meta``
 non-CPU device every build has one for.) A ``TorchFunctionMode`` names the Python-level
 call behind each op (``Tensor.item``, ``Tensor.__bool__`` ...) and catches the host reads
 that dispatch no op (``.tolist()``, ``.numpy()``, ``__array__``) and host data turned
-into a device tensor (``torch.tensor(data, device=...)``).
+into a device tensor (``torch.tensor(data, device=...)``). Formatting dispatches no op either: a
+virtual tensor prints only its metadata and records each ``repr`` / ``format`` of itself as a host
+read in the detector watching (:func:`_formatted`), as the real tensor's repr copies its values.
 
 On a machine with CUDA, ``torch.cuda.set_sync_debug_mode("error")`` is armed around each
 call (and restored after: the mode is process-global); with ``torch_npu`` its twin
@@ -105,6 +108,40 @@ _HOST_DATA_FACTORIES = {torch.tensor, torch.as_tensor, torch.asarray}
 
 class VirtualDeviceError(RuntimeError):
     """The code under test did something the virtual device cannot follow."""
+
+
+# The detectors whose modes are entered, innermost last: where formatting a virtual tensor (which
+# dispatches no op) reports itself (:func:`_formatted`).
+_WATCHING: list["SyncDetector"] = []
+# str(), repr(), format() and f-strings of a device tensor print its values: torch's _tensor_str
+# copies the data to the host first (torch/_tensor_str.py: _str_intern; Tensor.__format__ of a 0-dim
+# tensor calls .item()). Only metadata (t.shape, t.dtype, t.device) formats without one.
+_FORMAT_READ = "host read of device data: formatting a tensor (str, repr, format, f-string) copies its values"
+
+
+def _formatted(api: str) -> None:
+    """Record formatting a virtual tensor (``api``: Tensor.__repr__ or Tensor.__format__) as a host
+    read in the innermost watching detector, unless inside another host read (part of its event)."""
+    if _WATCHING and not _WATCHING[-1]._reads:
+        _WATCHING[-1]._record(api, api, _FORMAT_READ)
+
+
+def _virtual_repr(self) -> str:
+    """repr / str of a virtual tensor: its metadata, never its data; under a detector a host read,
+    as the real tensor's repr is."""
+    _formatted("Tensor.__repr__")
+    inner = self._inner
+    return f"VirtualTensor(shape={tuple(inner.shape)}, dtype={inner.dtype})"
+
+
+def _virtual_format(self, spec: str) -> str:
+    """format() / f-strings of a virtual tensor: under a detector a host read; a 0-dim tensor formats
+    its value (as Tensor.__format__, through .item()), another its repr (without a second event)."""
+    _formatted("Tensor.__format__")
+    inner = self._inner
+    if inner.dim() == 0 and inner.device.type == "cpu":
+        return format(inner.tolist(), spec)
+    return format(f"VirtualTensor(shape={tuple(inner.shape)}, dtype={inner.dtype})", spec)
 
 
 def _is_device(x: Any) -> bool:
@@ -247,8 +284,8 @@ if DISPATCH_DETECTOR:
         def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
             return _execute(func, args, kwargs or {})  # outside a detector: run, record nothing
 
-        def __repr__(self) -> str:  # must not read the data (that would be a sync)
-            return f"VirtualTensor(shape={tuple(self.shape)}, dtype={self.dtype})"
+        __repr__ = _virtual_repr  # never reads the data; under a detector, a host read
+        __format__ = _virtual_format
 else:
     class VirtualTensor(torch.Tensor):  # type: ignore[no-redef]
         """A tensor on the virtual accelerator (the fallback without torch's dispatch API): a
@@ -270,9 +307,8 @@ else:
         def __torch_function__(cls, func, types, args=(), kwargs=None):
             return _call_virtual(func, args, kwargs or {})  # outside a detector: run, record nothing
 
-        def __repr__(self) -> str:  # must not read the data (that would be a sync)
-            inner = self._inner
-            return f"VirtualTensor(shape={tuple(inner.shape)}, dtype={inner.dtype})"
+        __repr__ = _virtual_repr  # never reads the data; under a detector, a host read
+        __format__ = _virtual_format
 
 
 def to_virtual(tree: Any) -> Any:
@@ -372,8 +408,11 @@ _DEVICE_GETTERS = {"device": (_getter("device"), VIRTUAL_DEVICE), "is_meta": (_g
 # Python-level calls that answer from metadata: neither syncs nor counted as ops.
 _METADATA_CALLS = {"__get__", "size", "dim", "ndimension", "numel", "nelement", "stride", "storage_offset",
                    "is_contiguous", "is_floating_point", "is_complex", "is_signed", "element_size", "data_ptr",
-                   "untyped_storage", "get_device", "__len__", "__repr__", "__format__", "__hash__",
+                   "untyped_storage", "get_device", "__len__", "__hash__",
                    "as_subclass", "__reduce_ex__", "__deepcopy__", "__setstate__"}
+# Formatting: a host read, recorded where it lands (VirtualTensor.__repr__, :func:`_formatted`), not
+# counted as an op.
+_FORMAT_CALLS = {"__repr__", "__format__", "__str__"}
 _F_SCALAR_READ = {"item", "__bool__", "__int__", "__float__", "__index__", "__complex__", "__contains__",
                   "_local_scalar_dense", "is_nonzero"}
 _F_HOST_BOOL = {"equal", "allclose"}
@@ -697,7 +736,7 @@ class _FallbackMode(_BoundMode, TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _fn_name(func) in _METADATA_CALLS:
+        if _fn_name(func) in _METADATA_CALLS or _fn_name(func) in _FORMAT_CALLS:
             return _call_virtual(func, args, kwargs)
         det = self.det
         api = _api_name(func)
@@ -789,6 +828,8 @@ class SyncDetector:
             stack.enter_context(_DispatchMode(self))
         else:
             stack.enter_context(_FallbackMode(self))
+        _WATCHING.append(self)
+        stack.callback(_WATCHING.remove, self)
         self._modes = stack
 
     def _exit_modes(self) -> None:

@@ -20,7 +20,7 @@ PROGRESS = re.compile(r"^drift: \S+test_update_keeps_precision\S*: step (\d+)/(\
 def _gate(tmp_path, *args):
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs", "drift",
-                           "-k", "precision", "--drift-steps", str(STEPS), *args],
+                           "-k", "precision", "--drift-preset", "ci-small", "--drift-steps", str(STEPS), *args],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
 
 

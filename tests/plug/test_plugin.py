@@ -15,7 +15,7 @@ import torch
 
 from drift.flows.copy_commit.rule import NpuRule
 from drift.sim import kernels
-from drift.config import preset
+from drift.config import GATE_PRESETS, preset
 from drift.flows.registry import FLOWS
 from drift.dtypes import as_bits
 from drift.errors import LoadError
@@ -81,14 +81,17 @@ def _pytest(*args, cwd):
 
 def test_engine_ci_runs_the_gate_with_its_own_update(tmp_path, broken):
     """What an engine's CI does: pytest --pyargs drift from its own repository, here with two
-    updates in one run (--drift-update repeats): SGLang's method passes all three gate tests, the
-    broken copy of it fails precision only (its syncs are the same)."""
+    updates in one run (--drift-update repeats): SGLang's method passes all three gate tests on both
+    gate shapes, the broken copy of it fails precision only (its syncs are the same)."""
     run = _pytest("--pyargs", "drift", "--drift-update", GOOD, "--drift-update", broken, "--drift-steps",
                   str(WIRING_STEPS), "-rfs", cwd=tmp_path)
     assert run.returncode == 1, run.stdout[-3000:]
-    assert "1 failed, 5 passed" in run.stdout and "skipped" in run.stdout, run.stdout[-3000:]  # cuda/npu skip
-    [failed] = [line for line in run.stdout.splitlines() if line.startswith("FAILED")]
-    assert "test_update_keeps_precision" in failed and CHECKS.title("tracked_snapshots") in run.stdout
+    # each gate test on each of the gate's shapes (GATE_PRESETS): the broken copy fails precision on both
+    assert "2 failed, 10 passed" in run.stdout and "skipped" in run.stdout, run.stdout[-3000:]  # cuda/npu skip
+    failed = [line for line in run.stdout.splitlines() if line.startswith("FAILED")]
+    assert [p for p in GATE_PRESETS if any(f"test_update_keeps_precision[{p}-" in f for f in failed)] \
+        == list(GATE_PRESETS) and len(failed) == 2, failed
+    assert CHECKS.title("tracked_snapshots") in run.stdout
     assert "ascend_backend_broken.py" in run.stdout  # the failure names the broken copy's file
     if not torch.cuda.is_available():  # a device nobody asked for skips, naming it
         assert "did not ask for (--drift-device cuda)" in run.stdout

@@ -107,13 +107,17 @@ PRELUDE = """
 """
 
 
-def test_sglang_triton_kernel_matches_drifts_op_under_the_mended_interpreter():
+# (key heads, value heads): one key head, and two, where fla's i_h = i_hv // (HV // H) and a tiled
+# mapping part (the heads_tiled mutant is the negative control there).
+@pytest.mark.parametrize("HK,HV", [(1, 2), (2, 4)], ids=["one-key-head", "two-key-heads"])
+def test_sglang_triton_kernel_matches_drifts_op_under_the_mended_interpreter(HK, HV):
     """SGLang's Triton verify kernel through drift's adapter, one verify call in both flows, under
     the interpreter as drift mends it (its fp32 -> bf16 stores round to nearest, as on a GPU), so it
     is compared with drift's op storing by round to nearest. Same fp32 math in another summation
     order: nearly every stored element bit-equal, none more than one bf16 ulp apart (a value within
-    fp32 noise of a rounding boundary); outputs within one bf16 ulp. Negative control: against
-    drift's op storing by truncation (the unmended interpreter's cast) far fewer elements agree."""
+    fp32 noise of a rounding boundary); outputs within one bf16 ulp. Negative controls: against
+    drift's op storing by truncation (the unmended interpreter's cast) far fewer elements agree;
+    with two key heads, against the heads_tiled mutant (value head h on key head h % HK) far fewer too."""
     _need("triton")
     _need("sglang")
     out = _run(PRELUDE + """
@@ -124,7 +128,7 @@ def test_sglang_triton_kernel_matches_drifts_op_under_the_mended_interpreter():
     from drift.sim.kernels import VerifyArgs
     from drift.flows.copy_commit.rule import NpuRule
     g = torch.Generator().manual_seed(1)
-    L, slots, B, S, HK, HV, K, V = 1, 6, 3, 4, 1, 2, 16, 16
+    L, slots, B, S, HK, HV, K, V = 1, 6, 3, 4, HEADS, 16, 16
     C = 2 * HK * K + HV * V
     base = VerifyArgs(torch.randn(L, B, S, C, generator=g).bfloat16(), torch.randn(L, B, S, HV, generator=g).bfloat16(),
                       -torch.rand(L, B, S, HV, generator=g), torch.randn(L, slots, HV, V, K, generator=g).bfloat16(),
@@ -136,11 +140,13 @@ def test_sglang_triton_kernel_matches_drifts_op_under_the_mended_interpreter():
         args = replace(base, num_accepted_tokens=torch.tensor(accepted, dtype=torch.int32))
         clone = lambda: replace(args, recurrent_state=args.recurrent_state.clone(),
                                 intermediate_state=args.intermediate_state.clone())
-        t, rn, tr = clone(), clone(), clone()
+        t, rn, tr, tiled = clone(), clone(), clone(), clone()
         o_t = triton_kernel(t)
         o_rn = kernels.recurrent_gated_delta_rule(rn)
         kernels.recurrent_gated_delta_rule(replace(tr, rounding="truncate"))
-        a, b, c = (x.intermediate_state[:, :B].float() for x in (t, rn, tr))
+        load_kernel("mutant:heads_tiled")(tiled)
+        a, b, c, d = (x.intermediate_state[:, :B].float() for x in (t, rn, tr, tiled))
+        equal_tiled = (a == d).float().mean().item()
         equal = (a == b).float().mean().item()
         ulp = 2.0 ** (torch.floor(torch.log2(b.abs().clamp_min(1e-30))) - 7)
         worst = ((a - b).abs() / ulp).max().item()
@@ -148,10 +154,12 @@ def test_sglang_triton_kernel_matches_drifts_op_under_the_mended_interpreter():
         o_ulp = 2.0 ** (torch.floor(torch.log2(o_rn.float().abs().clamp_min(1e-30))) - 7)
         o_worst = ((o_t.float() - o_rn.float()).abs() / o_ulp).max().item()
         same_committed = torch.equal(as_bits(t.recurrent_state), as_bits(args.recurrent_state))
-        print(flow, equal, worst, equal_trunc, o_worst, same_committed)
-    """)
+        print(flow, equal, worst, equal_trunc, o_worst, same_committed, equal_tiled)
+    """.replace("HEADS", f"{HK}, {HV}"))
     for line in out.strip().splitlines():
-        flow, equal, worst, equal_trunc, o_worst, same_committed = line.split()
+        flow, equal, worst, equal_trunc, o_worst, same_committed, equal_tiled = line.split()
+        # With one key head tiling is the same mapping (equal to drift's op); with two it is not.
+        assert (float(equal_tiled) == float(equal)) if HK == 1 else float(equal_tiled) < 0.8, line
         # Summation-order noise of fp32 (~K * 2^-24 relative) straddles a rounding boundary for a
         # ~K * 2^-24 / 2^-8 ~ 2e-4 fraction of elements (measured on an H200 at ci-small: 13 of
         # 655,360); 0.995 leaves a wide margin. One bf16 ulp is the most a boundary can move a value.

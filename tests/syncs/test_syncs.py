@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import logging
 import os
 import types
 
@@ -43,6 +44,12 @@ CI_NO_TRACK = CI.replace(track_interval=0)
 STEPS = 4  # two tracking and two non-tracking steps (representative_steps alternates)
 PLUGINS = [s.strip() for s in os.environ.get("DRIFT_UPDATES", "").split(",") if s.strip()]
 CLEAN_UPDATES = ["sglang-0.5.23", f"{FIXTURE}:DeviceSideBackend.update_mamba_state_after_mtp_verify", *PLUGINS]
+
+
+# Debug logging off, as in a serving engine: an f-string still formats its tensor (before the call),
+# a lazy "%s" argument is never formatted.
+LOG = logging.getLogger("drift.tests.syncs")
+LOG.setLevel(logging.INFO)
 
 
 def _inputs():
@@ -77,6 +84,11 @@ def c_np_asarray(t, m, i, idx): return np.asarray(t)
 def c_tensor_from_host(t, m, i, idx): return torch.tensor([1.0, 2.0], device=t.device)
 def c_host_to_device(t, m, i, idx): return torch.ones(4).to(t.device)
 def c_host_operand(t, m, i, idx): return t + torch.ones(4)
+def c_log_fstring(t, m, i, idx): return LOG.debug(f"{t}")
+def c_log_fstring_0dim(t, m, i, idx): return LOG.debug(f"accepted {i}")
+def c_log_str(t, m, i, idx): return LOG.debug("t = " + str(t))
+def c_log_repr(t, m, i, idx): return LOG.debug(repr(t))
+def c_log_format(t, m, i, idx): return LOG.debug(format(t))
 
 def n_numel(t, m, i, idx): return t.numel()
 def n_shape(t, m, i, idx): return t.shape[0]
@@ -88,6 +100,8 @@ def n_nonzero_static(t, m, i, idx): return torch.nonzero_static(m, size=4)
 def n_repeat_interleave_sized(t, m, i, idx): return torch.repeat_interleave(t, idx, output_size=6)
 def n_cpu_scalar_operand(t, m, i, idx): return t + torch.tensor(1.0)
 def n_factory_on_device(t, m, i, idx): return torch.arange(4, device=t.device, dtype=torch.float32) + t
+def n_log_fstring_metadata(t, m, i, idx): return LOG.debug(f"{t.shape} {t.dtype} {t.device} {t.dim()}")
+def n_log_lazy(t, m, i, idx): return LOG.debug("%s", t)  # the level is off: never formatted
 
 # What torch's FakeTensorMode on a non-CPU device does with a control (an independent oracle):
 DD = "data-dependent"  # refuses it: DataDependentOutputException / DynamicOutputShapeException
@@ -121,10 +135,19 @@ POSITIVE = [
     (c_tensor_from_host, {"torch.tensor"}, RUNS),
     (c_host_to_device, {"aten._to_copy"}, RUNS),
     (c_host_operand, {"aten.add.Tensor"}, MISMATCH),
+    # Formatting prints the values (torch/_tensor_str.py copies them to the host); a fake tensor's repr
+    # prints none, so the oracle runs these.
+    (c_log_fstring, {"Tensor.__format__"}, RUNS),
+    (c_log_fstring_0dim, {"Tensor.__format__"}, RUNS),
+    (c_log_str, {"Tensor.__repr__"}, RUNS),
+    (c_log_repr, {"Tensor.__repr__"}, RUNS),
+    (c_log_format, {"Tensor.__format__"}, RUNS),
 ]
 NEGATIVE = [n_numel, n_shape, n_where_3arg, n_masked_fill, n_index_select, n_index_copy, n_nonzero_static,
-            n_repeat_interleave_sized, n_cpu_scalar_operand, n_factory_on_device]
-METADATA_ONLY = {n_numel, n_shape}  # answered from the tensor's metadata: nothing is dispatched
+            n_repeat_interleave_sized, n_cpu_scalar_operand, n_factory_on_device, n_log_fstring_metadata,
+            n_log_lazy]
+# answered from the tensor's metadata (a lazy log argument is never formatted): nothing is dispatched
+METADATA_ONLY = {n_numel, n_shape, n_log_fstring_metadata, n_log_lazy}
 
 
 def _same(a, b) -> bool:
@@ -208,10 +231,15 @@ def test_context_manager_reports_line_and_detectors():
     assert rep.devices == ["virtual"] and rep.calls == 1
 
 
-def test_repr_of_virtual_tensor_reads_no_data():
+def test_formatting_a_virtual_tensor_reads_no_data_but_is_a_host_read():
+    """repr / f-strings of a virtual tensor print metadata only; under a detector each is one host
+    read (as on the device, where torch's repr copies the values); outside one nothing is recorded."""
     t = to_virtual(torch.arange(4))
-    rep = detect_syncs(repr, t)
-    assert rep.events == [] and "VirtualTensor(shape=(4,)" in repr(t)
+    assert "VirtualTensor(shape=(4,)" in repr(t) and f"{t}" == repr(t)
+    for fn, api in ((repr, "Tensor.__repr__"), (str, "Tensor.__repr__"), (format, "Tensor.__format__")):
+        [ev] = detect_syncs(fn, t).events
+        assert ev.api == api and "formatting a tensor" in ev.reason
+    assert f"{to_virtual(torch.tensor(0.5)):.2f}" == "0.50"  # a 0-dim tensor formats its value, as torch's
 
 
 def test_plain_meta_tensor_is_a_clear_error():
@@ -432,6 +460,25 @@ def test_sync_check_sync_free(cfg, passed):
     assert res.passed is passed and (res.worst == 0.0) is passed
     if not passed:
         assert f"copy_commit/updates.py:{min(SYNC_FREE_MASK)}" in res.where
+
+
+def _commit_logging_metadata(b) -> None:
+    LOG.debug(f"committing {b.last.shape} {b.last.dtype} on {b.last.device}")  # metadata only: no read
+    parts.commit_all(b)
+
+
+def test_a_formatted_tensor_in_the_update_fails_the_sync_check_and_its_metadata_passes():
+    """logger.debug(f"{last_steps}") in the commit (the log_fstring mutant) is a host read every step,
+    reported at its line; the same log line of the tensor's shape and dtype is clean."""
+    from drift.plug import mutants
+
+    res = sync_check(resolve(CI, "mutant:log_fstring"), steps=STEPS)
+    [line] = _lines(mutants.commit_logging_steps, "_LOG.debug(f")
+    assert not res.passed and res.worst == 1.0, res.detail  # one read per step
+    assert res.where.startswith("Tensor.__format__ at ") and f"plug/mutants.py:{line} " in res.where, res.where
+    clean = parts.SGLANG_0523.but(commit=_commit_logging_metadata).build("logs-metadata", "logs shape and dtype")
+    ok = sync_check(resolve(CI, clean), steps=STEPS)
+    assert ok.passed and ok.worst == 0.0, ok.where
 
 
 def test_sync_check_device_select_passes():
