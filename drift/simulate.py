@@ -28,7 +28,7 @@ import torch
 
 from .checkpoint import restore, saveable
 from .devices import resolve_device
-from .errors import DriftError, UpdateRaised, raise_if_interrupted
+from .errors import ENDS_PROCESS, DriftError, UpdateRaised, ended_by_code, raise_if_interrupted, what_raised
 from .flows.registry import state_flow
 from .plug.adapter import output_problem
 from .runspec import Resolved
@@ -444,8 +444,12 @@ class Simulation:
             out = fn(args)
         except UpdateRaised as exc:
             raise UpdateRaised(f"{name} failed at decode step {self.step}, {exc}") from exc
-        except Exception as exc:
-            raise UpdateRaised(f"{name} raised {exc!r} at decode step {self.step} (one call for all "
+        except DriftError:  # drift could not run it: exit 2, not a failed check
+            raise
+        except (Exception, *ENDS_PROCESS) as exc:
+            if not isinstance(exc, Exception) and not ended_by_code(exc):
+                raise  # a signal
+            raise UpdateRaised(f"{name} raised {what_raised(exc)} at decode step {self.step} (one call for all "
                                f"{self.cfg.num_layers} layers)") from exc
         L, B, S, HV, V, _ = args.dims
         problem = output_problem(out, (L, B, S, HV, V), exact=True)
@@ -476,9 +480,11 @@ class Simulation:
                 self.update(self.harness, last, track_idx, track_steps)
             except DriftError:  # drift could not run it (HarnessLacks): exit 2, not a failed check
                 raise
-            except Exception as exc:
-                raise UpdateRaised(f"the update under test ({self.update.spec}) raised {exc!r} at decode "
-                                   f"step {self.step}") from exc
+            except (Exception, *ENDS_PROCESS) as exc:  # sys.exit or a raised KeyboardInterrupt fail it too
+                if not isinstance(exc, Exception) and not ended_by_code(exc):
+                    raise  # a signal
+                raise UpdateRaised(f"the update under test ({self.update.spec}) raised {what_raised(exc)} at "
+                                   f"decode step {self.step}") from exc
             self._lap("update")
             if self.guard is not None:
                 self.guard.after(s, touched)

@@ -108,6 +108,15 @@ class LayerOpAdapter:
         blocks = kernels.scratch_blocks(args.intermediate_state)[layer]
         blocks.index_copy_(0, args.ssm_state_indices.to(torch.int64).reshape(-1), states.to(blocks.dtype))
 
+    @staticmethod
+    def check_output(out: object, shape: tuple[int, ...], layer: int, exact: bool = False) -> None:
+        """UpdateRaised naming the layer when the op's own output is not a bf16 tensor of ``shape``'s
+        elements (``exact``: of ``shape``): for a :meth:`call_layer` that unpacks it, so that what the op
+        returned is judged, never a cast or a reshape of it."""
+        problem = output_problem(out, shape, exact)
+        if problem:
+            raise UpdateRaised(f"layer {layer}: the op {problem}")
+
     # ------------------------------------------------------------------ call
     def __call__(self, args: VerifyArgs) -> torch.Tensor:
         L, B, S, HV, V, K = args.dims
@@ -120,9 +129,7 @@ class LayerOpAdapter:
                 raise
             except Exception as exc:
                 raise UpdateRaised(f"layer {layer}: the op raised {exc!r}") from exc
-            problem = output_problem(o, (B, S, HV, V))
-            if problem:
-                raise UpdateRaised(f"layer {layer}: the op {problem}")
+            self.check_output(o, (B, S, HV, V), layer)
             out[layer] = o.reshape(B, S, HV, V)
         return out
 
