@@ -25,14 +25,15 @@ from ..sim.pool import raw_state
 BF16, F32 = torch.bfloat16, torch.float32
 
 
-def engine_function(module: str, function: str, kernel: str, engine: str) -> Callable:
+def engine_function(module: str, function: str, kernel: str, engine: str, needed_by: str = "") -> Callable:
     """``module.function`` from an installed engine; LoadError saying what is missing (the
-    availability probe of ``--kernel <kernel>``; ``engine`` names the package and the version drift
-    modelled, e.g. "sglang (0.5.23 was modelled)")."""
+    availability probe of ``--kernel <kernel>``, or of what ``needed_by`` names; ``engine`` names the
+    package and the version drift modelled, e.g. "sglang (0.5.23 was modelled)")."""
+    who = needed_by or f"--kernel {kernel}"
     try:
         mod = importlib.import_module(module)
     except Exception as exc:
-        raise LoadError(f"--kernel {kernel} needs an installed {engine} with triton; importing {module} raised "
+        raise LoadError(f"{who} needs an installed {engine} with triton; importing {module} raised "
                         f"{exc!r}") from exc
     fn = getattr(mod, function, None)
     if fn is None:
@@ -41,7 +42,7 @@ def engine_function(module: str, function: str, kernel: str, engine: str) -> Cal
     if triton is not None and not hasattr(triton, "next_power_of_2"):
         # An engine may hand out a placeholder when it finds no usable triton (vLLM's triton_utils with
         # HAS_TRITON false): the module imports, and every call would fail.
-        raise LoadError(f"--kernel {kernel}: {module} imported without a usable triton (the engine gave its "
+        raise LoadError(f"{who}: {module} imported without a usable triton (the engine gave its "
                         "placeholder); install triton where the engine can import it")
     return fn
 
