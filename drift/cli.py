@@ -289,6 +289,9 @@ def cmd_nightly(args: argparse.Namespace) -> int:
 
     for e in entries:  # a bad trace, option, steps past a trace's end, states too large, an update of
         check_fits(e.resolve(args.device).cfg)  # another flow: an error now, not after hours
+    for e in build_matrix(args.preset or presets, [(args.seed or [0])[0]], updates, ["rne"], steps, layers,
+                          trace=args.trace or "", loop=args.loop, graph=not args.no_graph, flow=args.flow or ""):
+        e.resolve(args.device)  # every --update loaded and checked, also where only sequential decode runs
     k, n = parse_shard(args.shard)
     mine = shard(entries, k, n)
     baseline = read_report(args.baseline) if args.baseline else None

@@ -39,6 +39,7 @@ from drift.devices import resolve_device
 from drift.errors import DeviceUnavailable, DriftError
 from drift.options import DEFAULTS, RUN_OPTIONS, add_options, dest
 from drift.plug.extensions import load_extensions
+from drift.runner import preflight
 from drift.runspec import Resolved
 from drift.sim import native
 
@@ -71,6 +72,47 @@ def pytest_configure(config: pytest.Config) -> None:
             spec_from_options(config.getoption).config()
         except DriftError as exc:
             raise pytest.UsageError(f"--drift-trace {trace}: {exc}") from None
+
+
+# ------------------------------------------------------------------------ exit codes
+# drift's exit 2 (the run could not be made: a spec that does not load, an update the harness cannot
+# run, an absent device, a bad option) is pytest's usage error (exit 4), raised once, before any test
+# runs; only what a test measures fails it (exit 1). README: "Exit codes".
+def _preflight(config: pytest.Config, updates) -> None:
+    spec = spec_from_options(config.getoption)
+    for update in updates:
+        try:
+            preflight(replace(spec, update=update).resolve())
+        except DriftError as exc:
+            raise pytest.UsageError(f"drift: error: {exc}") from None
+
+
+def _distributed(config: pytest.Config) -> bool:
+    """Whether pytest-xdist runs the tests in workers (this process, the controller, collects none)."""
+    return config.pluginmanager.hasplugin("xdist") and getattr(config.option, "dist", "no") != "no"
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Under pytest-xdist, the controller preflights the runs of drift's own tests (``--pyargs
+    drift``, or any --drift-* option given), once, before its workers start; they do not."""
+    config = session.config
+    if hasattr(config, "workerinput") or not _distributed(config):
+        return
+    given = any(config.getoption(dest(PREFIX, name), None) not in (None, False, [], DEFAULTS.get(name))
+                for name in RUN_OPTIONS)
+    if given or (config.getoption("pyargs", False) and "drift" in config.args):
+        _preflight(config, config.getoption(dest(PREFIX, "update")) or [DEFAULTS["update"]])
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Every run the collected drift tests ask for (one per --drift-update), resolved and
+    preflighted (drift.runner.preflight) before the first test: a refusal is a usage error."""
+    if hasattr(session.config, "workerinput"):
+        return  # an xdist worker: its controller did (a usage error here would crash the worker)
+    items = [i for i in session.items if "drift_run" in getattr(i, "fixturenames", ())]
+    if items:
+        _preflight(session.config, dict.fromkeys(
+            getattr(i, "callspec", None) and i.callspec.params.get("drift_update") for i in items))
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

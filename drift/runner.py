@@ -178,6 +178,25 @@ def guarded(spec, origin: str, hook: str, fn: Callable) -> Callable:
     return call
 
 
+def preflight(run: Resolved) -> Resolved:
+    """What a run is refused for (exit 2) before any check runs, beyond resolving it: its states
+    must fit this machine, and (MTP) its update must read only what drift's harness provides --
+    found by calling it on the host-sync scan's representative steps (virtual device), as the scan
+    that starts every ``drift run`` does. An update that raises there is code under test failing, a
+    regression the run itself reports (exit 1), not refused here. Returns ``run``."""
+    from .sim.pool import check_fits
+    from .syncs.scan import scan_update
+    from .errors import UpdateRaised
+
+    check_fits(run.cfg)
+    if run.mode == "mtp":
+        try:
+            scan_update(run, device=None)
+        except UpdateRaised:
+            pass
+    return run
+
+
 def run_checked(run: Resolved, steps: Optional[int] = None, checks: Optional[Sequence[Check]] = None,
                 progress: Optional[Callable[[int, int], None]] = None, golden=None, vs_sequential: bool = False,
                 start: Optional[ResumePoint] = None, env2_start: Optional[np.ndarray] = None,
