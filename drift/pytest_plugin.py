@@ -36,7 +36,7 @@ OPENMP = openmp_defaults()  # first: the imports below load torch and its OpenMP
 from drift.check.golden import GOLDEN_PRESETS, load_golden, regenerate, write_trace_golden
 from drift.runspec import RunSpec
 from drift.devices import resolve_device
-from drift.errors import DeviceUnavailable, DriftError
+from drift.errors import EXIT_USAGE, DeviceUnavailable, DriftError
 from drift.options import DEFAULTS, RUN_OPTIONS, add_options, dest
 from drift.plug.extensions import load_extensions
 from drift.runner import preflight
@@ -113,6 +113,19 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if items:
         _preflight(session.config, dict.fromkeys(
             getattr(i, "callspec", None) and i.callspec.params.get("drift_update") for i in items))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    """What only running finds drift unable to run (an extension's check that raises as it
+    consumes, a harness gap the scan's steps did not reach) ends the session as the same usage
+    error (exit 4, drift's one line), not as one failed test among others."""
+    try:
+        return (yield)
+    except DriftError as exc:
+        if exc.exit_code != EXIT_USAGE:
+            raise
+        pytest.exit(f"drift: error: {exc}", returncode=pytest.ExitCode.USAGE_ERROR)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

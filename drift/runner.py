@@ -180,10 +180,11 @@ def guarded(spec, origin: str, hook: str, fn: Callable) -> Callable:
 
 def preflight(run: Resolved) -> Resolved:
     """What a run is refused for (exit 2) before any check runs, beyond resolving it: its states
-    must fit this machine, and (MTP) its update must read only what drift's harness provides --
-    found by calling it on the host-sync scan's representative steps (virtual device), as the scan
-    that starts every ``drift run`` does. An update that raises there is code under test failing, a
-    regression the run itself reports (exit 1), not refused here. Returns ``run``."""
+    must fit this machine, (MTP) its update must read only what drift's harness provides -- found
+    by calling it on the host-sync scan's representative steps (virtual device), as the scan that
+    starts every ``drift run`` does -- and every check must build. An update that raises there is
+    code under test failing, a regression the run itself reports (exit 1), not refused here.
+    Returns ``run``."""
     from .sim.pool import check_fits
     from .syncs.scan import scan_update
     from .errors import UpdateRaised
@@ -194,6 +195,7 @@ def preflight(run: Resolved) -> Resolved:
             scan_update(run, device=None)
         except UpdateRaised:
             pass
+    CheckedRun(run)  # every check built (an extension's that raises there is refused now)
     return run
 
 
