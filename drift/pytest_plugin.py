@@ -56,7 +56,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     try:
         load_extensions()  # $DRIFT_EXTENSIONS, before any option is read (as the drift command)
     except DriftError as exc:
-        raise pytest.UsageError(f"drift: {exc}") from None
+        raise pytest.UsageError(f"drift: error: {exc}") from None
     group = parser.getgroup("drift", "drift precision-drift suite")
     add_options(group.addoption, RUN_OPTIONS, prefix=PREFIX, repeat=("update",))
     group.addoption("--drift-force-regen", action="store_true", default=False,
