@@ -89,6 +89,7 @@ def cases(tmp: Path) -> list[tuple]:
     out = [
         ("passes", [], {}, 0, ""),
         ("regression", ["--update", "mutant:step_plus1"], {}, 1, ""),
+        ("regression-of-another-flow", ["--update", "mutant:vllm_start_plus1"], {}, 1, ""),  # runs in its own flow
         ("update-exits", ["--update", f"{code}:exits"], {}, 1, "SystemExit(0) (which would end the process"),
         ("update-interrupts", ["--update", f"{code}:interrupts"], {}, 1, "KeyboardInterrupt() (which would end"),
         ("update-not-found", ["--update", "nosuch.py:f"], {}, 2, "file 'nosuch.py' not found"),
