@@ -176,11 +176,12 @@ def drift_run(drift_spec: RunSpec, drift_update) -> Resolved:
     """The run under test, resolved once (drift.runspec.RunSpec.resolve): the preset with every
     --drift-* option applied (with --drift-trace replaying that trace on the preset's batch), this
     test's --drift-update and the --drift-kernel loaded and accepted by the flow's kind. A bad
-    combination fails the test naming the option (never a traceback)."""
+    combination (refused before the first test already: :func:`pytest_collection_finish`) ends the
+    session as that usage error, naming the option (never a traceback)."""
     try:
         return replace(drift_spec, update=drift_update).resolve()
     except DriftError as exc:
-        pytest.fail(f"{type(exc).__name__}: {exc}", pytrace=False)
+        pytest.exit(f"drift: error: {exc}", returncode=pytest.ExitCode.USAGE_ERROR)
 
 
 @pytest.fixture
