@@ -195,6 +195,25 @@ def test_slot_guard_covers_the_verify_kernel(flow):
     assert run_sim(cfg, None, kernel=_kernel_writing(lambda args: owned)).info.untouched_violation is None
 
 
+def test_slot_guard_records_a_captured_steps_index_as_a_host_one():
+    """A captured step passes its index as a device tensor (index_copy_), an eager one as an int: the
+    same flags either way, for both calls."""
+    sim = Simulation(resolve(small_cfg(4)))
+    g, touched = sim.guard, torch.zeros(sim.pool.temporal.shape[1], dtype=torch.bool)
+    flags = []
+    for value, index in ((1.0, 1), (2.0, torch.tensor([1]))):  # a new value each time (the dummy holds NaN)
+        g.before_verify()
+        raw_state(sim.pool.temporal)[0, 0] = value  # as a kernel writing the dummy slot would
+        g.before()
+        raw_state(sim.pool.temporal)[0, int(sim.pool.spare_slots[0])] = value  # as an update writing a spare one
+        g.after(index, touched)
+        flags.append(g.violations[:, 1].clone())
+        g.violations.zero_()
+    assert torch.equal(flags[0], flags[1])
+    assert flags[0][0].nonzero().flatten().tolist() == [0]  # the kernel: slot 0 only
+    assert flags[0][1].nonzero().flatten().tolist() == [int(sim.pool.spare_slots[0])]  # the update
+
+
 def test_slot_guard_names_the_update_when_only_it_wrote():
     sim = run_sim(small_cfg(6), bad_spec("write_dummy_conv"))
     assert sim.info.untouched_violation["call"] == "update"
