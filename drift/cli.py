@@ -30,8 +30,8 @@ from typing import Callable, Optional, Sequence
 
 from .config import Config, preset
 from .devices import resolve_device
-from .errors import (EXIT_FAIL, EXIT_PASS, ConfigError, DriftError, Terminated, UpdateRaised, clear_interrupt, interrupt,
-                     raise_if_interrupted)
+from .errors import (EXIT_FAIL, EXIT_PASS, ConfigError, DriftError, Terminated, UpdateRaised, clear_interrupt, ended_by_code,
+                     interrupt, raise_if_interrupted, what_raised)
 from .fileio import locked, output_file, output_files, refuse_overwriting, writable_dir
 from .options import CONFIG_OPTIONS, RUN_OPTIONS, add_options, dest, positive_int
 from .plug.mutants import MUTANTS
@@ -289,6 +289,9 @@ def cmd_nightly(args: argparse.Namespace) -> int:
 
     for e in entries:  # a bad trace, option, steps past a trace's end, states too large, an update of
         check_fits(e.resolve(args.device).cfg)  # another flow: an error now, not after hours
+    for e in build_matrix(args.preset or presets, [(args.seed or [0])[0]], updates, ["rne"], steps, layers,
+                          trace=args.trace or "", loop=args.loop, graph=not args.no_graph, flow=args.flow or ""):
+        e.resolve(args.device)  # every --update loaded and checked, also where only sequential decode runs
     k, n = parse_shard(args.shard)
     mine = shard(entries, k, n)
     baseline = read_report(args.baseline) if args.baseline else None
@@ -655,17 +658,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except DriftError as exc:
         print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except (KeyboardInterrupt, Terminated) as exc:
-        name, code = ("SIGINT", 130) if isinstance(exc, KeyboardInterrupt) else ("SIGTERM", 143)
-        print(f"{PROG} {args.command}: interrupted ({name}); finished files are intact, nothing half-written "
-              "is left (run it again; a nightly continues with --resume)", file=sys.stderr)
-        return code
+    except (SystemExit, KeyboardInterrupt) as exc:
+        if not ended_by_code(exc):
+            return _interrupted(args, exc)
+        # drift never exits from inside a command: code it ran (under test, an extension) did
+        print(f"{PROG} {args.command}: FAIL: code drift ran {what_raised(exc)}; code under test must return, "
+              "not end the process", file=sys.stderr)
+        return EXIT_FAIL
+    except Terminated as exc:
+        return _interrupted(args, exc)
     finally:
         if previous is not None:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             clear_interrupt()  # handled: a caller in the same process (a test) goes on undisturbed
+
+
+def _interrupted(args: argparse.Namespace, exc: BaseException) -> int:
+    """The one line and exit code of a command ended by SIGINT (130) or SIGTERM (143)."""
+    name, code = ("SIGINT", 130) if isinstance(exc, KeyboardInterrupt) else ("SIGTERM", 143)
+    print(f"{PROG} {args.command}: interrupted ({name}); finished files are intact, nothing half-written "
+          "is left (run it again; a nightly continues with --resume)", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -9,6 +9,7 @@ that reads something drift's harness does not provide). Every
 
 from __future__ import annotations
 
+import dis
 import signal
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
@@ -90,3 +91,48 @@ def raise_if_interrupted() -> None:
 
 def clear_interrupt() -> None:
     _PENDING.clear()
+
+
+# ------------------------------------------------------------ code that ends the process
+_RAISE = dis.opmap["RAISE_VARARGS"]
+
+
+def ended_by_code(exc: BaseException) -> bool:
+    """Whether ``exc`` is code under test (an update, a kernel, an extension) ending the process
+    rather than a signal: a ``SystemExit`` (``sys.exit``, ``exit()``), or a ``KeyboardInterrupt``
+    that code raised. Under drift's handler (:func:`interrupt`) a signal is one it recorded;
+    elsewhere (pytest) a signal's KeyboardInterrupt lands on whatever instruction ran, code's on
+    its ``raise`` statement."""
+    if isinstance(exc, SystemExit):
+        return True
+    if not isinstance(exc, KeyboardInterrupt) or _PENDING:
+        return False
+    if signal.getsignal(signal.SIGINT) is interrupt:
+        return True  # drift's handler records every signal: this one is not
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return False
+    code = tb.tb_frame.f_code.co_code
+    return 0 <= tb.tb_lasti < len(code) and code[tb.tb_lasti] == _RAISE
+
+
+def raised_at(exc: BaseException) -> str:
+    """``file:line`` where ``exc`` was raised (its traceback's innermost frame); '' without one."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else ""
+
+
+def what_raised(exc: BaseException) -> str:
+    """``exc`` as a message says it: its repr, and for one that would end the process where it was
+    raised (``SystemExit(0) (which would end the process; raised at f.py:3)``)."""
+    if not isinstance(exc, (SystemExit, KeyboardInterrupt)):
+        return repr(exc)
+    where = raised_at(exc)
+    return f"{exc!r} (which would end the process{'; raised at ' + where if where else ''})"
+
+
+ENDS_PROCESS = (SystemExit, KeyboardInterrupt)  # what an ``except`` beside ``Exception`` catches for ended_by_code

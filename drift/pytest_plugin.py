@@ -42,9 +42,10 @@ from drift.check.golden import GOLDEN_PRESETS, load_golden, regenerate, write_tr
 from drift.config import DEFAULT_PRESET, GATE_PRESETS
 from drift.runspec import RunSpec
 from drift.devices import resolve_device
-from drift.errors import DeviceUnavailable, DriftError
+from drift.errors import EXIT_USAGE, DeviceUnavailable, DriftError
 from drift.options import DEFAULTS, RUN_OPTIONS, add_options, dest
 from drift.plug.extensions import load_extensions
+from drift.runner import preflight
 from drift.runspec import Resolved
 from drift.sim import native
 
@@ -61,7 +62,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     try:
         load_extensions()  # $DRIFT_EXTENSIONS, before any option is read (as the drift command)
     except DriftError as exc:
-        raise pytest.UsageError(f"drift: {exc}") from None
+        raise pytest.UsageError(f"drift: error: {exc}") from None
     group = parser.getgroup("drift", "drift precision-drift suite")
     add_options(group.addoption, RUN_OPTIONS, prefix=PREFIX, repeat=("update",), defaults={"preset": None},
                 default_text={"preset": f"the gate's shapes, {' and '.join(GATE_PRESETS)}; with --drift-trace, "
@@ -82,6 +83,60 @@ def pytest_configure(config: pytest.Config) -> None:
             spec_from_options(config.getoption).config()
         except DriftError as exc:
             raise pytest.UsageError(f"--drift-trace {trace}: {exc}") from None
+
+
+# ------------------------------------------------------------------------ exit codes
+# drift's exit 2 (the run could not be made: a spec that does not load, an update the harness cannot
+# run, an absent device, a bad option) is pytest's usage error (exit 4), raised once, before any test
+# runs; only what a test measures fails it (exit 1). README: "Exit codes".
+def _preflight(config: pytest.Config, updates) -> None:
+    spec = spec_from_options(config.getoption)
+    for update in updates:
+        try:
+            preflight(replace(spec, update=update).resolve())
+        except DriftError as exc:
+            raise pytest.UsageError(f"drift: error: {exc}") from None
+
+
+def _distributed(config: pytest.Config) -> bool:
+    """Whether pytest-xdist runs the tests in workers (this process, the controller, collects none)."""
+    return config.pluginmanager.hasplugin("xdist") and getattr(config.option, "dist", "no") != "no"
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Under pytest-xdist, the controller preflights the runs of drift's own tests (``--pyargs
+    drift``, or any --drift-* option given), once, before its workers start; they do not."""
+    config = session.config
+    if hasattr(config, "workerinput") or not _distributed(config):
+        return
+    given = any(config.getoption(dest(PREFIX, name), None) not in (None, False, [], DEFAULTS.get(name))
+                for name in RUN_OPTIONS)
+    if given or (config.getoption("pyargs", False) and "drift" in config.args):
+        _preflight(config, config.getoption(dest(PREFIX, "update")) or [DEFAULTS["update"]])
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Every run the collected drift tests ask for (one per --drift-update), resolved and
+    preflighted (drift.runner.preflight) before the first test: a refusal is a usage error."""
+    if hasattr(session.config, "workerinput"):
+        return  # an xdist worker: its controller did (a usage error here would crash the worker)
+    items = [i for i in session.items if "drift_run" in getattr(i, "fixturenames", ())]
+    if items:
+        _preflight(session.config, dict.fromkeys(
+            getattr(i, "callspec", None) and i.callspec.params.get("drift_update") for i in items))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    """What only running finds drift unable to run (an extension's check that raises as it
+    consumes, a harness gap the scan's steps did not reach) ends the session as the same usage
+    error (exit 4, drift's one line), not as one failed test among others."""
+    try:
+        return (yield)
+    except DriftError as exc:
+        if exc.exit_code != EXIT_USAGE:
+            raise
+        pytest.exit(f"drift: error: {exc}", returncode=pytest.ExitCode.USAGE_ERROR)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -178,11 +233,12 @@ def drift_run(drift_spec: RunSpec, drift_update) -> Resolved:
     """The run under test, resolved once (drift.runspec.RunSpec.resolve): the preset with every
     --drift-* option applied (with --drift-trace replaying that trace on the preset's batch), this
     test's --drift-update and the --drift-kernel loaded and accepted by the flow's kind. A bad
-    combination fails the test naming the option (never a traceback)."""
+    combination (refused before the first test already: :func:`pytest_collection_finish`) ends the
+    session as that usage error, naming the option (never a traceback)."""
     try:
         return replace(drift_spec, update=drift_update).resolve()
     except DriftError as exc:
-        pytest.fail(f"{type(exc).__name__}: {exc}", pytrace=False)
+        pytest.exit(f"drift: error: {exc}", returncode=pytest.ExitCode.USAGE_ERROR)
 
 
 @pytest.fixture

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import platform
 import time
 from dataclasses import dataclass, field
@@ -16,6 +18,7 @@ from .check.compare import Comparison
 from .check.registry import CHECKS, RunContext
 from .check.result import CheckResult
 from .config import Config
+from .errors import ENDS_PROCESS, DriftError, LoadError, ended_by_code, raised_at
 from .runspec import Resolved
 from .sim.shim import kernels_in_use
 from .sim.twin import F64
@@ -88,7 +91,14 @@ class CheckedRun:
                 missing = [k for k in spec.needs if k not in self.ctx.checks]
                 if missing:
                     raise ValueError(f"check {spec.key!r} needs {missing}, which is not in this run")
-                self.ctx.checks[spec.key] = spec.build(self.ctx)
+                origin = extension_of(spec)
+                if origin:
+                    built = self.ctx.checks[spec.key] = guarded(spec, origin, "build", spec.build)(self.ctx)
+                    for hook in ("start", "consume", "finish", "result"):
+                        if callable(getattr(built, hook, None)):
+                            setattr(built, hook, guarded(spec, origin, hook, getattr(built, hook)))
+                else:
+                    self.ctx.checks[spec.key] = spec.build(self.ctx)
         self.specs = specs
         self.checks = [c for c in self.ctx.checks.values() if hasattr(c, "consume")]
         self.bound: Optional[BoundCheck] = self.ctx.checks.get("drift_bound")
@@ -123,7 +133,9 @@ class CheckedRun:
                 res.key = res.key or key
                 ctx.results[key] = res
         for spec in self.specs:
-            res = spec.result(ctx) if spec.shape == "run" else ctx.checks[spec.key].result()
+            origin = extension_of(spec) if spec.shape == "run" else ""
+            hook = guarded(spec, origin, "result", spec.result) if origin else spec.result
+            res = hook(ctx) if spec.shape == "run" else ctx.checks[spec.key].result()
             if res is not None:
                 res.key = spec.key
                 ctx.results[spec.key] = res
@@ -132,6 +144,59 @@ class CheckedRun:
     def report(self, info: RunInfo, sync_scan: bool = True, syncs: Optional[CheckResult] = None) -> RunReport:
         return RunReport(self.cfg, info, self.results(info, sync_scan, syncs),
                          self.comparison.reference_description())
+
+
+def extension_of(spec) -> str:
+    """The file of the module outside drift that registered check ``spec`` (its build or result
+    hook's), '' for drift's own checks."""
+    hook = spec.result if spec.shape == "run" else spec.build
+    module = getattr(hook, "__module__", "") or ""
+    if module == "drift" or module.startswith("drift."):
+        return ""
+    try:
+        return inspect.getsourcefile(hook) or module
+    except TypeError:
+        return module
+
+
+def guarded(spec, origin: str, hook: str, fn: Callable) -> Callable:
+    """``fn`` (hook ``hook`` of an extension's check ``spec``) with what it raises -- or a
+    ``sys.exit`` -- turned into one LoadError (exit 2) naming the check, the extension and the line:
+    drift could not run that check, which is not a regression it measured."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except DriftError:
+            raise
+        except (Exception, *ENDS_PROCESS) as exc:
+            if not isinstance(exc, Exception) and not ended_by_code(exc):
+                raise  # a signal
+            raise LoadError(f"check {spec.key!r} of the extension {origin} raised {exc!r} at {raised_at(exc)} in its "
+                            f"{hook}, so drift could not run it (not a regression); fix it or remove it from "
+                            "DRIFT_EXTENSIONS") from exc
+    return call
+
+
+def preflight(run: Resolved) -> Resolved:
+    """What a run is refused for (exit 2) before any check runs, beyond resolving it: its states
+    must fit this machine, (MTP) its update must read only what drift's harness provides -- found
+    by calling it on the host-sync scan's representative steps (virtual device), as the scan that
+    starts every ``drift run`` does -- and every check must build. An update that raises there is
+    code under test failing, a regression the run itself reports (exit 1), not refused here.
+    Returns ``run``."""
+    from .sim.pool import check_fits
+    from .syncs.scan import scan_update
+    from .errors import UpdateRaised
+
+    check_fits(run.cfg)
+    if run.mode == "mtp":
+        try:
+            scan_update(run, device=None)
+        except UpdateRaised:
+            pass
+    CheckedRun(run)  # every check built (an extension's that raises there is refused now)
+    return run
 
 
 def run_checked(run: Resolved, steps: Optional[int] = None, checks: Optional[Sequence[Check]] = None,

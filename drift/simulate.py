@@ -12,7 +12,8 @@ runs decode steps through them. Each step:
 4. the update under test commits (``mtp`` mode) -- or, in ``sequential`` mode, the
    accepted tokens are decoded one by one with the state stored after each;
 5. the slot guard checks that every slot neither committed nor tracked this step is
-   bit-identical to before the update (the dummy slot included);
+   bit-identical to before the update, and every slot no row owns (the dummy and spare slots)
+   to before the verify kernel;
 6. observers see the step (:class:`StepView`); they accumulate on the device and are
    flushed once per chunk of steps, so memory does not grow with the horizon.
 """
@@ -28,7 +29,7 @@ import torch
 
 from .checkpoint import restore, saveable
 from .devices import resolve_device
-from .errors import DriftError, UpdateRaised, raise_if_interrupted
+from .errors import ENDS_PROCESS, DriftError, UpdateRaised, ended_by_code, raise_if_interrupted, what_raised
 from .flows.registry import state_flow
 from .plug.adapter import output_problem
 from .runspec import Resolved
@@ -87,11 +88,16 @@ def _slot_words(bits: torch.Tensor) -> torch.Tensor:
 
 
 class SlotGuard:
-    """Bit-exact check that the update leaves every slot it should not touch as it was.
+    """Bit-exact check that the code under test leaves every slot it should not touch as it was:
+    the update every slot it neither commits nor tracks, and the verify kernel every slot no row
+    owns (the dummy slot and the spare slots, ``pool.unowned_slots``).
 
-    Per step it records, per slot, whether the temporal state or the conv window changed
-    while the slot was neither committed nor tracked. Device-side; read at flush.
+    Per step it records, per slot, whether the temporal state or the conv window changed across the
+    verify kernel's call (unowned slots) or across the update's (untouched slots). Device-side;
+    read at flush.
     """
+
+    CALLS = ("verify kernel", "update")  # the calls it compares across, in the order a step makes them
 
     def __init__(self, pool: StatePool, capacity: int):
         self.pool = pool
@@ -100,10 +106,28 @@ class SlotGuard:
         self._t_words, self._c_words = (_slot_words(t) for t in pool.bits())
         self._before_t = torch.empty_like(self._t_words)
         self._before_c = torch.empty_like(self._c_words)
-        self.violations = torch.zeros(capacity, pool.temporal.shape[1], dtype=torch.bool, device=pool.device)
-        self.first: Optional[dict] = None  # first violation seen: step, slot, what, role
+        unowned = np.asarray(pool.unowned_slots, np.int64)
+        self._unowned = torch.from_numpy(unowned).to(pool.device)  # [U]
+        self._unowned_t = self._t_words.index_select(1, self._unowned)  # their words before the verify kernel
+        self._unowned_c = self._c_words.index_select(1, self._unowned)
+        S = pool.temporal.shape[1]
+        # [call, step, slot]: call 0 the verify kernel (unowned slots), 1 the update (untouched slots)
+        self.violations = torch.zeros(len(self.CALLS), capacity, S, dtype=torch.bool, device=pool.device)
+        self._kernel_changed = torch.zeros(S, dtype=torch.bool, device=pool.device)
+        self.first: Optional[dict] = None  # first violation seen: step, slot, role, call
+
+    def before_verify(self) -> None:
+        """Before the verify kernel's call: the words of the slots no row owns."""
+        torch.index_select(self._t_words, 1, self._unowned, out=self._unowned_t)
+        torch.index_select(self._c_words, 1, self._unowned, out=self._unowned_c)
 
     def before(self) -> None:
+        """After the verify kernel's call, before the update's: which unowned slot the kernel changed,
+        and every slot's words for :meth:`after`."""
+        changed = ((self._t_words.index_select(1, self._unowned) != self._unowned_t).flatten(2).any(2).any(0)
+                   | (self._c_words.index_select(1, self._unowned) != self._unowned_c).flatten(2).any(2).any(0))
+        self._kernel_changed.zero_()
+        self._kernel_changed.index_copy_(0, self._unowned, changed)
         self._before_t.copy_(self._t_words)
         self._before_c.copy_(self._c_words)
 
@@ -112,18 +136,22 @@ class SlotGuard:
         captured step); touched ``[S]`` bool: the slots the update may write."""
         changed = ((self._t_words != self._before_t).flatten(2).any(2).any(0)
                    | (self._c_words != self._before_c).flatten(2).any(2).any(0))  # [S]
+        both = torch.stack([self._kernel_changed, changed & ~touched])  # [2, S]
         if isinstance(index, torch.Tensor):
-            self.violations.index_copy_(0, index, (changed & ~touched)[None])
+            self.violations.index_copy_(1, index, both[:, None])
         else:
-            self.violations[index] = changed & ~touched
+            self.violations[:, index] = both
 
     def flush(self, step0: int, count: int, offset: int = 0) -> None:
         """Read flags ``[offset, offset + count)`` (steps ``step0 ..``) and clear them."""
-        v = self.violations[offset:offset + count].cpu().numpy()
+        v = self.violations[:, offset:offset + count].cpu().numpy()  # [call, step, slot]
         if self.first is None and v.any():
-            s, slot = map(int, np.argwhere(v)[0])
-            self.first = {"step": step0 + s, "slot": slot, "role": self.pool.slot_role(slot)}
-        self.violations[offset:offset + count] = False
+            s = int(np.nonzero(v.any((0, 2)))[0][0])  # the first step; at it, the call made first
+            call = int(np.nonzero(v[:, s].any(1))[0][0])
+            slot = int(np.nonzero(v[call, s])[0][0])
+            self.first = {"step": step0 + s, "slot": slot, "role": self.pool.slot_role(slot),
+                          "call": self.CALLS[call]}
+        self.violations[:, offset:offset + count] = False
 
 
 class StageClock:
@@ -444,8 +472,12 @@ class Simulation:
             out = fn(args)
         except UpdateRaised as exc:
             raise UpdateRaised(f"{name} failed at decode step {self.step}, {exc}") from exc
-        except Exception as exc:
-            raise UpdateRaised(f"{name} raised {exc!r} at decode step {self.step} (one call for all "
+        except DriftError:  # drift could not run it: exit 2, not a failed check
+            raise
+        except (Exception, *ENDS_PROCESS) as exc:
+            if not isinstance(exc, Exception) and not ended_by_code(exc):
+                raise  # a signal
+            raise UpdateRaised(f"{name} raised {what_raised(exc)} at decode step {self.step} (one call for all "
                                f"{self.cfg.num_layers} layers)") from exc
         L, B, S, HV, V, _ = args.dims
         problem = output_problem(out, (L, B, S, HV, V), exact=True)
@@ -463,6 +495,8 @@ class Simulation:
         beta = b.to(torch.bfloat16)  # the beta logit, on the bf16 grid already
         self._lap("conv verify, gating")
         if self.mode == "mtp":
+            if self.guard is not None:
+                self.guard.before_verify()
             out = self._verify(self.flow.verify_args(mix, beta, g, cfg.store_rounding, self.step, drafts,
                                                      (a, prm.A_log, prm.dt_bias)))
             self.flow.after_verify(last)
@@ -476,9 +510,11 @@ class Simulation:
                 self.update(self.harness, last, track_idx, track_steps)
             except DriftError:  # drift could not run it (HarnessLacks): exit 2, not a failed check
                 raise
-            except Exception as exc:
-                raise UpdateRaised(f"the update under test ({self.update.spec}) raised {exc!r} at decode "
-                                   f"step {self.step}") from exc
+            except (Exception, *ENDS_PROCESS) as exc:  # sys.exit or a raised KeyboardInterrupt fail it too
+                if not isinstance(exc, Exception) and not ended_by_code(exc):
+                    raise  # a signal
+                raise UpdateRaised(f"the update under test ({self.update.spec}) raised {what_raised(exc)} at "
+                                   f"decode step {self.step}") from exc
             self._lap("update")
             if self.guard is not None:
                 self.guard.after(s, touched)

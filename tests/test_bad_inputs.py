@@ -389,6 +389,64 @@ def test_a_misbehaving_verify_kernel_fails_as_code_under_test(tmp_path, capsys, 
     assert err.startswith("drift run: FAIL: the verify kernel under test" if code == EXIT_FAIL else "drift run: error:")
 
 
+VLLM_ASCEND = f"{Path(__file__).resolve().parent / 'fixtures' / 'fake_vllm_ascend_op.py'}"
+STAND_INS = f'''
+import importlib.util
+spec = importlib.util.spec_from_file_location("fake_op", {VLLM_ASCEND!r})
+fake = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(fake)
+
+def none(**kw):
+    return None
+
+def short(**kw):
+    return fake.npu_recurrent_gated_delta_rule(**kw)[:1]
+
+def fp32(**kw):
+    return fake.npu_recurrent_gated_delta_rule(**kw).float()
+'''
+
+
+@pytest.mark.parametrize("op, words", [
+    ("none", "layer 0: the op returned NoneType, not a bfloat16 tensor"),
+    ("short", "layer 0: the op returned shape (1, 4, 64), expected (20, 4, 64)"),  # T = 5 rows x 4 tokens
+    ("fp32", "layer 0: the op returned a torch.float32 tensor, expected bfloat16"),  # never cast
+])
+def test_a_stand_in_op_is_judged_by_what_it_returned(tmp_path, capsys, op, words):
+    f = tmp_path / "ops.py"
+    f.write_text(STAND_INS)
+    assert main(RUN + ["--flow", "vllm", "--kernel", f"vllm-ascend-op:{f}:{op}"]) == EXIT_FAIL
+    err = err_of(capsys)
+    assert words in err and "raised" not in err, err
+
+
+def test_a_raised_keyboard_interrupt_is_code_a_signal_is_not():
+    from drift.errors import ended_by_code
+
+    def raises():
+        raise KeyboardInterrupt
+
+    def signalled():  # the default handler raises it where the loop happens to be
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(10 ** 6):
+            pass
+
+    caught = []
+    for fn in (raises, signalled):
+        try:
+            fn()
+        except KeyboardInterrupt as exc:
+            caught.append(ended_by_code(exc))
+    assert caught == [True, False]
+    assert ended_by_code(SystemExit(0)) and not ended_by_code(ValueError())
+
+
+def test_an_engine_commit_under_another_flow_names_the_harness_not_a_kernel(capsys):
+    assert main(RUN + ["--flow", "sglang", "--update", "drift.plug.replayssm_engine:sglang_commit"]) == EXIT_USAGE
+    err = err_of(capsys)
+    assert "read self.spec_state" in err and "pass --flow sglang-replayssm" in err and "--kernel" not in err, err
+
+
 # ----------------------------------------------------------------------- nightly
 NIGHTLY = ["nightly", "--preset", "ci-small", "--variant", "rne", "--layers", "1", "--quiet"]
 
@@ -398,6 +456,19 @@ def nightly_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("nightly")
     assert main(NIGHTLY + ["--steps", "16", "--report", str(out)]) == EXIT_PASS
     return out
+
+
+@pytest.mark.parametrize("extra", [["--variant", "sequential"], ["--flow", "sglang"]])
+def test_every_nightly_update_is_loaded_before_any_entry_runs(tmp_path, capsys, extra):
+    """Sequential decode runs no update, yet a bad one is refused (it was silently ignored); an update
+    (a mutant) of another flow is refused before the first entry, not after it."""
+    update = "nosuch.py:f" if "sequential" in extra else "mutant:vllm_start_plus1"
+    argv = [a for a in NIGHTLY if a not in ("--variant", "rne")] + ["--steps", "16", "--update", update]
+    out = tmp_path / "n"
+    assert main(argv + extra + ["--report", str(out)]) == EXIT_USAGE
+    err = err_of(capsys)
+    assert ("not found" if "sequential" in extra else "pass --flow vllm") in err, err
+    assert not out.exists()
 
 
 def test_resume_reuses_only_results_of_the_same_configuration(nightly_dir, tmp_path, capsys):

@@ -10,6 +10,8 @@ import torch
 from helpers import (bad_spec, committed_by_position, pool_digests, rel_fro, run_sim, same_bits,
                       small_cfg)
 from drift.check.checks import SEMANTIC_TOL
+from drift.sim import kernels
+from drift.sim.pool import raw_state
 from drift.simulate import Simulation, StopRun
 from drift.runspec import resolve
 
@@ -161,10 +163,60 @@ def test_an_observer_can_stop_the_run():
 
 def test_slot_guard_records_the_first_write_to_the_dummy():
     sim = run_sim(small_cfg(10), bad_spec("write_dummy_slot"))
-    assert sim.info.untouched_violation == {"step": 0, "slot": 0, "role": "dummy slot 0"}
+    assert sim.info.untouched_violation == {"step": 0, "slot": 0, "role": "dummy slot 0", "call": "update"}
     # Off on request, and in sequential mode (no update under test).
     assert run_sim(small_cfg(10), bad_spec("write_dummy_slot"), check_untouched=False).info.untouched_violation is None
     assert run_sim(small_cfg(10), None, mode="sequential").guard is None
+
+
+def _kernel_writing(slot_of):
+    """A verify kernel: drift's portable op, then layer 0's state of slot ``slot_of(args)``
+    overwritten."""
+    def kernel(args):
+        out = kernels.recurrent_gated_delta_rule(args)
+        raw_state(args.recurrent_state)[0, slot_of(args)] = 0.5
+        return out
+    return kernel
+
+
+@pytest.mark.parametrize("flow", ["sglang", "vllm"])
+def test_slot_guard_covers_the_verify_kernel(flow):
+    """The guard compares the slots no row owns across the verify kernel's call, naming the kernel; a
+    kernel that writes only what its rule lets it (the portable op) passes, and a kernel's write to an
+    owned slot (row 0's) is not the guard's to judge (the state checks see it)."""
+    cfg = small_cfg(6).replace(flow=flow)
+    probe = Simulation(resolve(cfg))
+    spare = int(probe.pool.spare_slots[0])
+    for slot, role in ((0, probe.pool.slot_role(0)), (spare, probe.pool.slot_role(spare))):
+        sim = run_sim(cfg, None, kernel=_kernel_writing(lambda args, s=slot: s))
+        assert sim.info.untouched_violation == {"step": 0, "slot": slot, "role": role, "call": "verify kernel"}
+    assert run_sim(cfg, None).info.untouched_violation is None  # control: the portable op
+    owned = int(probe.pool.active_slots[0])
+    assert run_sim(cfg, None, kernel=_kernel_writing(lambda args: owned)).info.untouched_violation is None
+
+
+def test_slot_guard_records_a_captured_steps_index_as_a_host_one():
+    """A captured step passes its index as a device tensor (index_copy_), an eager one as an int: the
+    same flags either way, for both calls."""
+    sim = Simulation(resolve(small_cfg(4)))
+    g, touched = sim.guard, torch.zeros(sim.pool.temporal.shape[1], dtype=torch.bool)
+    flags = []
+    for value, index in ((1.0, 1), (2.0, torch.tensor([1]))):  # a new value each time (the dummy holds NaN)
+        g.before_verify()
+        raw_state(sim.pool.temporal)[0, 0] = value  # as a kernel writing the dummy slot would
+        g.before()
+        raw_state(sim.pool.temporal)[0, int(sim.pool.spare_slots[0])] = value  # as an update writing a spare one
+        g.after(index, touched)
+        flags.append(g.violations[:, 1].clone())
+        g.violations.zero_()
+    assert torch.equal(flags[0], flags[1])
+    assert flags[0][0].nonzero().flatten().tolist() == [0]  # the kernel: slot 0 only
+    assert flags[0][1].nonzero().flatten().tolist() == [int(sim.pool.spare_slots[0])]  # the update
+
+
+def test_slot_guard_names_the_update_when_only_it_wrote():
+    sim = run_sim(small_cfg(6), bad_spec("write_dummy_conv"))
+    assert sim.info.untouched_violation["call"] == "update"
 
 
 def test_unknown_mode_is_rejected():

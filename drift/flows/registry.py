@@ -143,8 +143,9 @@ def check(cfg: Config) -> type:
     engine verifies varlen, and the kind's own ``validate``. ConfigError names what to change."""
     flow = FLOWS[cfg.flow]
     if cfg.drafts == "ragged" and not flow.ragged:
-        raise ConfigError(f"drafts='ragged' under flow={cfg.flow!r}: {flow.engine} verifies every row's D draft "
-                          f"tokens; allowed with ragged drafts: {', '.join(f for f in FLOWS if FLOWS[f].ragged)}")
+        raise ConfigError(f"drafts='ragged' under flow={cfg.flow!r}: that flow verifies every row's D draft tokens "
+                          f"(modelled on: {flow.engine}); allowed with ragged drafts: "
+                          f"{', '.join(f for f in FLOWS if FLOWS[f].ragged)}")
     kind = FLOW_KINDS[flow.kind]
     kind.validate(cfg)
     return kind

@@ -25,12 +25,13 @@ from ..sim.pool import raw_state
 BF16, F32 = torch.bfloat16, torch.float32
 
 
-def engine_function(module: str, function: str, kernel: str, engine: str) -> Callable:
+def engine_function(module: str, function: str, kernel: str, engine: str, needed_by: str = "") -> Callable:
     """``module.function`` from an installed engine; LoadError saying what is missing (the
-    availability probe of ``--kernel <kernel>``; ``engine`` names the package and the version drift
-    modelled, e.g. "sglang (0.5.23 was modelled)")."""
+    availability probe of ``--kernel <kernel>``, or of what ``needed_by`` names; ``engine`` names the
+    package and the version drift modelled, e.g. "sglang (0.5.23 was modelled)")."""
     from . import triton_interpreter
 
+    who = needed_by or f"--kernel {kernel}"
     try:  # under TRITON_INTERPRET=1 with the interpreter mended, a --no-deps engine's server stubbed
         mod = triton_interpreter.import_kernel_module(module)
     except LoadError:
@@ -39,7 +40,7 @@ def engine_function(module: str, function: str, kernel: str, engine: str) -> Cal
         hint = ("" if triton_interpreter.interpreting() else "; on a CPU runner with the engine installed "
                 "--no-deps, TRITON_INTERPRET=1 runs it through triton's interpreter, with the engine's server "
                 "stubbed (docs/reference.md: Triton kernels on a CPU)")
-        raise LoadError(f"--kernel {kernel} needs an installed {engine} with triton; importing {module} raised "
+        raise LoadError(f"{who} needs an installed {engine} with triton; importing {module} raised "
                         f"{exc!r}{hint}") from exc
     fn = getattr(mod, function, None)
     if fn is None:
@@ -51,7 +52,7 @@ def engine_function(module: str, function: str, kernel: str, engine: str) -> Cal
         where = ("" if triton_interpreter.interpreting() else "; the engines probe their platform for it (a GPU): "
                  "on a CPU runner TRITON_INTERPRET=1 runs the kernel through triton's interpreter, with the "
                  "installed triton handed to the engine")
-        raise LoadError(f"--kernel {kernel}: {module} imported without a usable triton (the engine gave its "
+        raise LoadError(f"{who}: {module} imported without a usable triton (the engine gave its "
                         f"placeholder){where}; install triton where the engine can import it")
     return fn
 
@@ -118,6 +119,15 @@ class LayerOpAdapter:
         blocks = kernels.scratch_blocks(args.intermediate_state)[layer]
         blocks.index_copy_(0, args.ssm_state_indices.to(torch.int64).reshape(-1), states.to(blocks.dtype))
 
+    @staticmethod
+    def check_output(out: object, shape: tuple[int, ...], layer: int, exact: bool = False) -> None:
+        """UpdateRaised naming the layer when the op's own output is not a bf16 tensor of ``shape``'s
+        elements (``exact``: of ``shape``): for a :meth:`call_layer` that unpacks it, so that what the op
+        returned is judged, never a cast or a reshape of it."""
+        problem = output_problem(out, shape, exact)
+        if problem:
+            raise UpdateRaised(f"layer {layer}: the op {problem}")
+
     # ------------------------------------------------------------------ call
     def __call__(self, args: VerifyArgs) -> torch.Tensor:
         L, B, S, HV, V, K = args.dims
@@ -130,9 +140,7 @@ class LayerOpAdapter:
                 raise
             except Exception as exc:
                 raise UpdateRaised(f"layer {layer}: the op raised {exc!r}") from exc
-            problem = output_problem(o, (B, S, HV, V))
-            if problem:
-                raise UpdateRaised(f"layer {layer}: the op {problem}")
+            self.check_output(o, (B, S, HV, V), layer)
             out[layer] = o.reshape(B, S, HV, V)
         return out
 

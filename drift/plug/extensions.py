@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import os
 
-from ..errors import LoadError
+from ..errors import ENDS_PROCESS, LoadError, ended_by_code, raised_at
 from .specs import module_from_file
 
 ENV = "DRIFT_EXTENSIONS"
@@ -31,7 +31,9 @@ def load_extensions(value: "str | None" = None) -> list[str]:
             continue
         try:
             _loaded[name] = importlib.import_module(name)
-        except Exception as exc:
-            raise LoadError(f"{ENV}={text}: importing extension {name!r} raised {exc!r}; fix the module or remove "
-                            f"it from {ENV}") from exc
+        except (Exception, *ENDS_PROCESS) as exc:  # sys.exit(main()) at import: refused, not an exit
+            if not isinstance(exc, Exception) and not ended_by_code(exc):
+                raise  # a signal
+            raise LoadError(f"{ENV}={text}: importing extension {name!r} raised {exc!r} at {raised_at(exc)}; fix "
+                            f"the module or remove it from {ENV}") from exc
     return names

@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from ..errors import HarnessLacks, LoadError
+from ..errors import ENDS_PROCESS, DriftError, HarnessLacks, LoadError, ended_by_code, raised_at
 from ..flows.registry import FLOW_KINDS, FLOWS, UPDATES
 from ..registry import Registry
 from ..sim import kernels
@@ -36,7 +36,7 @@ from ..sim.shim import sgl_kernels
 from .specs import MUTANT_PREFIX, resolve_spec
 from .triton_kernel import TritonAdapter
 from .replayssm_engine import ReplayVerifyAdapter
-from .vllm_ascend_op import vllm_ascend_adapter, vllm_ascend_op
+from .vllm_ascend_op import OP_KEYWORDS as VLLM_ASCEND_KEYWORDS, vllm_ascend_adapter, vllm_ascend_op
 from .vllm_kernel import VllmQwenAdapter, VllmTritonAdapter
 
 REQUIRED = ("self", "last_correct_step_indices", "mamba_track_indices", "mamba_steps_to_track")
@@ -92,6 +92,8 @@ def _vllm_ascend_op(arg: Optional[str]) -> VerifyKernel:
     op = resolve_spec(arg or "", "kernel")
     if not callable(op):
         raise LoadError(f"kernel spec 'vllm-ascend-op:{arg}' resolves to a {type(op).__name__}, not the op")
+    check_op_signature(op, f"vllm-ascend-op:{arg}", positional=0, keywords=VLLM_ASCEND_KEYWORDS,
+                       caller="vllm-ascend's call")
     return vllm_ascend_adapter(op)
 
 
@@ -397,7 +399,15 @@ def load_kernel(spec: "str | VerifyKernel | Kernel | None") -> Kernel:
         raise LoadError(f"kernel spec {spec!r} needs its argument: {name}:<module|file.py>:<qualname>")
     if name in KERNELS and KERNELS[name].takes_arg == bool(arg):
         entry = KERNELS[name]
-        fn = entry.factory(arg or None)
+        try:
+            fn = entry.factory(arg or None)
+        except DriftError:
+            raise
+        except (Exception, *ENDS_PROCESS) as exc:  # an extension's factory: refused naming its line, not a crash
+            if not isinstance(exc, Exception) and not ended_by_code(exc):
+                raise  # a signal
+            raise LoadError(f"kernel {spec!r}: its entry's factory raised {exc!r} at {raised_at(exc)}; it must return "
+                            "kernel(args) -> bf16 out, or raise LoadError saying what is missing") from exc
         if not callable(fn):
             raise LoadError(f"kernel {spec!r}: its factory returned {type(fn).__name__}, not a kernel; the entry "
                             f"{name!r} must return kernel(args) -> bf16 out or raise LoadError saying what is missing")

@@ -69,19 +69,21 @@ OP_KEYWORDS = ("beta", "scale", "actual_seq_lengths", "ssm_state_indices", "nk",
                "cache_indices", "num_accepted_tokens", "g")
 
 
-def check_op_signature(op: Callable, spec: str) -> None:
-    """LoadError (at load, exit 2) when ``op`` cannot take the call SGLang makes (above); an op
-    whose signature cannot be read (a torch op, a builtin) is taken on trust."""
+def check_op_signature(op: Callable, spec: str, positional: int = 2, keywords: tuple[str, ...] = OP_KEYWORDS,
+                       caller: str = "SGLang's call") -> None:
+    """LoadError (at load, exit 2) when ``op`` cannot take the call its engine makes: ``positional``
+    arguments then ``keywords`` (default SGLang's, above); an op whose signature cannot be read (a
+    torch op, a builtin) is taken on trust."""
     try:
         sig = inspect.signature(op)
     except (TypeError, ValueError):
         return
     try:
-        sig.bind(None, None, **{k: None for k in OP_KEYWORDS})
+        sig.bind(*[None] * positional, **{k: None for k in keywords})
     except TypeError as exc:
+        first = "mix_qkv, recurrent_state, *, " if positional else "*, "
         raise LoadError(f"kernel spec {spec!r} has signature {getattr(op, '__name__', op)}{sig}, which cannot take "
-                        f"SGLang's call ({exc}); expected op(mix_qkv, recurrent_state, *, {', '.join(OP_KEYWORDS)})"
-                        ) from None
+                        f"{caller} ({exc}); expected op({first}{', '.join(keywords)})") from None
 
 
 def npu_op_adapter(op: Callable) -> VerifyKernel:
@@ -131,7 +133,7 @@ class LegacyAdapter(LayerOpAdapter):
                     ssm_state_indices=indices, num_accepted_tokens=None, g=args.g[layer].reshape(T, HV).to(F32),
                     gk=None)
         self.write_back(args, layer, blocks.view(T, HV, V, K))
-        return o.to(BF16) if isinstance(o, torch.Tensor) else o
+        return o  # judged as the op returned it (bf16 [T, HV, V]), never cast
 
 
 def legacy_adapter(op: Callable) -> VerifyKernel:

@@ -75,17 +75,20 @@ class ReplayVerifyAdapter:
         return out.view(L, B, S, HV, V).to(BF16)
 
 
+COMMIT = "the update drift.plug.replayssm_engine:sglang_commit (SGLang's ReplaySSM commit kernels)"
+
+
 def _commit_kernels():
-    spec = engine_function(MODULE, "commit_gdn_replayssm_spec", "sglang-replayssm-triton", ENGINE)
-    circular = engine_function(MODULE, "commit_gdn_replayssm_circular", "sglang-replayssm-triton", ENGINE)
+    spec = engine_function(MODULE, "commit_gdn_replayssm_spec", "sglang-replayssm-triton", ENGINE, COMMIT)
+    circular = engine_function(MODULE, "commit_gdn_replayssm_circular", "sglang-replayssm-triton", ENGINE, COMMIT)
     return spec, circular
 
 
 def sglang_commit(self, last_correct_step_indices, mamba_track_indices=None, mamba_steps_to_track=None):
     """SGLang 0.5.23's ReplaySSM commit kernels on a :class:`drift.flows.kernel_commit.flow.ReplayHarness`, then
     drift's conv rollback (the engine's own code under test of the sglang-replayssm flow)."""
+    ss, mp = self.spec_state, self.mamba_pool  # first: under another flow the harness names what it lacks
     spec, circular = _commit_kernels()
-    ss, mp = self.spec_state, self.mamba_pool
     last = last_correct_step_indices.to(torch.int64)
     accept = torch.clamp(last + 1, min=0)  # accept_lens: the accepted drafts and the bonus token
     spec(write_pos=mp.replayssm_spec_write_pos, cache_base=mp.replayssm_cache_base, is_flush=mp.replayssm_is_flush,

@@ -22,7 +22,7 @@ import sys
 import types
 from typing import Any
 
-from ..errors import LoadError
+from ..errors import ENDS_PROCESS, LoadError, ended_by_code, raised_at
 from ..sim.shim import sgl_kernels
 
 MUTANT_PREFIX = "mutant:"
@@ -31,8 +31,9 @@ MUTANT_PREFIX = "mutant:"
 def module_from_file(path: str, spec: str, what: str) -> types.ModuleType:
     full = os.path.abspath(path)
     if not os.path.isfile(full):
-        raise LoadError(f"{what} spec {spec!r}: file {path!r} not found (looked at {full}); "
-                        "expected path/to/file.py:qualname")
+        form = "path/to/file.py" if what == "extension" else "path/to/file.py:qualname"
+        found = f"{path!r} is a directory, not a file" if os.path.isdir(full) else f"file {path!r} not found"
+        raise LoadError(f"{what} spec {spec!r}: {found} (looked at {full}); expected {form}")
     name = "drift_plugin_" + hashlib.sha1(full.encode()).hexdigest()[:12]
     if name in sys.modules:
         return sys.modules[name]
@@ -47,9 +48,11 @@ def module_from_file(path: str, spec: str, what: str) -> types.ModuleType:
     sys.path.insert(0, here)
     try:
         mspec.loader.exec_module(module)
-    except Exception as exc:
+    except (Exception, *ENDS_PROCESS) as exc:  # sys.exit(main()) at import: refused, not an exit
         del sys.modules[name]
-        raise LoadError(f"{what} spec {spec!r}: importing {full} raised {exc!r}") from exc
+        if not isinstance(exc, Exception) and not ended_by_code(exc):
+            raise  # a signal
+        raise LoadError(f"{what} spec {spec!r}: importing {full} raised {exc!r} at {raised_at(exc)}") from exc
     finally:
         if sys.path and sys.path[0] == here:
             del sys.path[0]
@@ -76,8 +79,11 @@ def resolve_spec(spec: str, what: str = "update") -> Any:
     else:
         try:
             module = importlib.import_module(target)
-        except Exception as exc:
-            raise LoadError(f"{what} spec {spec!r}: importing module {target!r} raised {exc!r}") from exc
+        except (Exception, *ENDS_PROCESS) as exc:
+            if not isinstance(exc, Exception) and not ended_by_code(exc):
+                raise  # a signal
+            raise LoadError(f"{what} spec {spec!r}: importing module {target!r} raised {exc!r} at "
+                            f"{raised_at(exc)}") from exc
     obj = module
     for part in qualname.split("."):
         try:

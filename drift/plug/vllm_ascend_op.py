@@ -83,11 +83,17 @@ class VllmAscendAdapter(LayerOpAdapter):
     def call_layer(self, args: VerifyArgs, layer: int, ctx) -> torch.Tensor:
         q, k, v, beta, pack, idx, lengths, accepted = ctx
         L, B, S, HV, V, K = args.dims
-        o = self.op(query=pack.flat(q[layer]), key=pack.flat(k[layer]), value=pack.flat(v[layer]),
+        query = pack.flat(q[layer])
+        o = self.op(query=query, key=pack.flat(k[layer]), value=pack.flat(v[layer]),
                     state=raw_state(args.recurrent_state)[layer], beta=pack.flat(beta[layer]),
                     scale=K ** -0.5, actual_seq_lengths=lengths, ssm_state_indices=idx, num_accepted_tokens=accepted,
                     g=pack.flat(args.g[layer].to(F32)), gk=None)
-        return pack.unflat(o).to(BF16)
+        self.check_output(o, (query.shape[0], HV, V), layer, exact=True)  # the op's own bf16 [T, HV, V], before any unpacking
+        return pack.unflat(o)
+
+
+OP_KEYWORDS = ("query", "key", "value", "state", "beta", "scale", "actual_seq_lengths", "ssm_state_indices",
+               "num_accepted_tokens", "g", "gk")
 
 
 def vllm_ascend_adapter(op: Callable, input_dtype: torch.dtype = BF16) -> VerifyKernel:

@@ -105,6 +105,12 @@ class StatePool:
                 return f"track slot of row {r}"
         return "spare slot"
 
+    @property
+    def unowned_slots(self) -> np.ndarray:
+        """int64 ``[U]``: the slots no row owns (slot 0, the dummy or NULL block, and the spare slots),
+        which neither the verify kernel nor the update may write."""
+        return np.concatenate([[0], self.spare_slots]).astype(np.int64)
+
     def bits(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Integer views of (temporal, conv) for bit-exact comparisons (NaN-safe)."""
         return as_bits(self.states), as_bits(self.conv)

@@ -17,7 +17,7 @@ from ..check.registry import CHECKS
 from ..check.result import CheckResult
 from ..config import Config
 from ..devices import resolve_device
-from ..errors import DriftError, UpdateRaised
+from ..errors import ENDS_PROCESS, DriftError, UpdateRaised, ended_by_code, what_raised
 from ..flows.base import Harness
 from ..flows.registry import state_flow
 from ..runspec import Resolved
@@ -194,9 +194,11 @@ def scan_update(run: Resolved, steps: int = 4, device: Optional[str] = "auto", s
                 det.run(upd, *call)
             except DriftError:  # drift could not run it (HarnessLacks): exit 2
                 raise
-            except Exception as exc:  # the code under test raised: a failed run, as in the simulation
-                raise UpdateRaised(f"the update under test ({upd.spec}) raised {exc!r} at decode step {s} "
-                                   f"(in the host-sync scan, {name} pass)") from exc
+            except (Exception, *ENDS_PROCESS) as exc:  # the code under test raised: a failed run, as in the simulation
+                if not isinstance(exc, Exception) and not ended_by_code(exc):
+                    raise  # a signal
+                raise UpdateRaised(f"the update under test ({upd.spec}) raised {what_raised(exc)} at decode step "
+                                   f"{s} (in the host-sync scan, {name} pass)") from exc
         passes[name] = det.report
     tracking = [bool(x) for x in (trk >= 0).any(1).tolist()]
     return UpdateScan(upd.name, chosen, tracking, cfg.num_padded, cfg.track_interval > 0, passes, len(more))

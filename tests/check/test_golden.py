@@ -250,7 +250,8 @@ def test_pytest_force_regen_option_regenerates_and_fails(tmp_path, monkeypatch):
     run = lambda *extra: subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                          str(test), *extra], cwd=tmp_path, env=env, capture_output=True, text=True)
     missing = run()
-    assert missing.returncode == 1 and "no golden data" in missing.stdout  # fails, never skips
+    # never skips: a golden directory without the data is drift run's exit 2, pytest's usage error (exit 4)
+    assert missing.returncode == 4 and "drift: error:" in missing.stdout and "DRIFT_GOLDEN_DIR" in missing.stdout
     regen = run("--drift-force-regen")
     assert regen.returncode == 1 and "regenerated" in regen.stdout
     assert len(list(d.glob("stagnation-seed0-*.npz"))) == 1
