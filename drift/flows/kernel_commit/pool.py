@@ -114,12 +114,12 @@ class ReplayHarness(Harness):
 def in_ring_order(t: torch.Tensor, slots: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     """A ring tensor ``[L, ring slots, h, RL, ...]`` read for rows in ``slots`` (int64 ``[B]``) in
     logical order: record c of row b is at position ``(base[b] + c) & (RL - 1)`` (the cursors'
-    circular addressing). Returns ``[L, B, h, RL, ...]`` in ``t``'s dtype (one gather, not a view of
-    ``t``; its strides are the gather's, permuted)."""
+    circular addressing). Returns ``[L, B, h, RL, ...]`` in ``t``'s dtype, dense (one gather and one
+    copy into that order, which the fold's matmuls read fastest)."""
     RL = t.shape[3]
     phys = (base.to(torch.int64)[:, None] + torch.arange(RL, device=base.device)) & (RL - 1)  # [B, RL]
     got = t[:, slots[:, None], :, phys]  # [B, RL, L, h, ...]: the indexed dimensions first
-    return got.permute(2, 0, 3, 1, *range(4, got.dim()))
+    return got.permute(2, 0, 3, 1, *range(4, got.dim())).contiguous()
 
 
 def over_value_heads(k: torch.Tensor, nv: int) -> torch.Tensor:

@@ -104,6 +104,8 @@ def compensated_fold(old, d, kh, kl, g, length):
     hi = upd.to(BF16).to(F32)
     lo = upd.sub_(hi).to(BF16).to(F32)
     hi_t, lo_t = hi.transpose(-1, -2), lo.transpose(-1, -2)  # [.., V, RL]
+    if upd.dim() > kh.dim():  # F folds: the keys once per fold, not once per product
+        kh, kl = (k.expand(upd.shape[0], *k.shape).contiguous() for k in (kh, kl))
     delta = torch.matmul(hi_t, kh).add_(0)  # 0 + the first product, as a sum from 0 (-0 becomes +0)
     part = torch.empty_like(delta)
     for u, k in ((lo_t, kh), (hi_t, kl), (lo_t, kl)):
