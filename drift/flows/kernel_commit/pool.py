@@ -114,12 +114,14 @@ class ReplayHarness(Harness):
 def in_ring_order(t: torch.Tensor, slots: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     """A ring tensor ``[L, ring slots, h, RL, ...]`` read for rows in ``slots`` (int64 ``[B]``) in
     logical order: record c of row b is at position ``(base[b] + c) & (RL - 1)`` (the cursors'
-    circular addressing). Returns ``[L, B, h, RL, ...]`` in ``t``'s dtype, dense (one gather and one
-    copy into that order, which the fold's matmuls read fastest)."""
+    circular addressing). Returns ``[L, B, h, RL, ...]`` in ``t``'s dtype (a gather, not a view)."""
     RL = t.shape[3]
     phys = (base.to(torch.int64)[:, None] + torch.arange(RL, device=base.device)) & (RL - 1)  # [B, RL]
-    got = t[:, slots[:, None], :, phys]  # [B, RL, L, h, ...]: the indexed dimensions first
-    return got.permute(2, 0, 3, 1, *range(4, got.dim())).contiguous()
+    rows = t.index_select(1, slots)
+    idx = phys[None, :, None, :].expand(rows.shape[0], -1, rows.shape[2], -1)
+    if rows.dim() == 5:
+        idx = idx[..., None].expand(*idx.shape, rows.shape[4])
+    return rows.gather(3, idx)
 
 
 def over_value_heads(k: torch.Tensor, nv: int) -> torch.Tensor:
@@ -129,17 +131,15 @@ def over_value_heads(k: torch.Tensor, nv: int) -> torch.Tensor:
 
 
 def decay_weights(g: torch.Tensor, length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For a row's first ``length`` records (int ``[B]``, or ``[F, B]`` for F lengths at once) of
-    log-decays ``g [L, B, HV, RL]``: the total ``G`` ``[(F,) L, B, HV, 1]`` and each record's weight
-    ``e^{G - G_c}`` (``G_c`` the inclusive prefix sum; 0 past ``length``) ``[(F,) L, B, HV, RL]``, in
-    fp32 (elementwise and a prefix sum along the records: the same values for each F)."""
+    """For a row's first ``length`` records (int ``[B]``) of log-decays ``g [L, B, HV, RL]``: the total
+    ``G`` ``[L, B, HV, 1]`` and each record's weight ``e^{G - G_c}`` (``G_c`` the inclusive prefix
+    sum; 0 past ``length``) ``[L, B, HV, RL]``, in fp32."""
     RL = g.shape[-1]
-    live = (torch.arange(RL, device=g.device) < length.to(torch.int64)[..., None])  # [(F,) B, RL]
-    live = live.unsqueeze(-2).unsqueeze(-4)  # [(F,) 1, B, 1, RL]
+    live = (torch.arange(RL, device=g.device)[None, :] < length.to(torch.int64)[:, None])[None, :, None, :]
     gm = torch.where(live, g, torch.zeros_like(g))
     prefix = torch.cumsum(gm, -1)
     total = prefix[..., -1:]
-    return total, torch.where(live, torch.exp(total - prefix), torch.zeros_like(gm))
+    return total, torch.where(live, torch.exp(total - prefix), torch.zeros_like(g))
 
 
 def gather_records(pool: ReplayPool, replay: torch.Tensor, base: torch.Tensor, nv: int):

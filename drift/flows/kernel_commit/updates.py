@@ -91,36 +91,21 @@ def _records(c: Commit):
 
 
 def compensated_fold(old, d, kh, kl, g, length):
-    """The compact commit's fold of a row's first ``length`` records onto ``old`` fp32
+    """The compact commit's fold of a row's first ``length [N]`` records onto ``old`` fp32
     ``[L, N, HV, V, K]`` (weights: :func:`drift.flows.kernel_commit.pool.decay_weights`): the decayed update split
     into bf16 high and low parts, the four products with the key's parts accumulated in fp32
-    (``tl.dot``: bf16 operands, fp32 accumulation), in the kernel's order (key high part with the
-    update's high, then low part; then the key's low part). ``length`` int ``[N]`` gives
-    ``[L, N, HV, V, K]``; ``[F, N]`` folds the same records F times at once (the checkpoint's and
-    the track slot's lengths), ``[F, L, N, HV, V, K]``: each product is one batched matmul
-    whatever F, and its matrices are those of F separate folds, so the same bits."""
+    (``tl.dot``: bf16 operands, fp32 accumulation)."""
     total, decay = decay_weights(g, length)
-    upd = d * decay[..., None]  # [(F,) L, N, HV, RL, V]
+    upd = d * decay[..., None]  # [L, N, HV, RL, V]
     hi = upd.to(BF16).to(F32)
-    lo = upd.sub_(hi).to(BF16).to(F32)
-    hi_t, lo_t = hi.transpose(-1, -2), lo.transpose(-1, -2)  # [.., V, RL]
-    if upd.dim() > kh.dim():  # F folds: the keys once per fold, not once per product
-        kh, kl = (k.expand(upd.shape[0], *k.shape).contiguous() for k in (kh, kl))
-    delta = torch.matmul(hi_t, kh).add_(0)  # 0 + the first product, as a sum from 0 (-0 becomes +0)
-    part = torch.empty_like(delta)
-    for u, k in ((lo_t, kh), (hi_t, kl), (lo_t, kl)):
-        delta.add_(torch.matmul(u, k, out=part))
-    return (old * torch.exp(total)[..., None]).add_(delta)
+    lo = (upd - hi).to(BF16).to(F32)
+    delta = sum(torch.einsum("lnhcv,lnhck->lnhvk", u, k) for k in (kh, kl) for u in (hi, lo))
+    return old * torch.exp(total)[..., None] + delta
 
 
 def fold_checkpoints(c: Commit, fold: Callable = compensated_fold) -> None:
     """``gdn_replayssm_compact_commit_kernel``: fold rows whose ``is_flush`` is set into their
-    checkpoint and tracked rows into their track slot; other slots keep their bits. Like the
-    kernel, every row reads its whole ring (``MAX_CACHE_LEN`` records from ``cache_base``) and
-    masks the records past its length (``o_t < n_history``, ``o_t < track_len``): a static shape,
-    whatever the cursors hold. The kernel skips a row that neither folds nor tracks on the device;
-    with static shapes both folds are computed for every row, in one pass (``fold`` with lengths
-    ``[2, N]``), and written where they apply."""
+    checkpoint and tracked rows into their track slot; other slots keep their bits."""
     ss, mp = c.h.spec_state, c.h.mamba_pool
     sidx, slot = c.h.state_batch_indices, c.h.req_pool_indices
     valid = sidx > NULL
@@ -131,13 +116,11 @@ def fold_checkpoints(c: Commit, fold: Callable = compensated_fold) -> None:
     old_raw = temporal.index_select(1, safe)
     old = old_raw.to(F32)
     d, kh, kl, g = _records(c)
-    if c.track is None:
-        new = fold(old, d, kh, kl, g, n_hist).to(temporal.dtype)
-    else:
+    new = fold(old, d, kh, kl, g, n_hist).to(temporal.dtype)
+    if c.track is not None:
         has = valid & (c.track > NULL) & (c.steps >= 0)
         tslot = torch.where(has, c.track, torch.zeros_like(c.track))
-        lengths = torch.stack((n_hist, torch.clamp(n_hist - c.accept + c.steps + 1, min=0)))  # [2, N]
-        new, tnew = fold(old, d, kh, kl, g, lengths).to(temporal.dtype)
+        tnew = fold(old, d, kh, kl, g, torch.clamp(n_hist - c.accept + c.steps + 1, min=0)).to(temporal.dtype)
         temporal.index_copy_(1, tslot, torch.where(has[None, :, None, None, None], tnew,
                                                    temporal.index_select(1, tslot)))
     temporal.index_copy_(1, safe, torch.where(active[None, :, None, None, None], new, old_raw))
