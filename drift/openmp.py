@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import contextmanager
 
 WAIT_POLICY = "PASSIVE"
 
@@ -35,3 +36,37 @@ def openmp_defaults(environ=os.environ, modules=sys.modules) -> str:
                 f"{environ['OMP_NUM_THREADS']} thread(s) as OMP_NUM_THREADS says")
     modules["torch"].set_num_threads(1)
     return f"OMP_WAIT_POLICY={WAIT_POLICY} for child processes; torch was imported before it: 1 intra-op thread"
+
+
+# A run whose committed states hold fewer elements than this takes one intra-op thread. Below it a
+# tensor op lasts about a millisecond or less on one core (ci-small: 163,840 elements), and waking a
+# passive OpenMP worker for it costs as much again (a whole scheduler slice where another job holds
+# the other core): a default ci-small run took 21.5 s on one thread against 41.7 s on two at load
+# 2.3-2.8, and 17.4 s of CPU against 22.1 s (2026-12-02, docs/speed.md). qwen3.5-397b-tp16's
+# 14.7 M elements keep torch's count (its ops are tens of milliseconds; drift bench picks two
+# threads there on a quiet box). Thread counts do not change the figures of a run of this size
+# (every report.json equal, docs/speed.md).
+SMALL_RUN_STATE_ELEMENTS = 1 << 20
+
+
+def state_elements(cfg) -> int:
+    """Elements of a run's committed states: layers x batch rows x value heads x V x K."""
+    return cfg.num_layers * cfg.num_rows * cfg.num_v_heads * cfg.head_v_dim * cfg.head_k_dim
+
+
+@contextmanager
+def run_threads(cfg, environ=os.environ):
+    """For the duration of one checked run of ``cfg`` (a :class:`drift.config.Config`): one torch
+    intra-op thread where the run is small (:data:`SMALL_RUN_STATE_ELEMENTS`), the count as it was
+    afterwards. A user's ``OMP_NUM_THREADS`` stands, and so does a larger run's count."""
+    import torch  # here, not at import: drift/__main__.py calls openmp_defaults before torch loads
+
+    before = torch.get_num_threads()
+    if "OMP_NUM_THREADS" in environ or state_elements(cfg) >= SMALL_RUN_STATE_ELEMENTS or before == 1:
+        yield before
+        return
+    torch.set_num_threads(1)
+    try:
+        yield 1
+    finally:
+        torch.set_num_threads(before)

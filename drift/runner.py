@@ -19,6 +19,7 @@ from .check.registry import CHECKS, RunContext
 from .check.result import CheckResult
 from .config import Config
 from .errors import ENDS_PROCESS, DriftError, LoadError, ended_by_code, raised_at
+from .openmp import run_threads
 from .runspec import Resolved
 from .sim.shim import kernels_in_use
 from .sim.twin import F64
@@ -209,15 +210,17 @@ def run_checked(run: Resolved, steps: Optional[int] = None, checks: Optional[Seq
     runs before the simulation (cheap, and a sync fails the run whatever else it finds).
     sync_first: when the scan finds a sync, report at once (the precision checks not run).
     fail_fast: stop the simulation at the end of the first chunk in which a check failed.
-    sync_sample: real steps of the run's horizon the scan re-checks beyond its representative ones."""
-    syncs = None
-    if sync_scan and run.mode == "mtp":
-        t0 = time.perf_counter()
-        syncs = sync_check(run, sample=sync_sample)
-        if syncs.failed and sync_first:
-            return sync_failed_report(run, syncs, time.perf_counter() - t0)
-    checked = CheckedRun(run, checks, golden, vs_sequential, start, env2_start, observers, fail_fast)
-    return checked.report(checked.run(steps, progress=progress), sync_scan, syncs)
+    sync_sample: real steps of the run's horizon the scan re-checks beyond its representative ones.
+    A small run takes one intra-op thread (drift/openmp.py: run_threads)."""
+    with run_threads(run.cfg):
+        syncs = None
+        if sync_scan and run.mode == "mtp":
+            t0 = time.perf_counter()
+            syncs = sync_check(run, sample=sync_sample)
+            if syncs.failed and sync_first:
+                return sync_failed_report(run, syncs, time.perf_counter() - t0)
+        checked = CheckedRun(run, checks, golden, vs_sequential, start, env2_start, observers, fail_fast)
+        return checked.report(checked.run(steps, progress=progress), sync_scan, syncs)
 
 
 def sync_failed_report(run: Resolved, syncs: CheckResult, wall_s: float) -> RunReport:

@@ -6,13 +6,13 @@
 from __future__ import annotations
 
 import abc
-from typing import Any, ClassVar, Mapping, Optional
+from typing import Any, Callable, ClassVar, Mapping, Optional
 
 import numpy as np
 import torch
 
 from ..config import Config
-from ..sim import kernels
+from ..sim import kernels, naive
 from ..sim.kernels import VerifyArgs, VerifyRule
 from ..sim.pool import STALE
 from .registry import FLOWS, updates_of
@@ -105,6 +105,23 @@ class FlowKind(abc.ABC):
         """The built-in updates written for this kind, its default first."""
         return updates_of(cls.name)
 
+    # drift bench's naive step (drift/jobs/bench.py): the kind's default update as per-request loops,
+    # ``naive_update(flow, last, track, steps)`` (None: the kind is not benchmarked), and what a step
+    # must move at the least in its state machinery (:meth:`bench_state_bytes`, described by STATE_BYTES).
+    naive_update: ClassVar[Optional[Callable]] = None
+    STATE_BYTES: ClassVar[str] = ""
+
+    def naive_conv(self, x: torch.Tensor, weight: torch.Tensor, drafts=None) -> torch.Tensor:
+        """:meth:`conv_verify` in loops (per layer, row, token and tap), moving the conv windows as it
+        does; mix_qkv float64 holding bf16 values ``[L, N, D, C]`` (drift bench's naive step)."""
+        raise NotImplementedError(f"flow kind {self.name!r} has no naive conv (drift bench does not time it)")
+
+    @classmethod
+    def bench_state_bytes(cls, cfg: Config) -> dict[str, int]:
+        """The fewest bytes of states (and records) one decode step of ``cfg`` must read and write,
+        by part (:data:`STATE_BYTES`); drift bench's bandwidth ratio counts them."""
+        raise NotImplementedError(f"flow kind {cls.name!r} has no bytes model (drift bench does not time it)")
+
     @staticmethod
     @abc.abstractmethod
     def naive(args: VerifyArgs, dtype: torch.dtype = F64, store=None) -> torch.Tensor:
@@ -171,6 +188,9 @@ class MambaPoolFlow(FlowKind):
 
     def conv_verify(self, x: torch.Tensor, weight: torch.Tensor, drafts=None) -> torch.Tensor:
         return kernels.conv_verify(self.pool.conv, self.pool.row_slots, x, weight)
+
+    def naive_conv(self, x: torch.Tensor, weight: torch.Tensor, drafts=None) -> torch.Tensor:
+        return naive.conv_verify(self.pool.conv, self.pool.row_slots.tolist(), x, weight)
 
     def load_start(self, stored: torch.Tensor, window: torch.Tensor) -> None:
         """Stored once in the state dtype, the conv window at the end of the buffer, the first D-1

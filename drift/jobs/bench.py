@@ -1,17 +1,18 @@
 """``drift bench``: simulated MTP decode steps per second and effective bandwidth.
 
-Two implementations of the same decode step are timed on one config:
+Two implementations of the same decode step are timed on one config, in its flow:
 
 * **vectorised**: :class:`drift.simulate.Simulation` as ``drift run`` drives it, minus the
   checks (no observers, ``check_untouched=False``): input stream -> conv verify ->
-  split/gating -> GDN verify of all layers -> the released update (``sglang-0.5.23``)
-  through drift's portable kernels.
-* **naive**: the same step as host loops built from :mod:`drift.sim.naive`, in the simulator's
-  dtypes (:func:`naive_step`).
+  split/gating -> GDN verify of all layers -> the flow kind's default update (e.g.
+  ``sglang-0.5.23``) through drift's portable kernels.
+* **naive**: the same step as host loops (:func:`naive_step`): the flow kind's conv, verify rule
+  and default update in loops (``drift/flows/<kind>/naive.py``), in the simulator's dtypes.
 
 Effective bandwidth is the minimal number of bytes a step must move
-(:func:`min_bytes_per_step`) times steps per second, divided by the bandwidth of a
-large tensor copy measured in the same run (bytes read + bytes written per second).
+(:func:`min_bytes_per_step`, the kind's state traffic plus the inputs and outputs) times steps per
+second, divided by the bandwidth of a large tensor copy measured in the same run (bytes read +
+bytes written per second).
 """
 
 from __future__ import annotations
@@ -26,18 +27,22 @@ import torch
 
 from ..config import Config
 from ..errors import ConfigError
-from ..flows.registry import UPDATES, flows_of
+from ..flows.registry import FLOW_KINDS, FLOWS
 from ..runspec import resolve
 from ..sim import kernels, naive, native
 from ..sim.stream import StepChunk
 from ..simulate import Simulation, StageClock
 
-UPDATE = "sglang-0.5.23"  # the update the vectorised simulator runs (and the naive loop mirrors)
+
+def _kind(flow: str):
+    return FLOW_KINDS[FLOWS[flow].kind]
 
 
 def benchmarked_flows() -> tuple[str, ...]:
-    """The flows drift bench times: those of :data:`UPDATE`'s kinds (its naive loop mirrors them)."""
-    return tuple(f for k in UPDATES[UPDATE].kinds for f in flows_of(k))
+    """The flows drift bench times: those whose kind has a naive step (``naive_update``) to time against."""
+    return tuple(f for f in FLOWS if _kind(f).naive_update is not None)
+
+
 COPY_BYTES = 256 << 20  # copy-bandwidth buffer: 8x the 32 MiB L3 of the reference machine
 COPY_REPEATS = 5
 WARMUP_STEPS = 2
@@ -47,42 +52,40 @@ STAGE_STEPS = 4  # steps per stage profile (the eager step, and drift run's chec
 # the medians over the repeats with them.
 TARGETS = {"bandwidth_ratio": 0.15, "speedup": 10.0}
 
-VECTORISED = ("drift.simulate.Simulation, no observers, check_untouched=False, update "
-              f"{UPDATE!r} through drift's portable kernels (on the CPU: GDN verify by drift.sim.native's "
-              "C kernel when it builds, row copies with host-read indices in the update kernels); "
+VECTORISED = ("drift.simulate.Simulation, no observers, check_untouched=False, the flow kind's default update "
+              "through drift's portable kernels (on the CPU: GDN verify by drift.sim.native's C kernel where "
+              "the kind's rule fits it, row copies with host-read indices in the update kernels); "
               "one timed block = Simulation.run(steps), input-stream generation included")
-NAIVE = ("drift.jobs.bench.naive_step: per layer, batch row (padded rows included, as in the "
-         "simulator), value head and verify token: drift.sim.naive.conv_verify (per token and tap, "
-         "float64 as the simulator's conv), naive.head_inputs and naive.gating / sigmoid (Python "
-         "floats), naive.gdn_token in float32 with the state stored to the state dtype after every "
-         "token; then the update as naive.move_intermediate_cache (commit and track) and "
-         "naive.conv_state_rollback loops per request and layer; one timed block = stream chunk of "
-         "1 step + naive_step")
-BYTES_MODEL = ("per active request and layer (padded rows and the rare tracking copies not "
-               "counted): read the committed state once, write D intermediate states, commit "
-               "copy (read 1 + write 1), all in the state dtype; read the D input tokens and the "
-               "Kc-1 committed conv rows and write Kc-1 new ones in the conv dtype; read gating "
-               "inputs a, b (float32) and write the D outputs (float32); plus per layer the conv "
-               "weights, A_log and dt_bias (float32) once")
+NAIVE = ("drift.jobs.bench.naive_step: the flow kind's conv in loops (per layer, row, token and tap, "
+         "float64 as the simulator's conv), the gating per element (Python floats), the kind's verify "
+         "rule in loops (drift/flows/<kind>/naive.py: per layer, batch row, value head and token, "
+         "float32, states stored as the kind stores them), then the kind's default update as "
+         "per-request loops (its naive.update); one timed block = stream chunk of 1 step + naive_step")
+COMMON_BYTES = ("read the D input tokens and the Kc-1 committed conv rows and write Kc-1 new ones in the "
+                "conv dtype; read gating inputs a, b (float32) and write the D outputs (float32); plus per "
+                "layer the conv weights, A_log and dt_bias (float32) once; padded rows and the rare "
+                "tracking copies not counted")
+
+
+def bytes_model(cfg: Config) -> str:
+    """What :func:`min_bytes_per_step` counts for ``cfg``'s flow: its kind's state traffic, then the rest."""
+    return f"{_kind(cfg.flow).STATE_BYTES}; {COMMON_BYTES}"
 
 
 def min_bytes_per_step(cfg: Config) -> dict[str, int]:
-    """The minimal bytes one decode step moves (:data:`BYTES_MODEL`), by part, plus ``total``."""
+    """The minimal bytes one decode step moves (:func:`bytes_model`), by part, plus ``total``."""
     R, L, D = cfg.num_requests, cfg.num_layers, cfg.num_draft_tokens
-    HV, K, V, C, Kc = cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim, cfg.conv_channels, cfg.conv_kernel
-    state = HV * K * V * cfg.torch_ssm_dtype.itemsize
+    HV, V, C, Kc = cfg.num_v_heads, cfg.head_v_dim, cfg.conv_channels, cfg.conv_kernel
     conv_b = cfg.torch_conv_dtype.itemsize
     f32 = 4
-    parts = {
-        "state_read": R * L * state,
-        "intermediates_write": R * L * D * state,
-        "commit_copy": R * L * 2 * state,
+    parts = dict(_kind(cfg.flow).bench_state_bytes(cfg))
+    parts.update({
         # The stream hands x over in bfloat16 (drift.sim.stream.StepChunk).
         "conv_inputs": R * L * (D * C * torch.bfloat16.itemsize + 2 * (Kc - 1) * C * conv_b),
         "gating_inputs": R * L * 2 * D * HV * f32,
         "outputs": R * L * D * HV * V * f32,
         "params": L * (C * Kc + 2 * HV) * f32,
-    }
+    })
     parts["total"] = sum(parts.values())
     return parts
 
@@ -108,47 +111,34 @@ def copy_bandwidth(device: torch.device, nbytes: int = COPY_BYTES, repeats: int 
 
 
 def naive_step(sim: Simulation, chunk: StepChunk, s: int) -> torch.Tensor:
-    """Step ``s`` of ``chunk`` on ``sim``'s pool as naive loops (:data:`NAIVE`).
+    """Step ``s`` of ``chunk`` on ``sim``'s pool as naive loops (:data:`NAIVE`), in ``sim``'s flow.
 
     Leaves the pool as the vectorised step would (committed, tracked and conv states, within
     float32 rounding of the verify arithmetic) but does not advance ``sim.step``. Returns
     float32 outputs ``[L, N, D, HV, V]``.
     """
-    cfg, pool, prm = sim.cfg, sim.pool, sim.params
-    L, N, D = cfg.num_layers, cfg.num_rows, cfg.num_draft_tokens
-    HK, K, HV, V = cfg.num_k_heads, cfg.head_k_dim, cfg.num_v_heads, cfg.head_v_dim
-    f32, scale = torch.float32, cfg.head_k_dim ** -0.5
-    slots = pool.row_slots.tolist()
-    mix = naive.conv_verify(pool.conv, slots, chunk.x[s], prm.conv_weight)  # [L, N, D, C]
-    a, b = chunk.a[s].tolist(), chunk.b[s].tolist()
-    A_log, dt_bias = prm.A_log.tolist(), prm.dt_bias.tolist()
-    ssm, inter = pool.states, pool.scratch
-    out = torch.empty(L, N, D, HV, V, dtype=f32, device=mix.device)
-    for l in range(L):
-        for n in range(N):
-            heads = [naive.head_inputs(mix[l, n, t], HK, K, HV, V, scale, f32) for t in range(D)]
-            for hd in range(HV):
-                h = ssm[l, slots[n], hd].to(f32)
-                for t in range(D):
-                    q, k, v = heads[t]
-                    g = float(torch.tensor(naive.gating(a[l][n][t][hd], A_log[l][hd], dt_bias[l][hd]), dtype=f32))
-                    h, o = naive.gdn_token(h, q[hd], k[hd], v[hd], math.exp(g), naive.sigmoid(b[l][n][t][hd]))
-                    out[l, n, t, hd] = o
-                    kernels.store_state(inter[l, n, t, hd], h, cfg.store_rounding, sim.step)
-    # The update UPDATE (its flow package in drift/flows), as per-request loops.
-    last, trk = chunk.last_steps[s], chunk.track_steps[s]
-    src = torch.arange(N, dtype=torch.int64, device=pool.device)
-    naive.move_intermediate_cache(pool.temporal, pool.intermediate_ssm, pool.row_slots, src, last)
+    cfg, flow, prm = sim.cfg, sim.flow, sim.params
+    L, N, D, HV = cfg.num_layers, cfg.num_rows, cfg.num_draft_tokens, cfg.num_v_heads
+    f32 = torch.float32
+    x, a_t, b_t, drafts = chunk.x[s], chunk.a[s], chunk.b[s], chunk.drafts[s]
+    mix = flow.naive_conv(x, prm.conv_weight, drafts)  # float64 holding bf16 values [L, N, D, C]
+    a, A_log, dt_bias = a_t.tolist(), prm.A_log.tolist(), prm.dt_bias.tolist()
+    g = torch.tensor([[[[naive.gating(a[l][n][t][hd], A_log[l][hd], dt_bias[l][hd]) for hd in range(HV)]
+                        for t in range(D)] for n in range(N)] for l in range(L)], dtype=f32, device=mix.device)
+    args = flow.verify_args(mix.to(torch.bfloat16), b_t.to(torch.bfloat16), g, cfg.store_rounding, sim.step,
+                            drafts, (a_t, prm.A_log, prm.dt_bias))
+
+    def store(h: torch.Tensor) -> torch.Tensor:  # as the kind's scratch holds a state
+        out = torch.empty(h.shape, dtype=sim.pool.intermediate_ssm.dtype, device=h.device)
+        kernels.store_state(out, h, cfg.store_rounding, sim.step)
+        return out
+
+    out = flow.naive(args, f32, store)
+    last = chunk.last_steps[s]
+    flow.after_verify(last)
     tracking = cfg.track_interval > 0
-    if tracking:
-        naive.move_intermediate_cache(pool.temporal, pool.intermediate_ssm, pool.row_track_slots, src, trk)
-        for n, (step, tslot) in enumerate(zip(trk.tolist(), pool.row_track_slots.tolist())):
-            if step >= 0:  # the verify-time window, before the working slot rolls back
-                for l in range(L):
-                    pool.conv[l, tslot] = pool.conv[l, slots[n]]
-    naive.conv_state_rollback(pool.conv, pool.row_slots, last, D)
-    if tracking:
-        naive.conv_state_rollback(pool.conv, pool.row_track_slots, trk, D)
+    flow.naive_update(flow, last, sim.pool.row_track_slots if tracking else None,
+                      chunk.track_steps[s] if tracking else None)
     return out
 
 
@@ -175,8 +165,8 @@ def bench(cfg: Config, layers: Optional[int] = None, steps: int = 20, naive_step
     ``progress(done, total, what)`` after each timed part (probe, block, naive step, profile).
     """
     if cfg.flow not in benchmarked_flows():
-        raise ConfigError(f"drift bench times the flows {UPDATE} runs in (its naive loop mirrors it); --flow "
-                          f"{cfg.flow} is not benchmarked yet: pass --flow {' or '.join(benchmarked_flows())}")
+        raise ConfigError(f"drift bench times the flows whose kind has a naive step to time against; --flow "
+                          f"{cfg.flow} has none yet: pass --flow {' or '.join(benchmarked_flows())}")
     for name, value in (("steps", steps), ("naive_steps", naive_steps), ("repeats", repeats),
                         ("copy_bytes", copy_bytes)):
         _positive(name, value)
@@ -188,10 +178,10 @@ def bench(cfg: Config, layers: Optional[int] = None, steps: int = 20, naive_step
     if layers is not None:
         _positive("layers", layers)
         cfg = cfg.replace(num_layers=layers)
-    sim = Simulation(resolve(cfg, UPDATE), observers=(), check_untouched=False, graph=False)
+    sim = Simulation(resolve(cfg), observers=(), check_untouched=False, graph=False)
     dev = sim.device
     # The captured step where the device has graphs (drift.sim.graph), timed in the same run.
-    captured = Simulation(resolve(cfg, UPDATE), observers=(), check_untouched=False, graph=True)
+    captured = Simulation(resolve(cfg), observers=(), check_untouched=False, graph=True)
     if captured._graph.api is None:
         captured = None
     start_threads = torch.get_num_threads()
@@ -249,6 +239,8 @@ def bench(cfg: Config, layers: Optional[int] = None, steps: int = 20, naive_step
         "eager: graph mode off (--no-graph)", f"{dev.type} has no device graph")
     return {
         "preset": cfg.name,
+        "flow": cfg.flow,
+        "update": sim.update.name,
         "layers": cfg.num_layers,
         "preset_layers": preset_layers,
         "device": str(dev),
@@ -290,7 +282,7 @@ def bench(cfg: Config, layers: Optional[int] = None, steps: int = 20, naive_step
         "stage_profile": profiles,
         "vectorised": VECTORISED,
         "naive": NAIVE,
-        "bytes_model": BYTES_MODEL,
+        "bytes_model": bytes_model(cfg),
     }
 
 
@@ -318,10 +310,10 @@ def stage_profile(cfg: Config, steps: int = STAGE_STEPS) -> dict:
     from ..runner import CheckedRun  # the checked step's assembly (drift run's)
 
     out = {}
-    sim = Simulation(resolve(cfg, UPDATE), observers=(), check_untouched=False, graph=False)
+    sim = Simulation(resolve(cfg), observers=(), check_untouched=False, graph=False)
     sim.run(steps=1)
     out["eager_step"] = _clocked(sim, steps, None)
-    checked = CheckedRun(resolve(cfg, UPDATE))
+    checked = CheckedRun(resolve(cfg))
     if checked.sim.graph_status.state != "eager":  # a replayed graph is one unit: nothing to split
         out["checked_step"] = {"note": f"not split: {checked.sim.graph_status.note}"}
         return out
@@ -403,7 +395,8 @@ def format_bench(res: dict) -> str:
     rng = lambda pair, f="{:.2f}": f"{f.format(pair[0])} .. {f.format(pair[1])}"  # noqa: E731
     v = res["verdict"]
     lines = [
-        f"drift bench: {res['preset']}, {res['layers']} of {res['preset_layers']} GDN layers, "
+        f"drift bench: {res['preset']}, flow {res['flow']} (update {res['update']}), {res['layers']} of "
+        f"{res['preset_layers']} GDN layers, "
         f"{res['ssm_dtype']} states, {res['device']}, {res['torch_threads']} threads (probe steps/s "
         f"by threads: {_by_threads(res, 'probe_steps_per_s_by_threads')}), "
         f"load avg {res['load_avg_1min']:.2f}",

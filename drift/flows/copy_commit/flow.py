@@ -27,7 +27,15 @@ class CopyCommitFlow(MambaPoolFlow):
     name = "copy-commit"
     RULE, POOL, HARNESS = NpuRule, StatePool, SGLangHarness
     SETTINGS = {"accept_counts": "pass the op the previous step's accept lengths (the npu-accepted flow), not ones"}
+    naive_update = staticmethod(naive.update)
     naive = staticmethod(naive.verify)
+    STATE_BYTES = ("per active request and layer: read the committed state once, write D intermediate "
+                   "states, the commit copy (read 1 + write 1), all in the state dtype")
+
+    @classmethod
+    def bench_state_bytes(cls, cfg) -> dict[str, int]:
+        state = cfg.num_requests * cfg.num_layers * cfg.num_v_heads * cfg.head_k_dim * cfg.head_v_dim * cfg.torch_ssm_dtype.itemsize
+        return {"state_read": state, "intermediates_write": cfg.num_draft_tokens * state, "commit_copy": 2 * state}
 
     def __init__(self, cfg, device: torch.device):
         super().__init__(cfg, device)

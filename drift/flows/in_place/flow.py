@@ -30,7 +30,19 @@ class InPlaceBlockFlow(FlowKind):
 
     name = "in-place"
     RULE, POOL, HARNESS = BlockRule, BlockPool, BlockHarness
+    naive_update = staticmethod(naive.update)
     naive = staticmethod(naive.verify)
+    STATE_BYTES = ("per active request and layer: read the start block's state once, write the state after "
+                   "each of the D tokens into its block (no commit copy: the accept count names the block), "
+                   "in the state dtype")
+
+    @classmethod
+    def bench_state_bytes(cls, cfg) -> dict[str, int]:
+        state = cfg.num_requests * cfg.num_layers * cfg.num_v_heads * cfg.head_k_dim * cfg.head_v_dim * cfg.torch_ssm_dtype.itemsize
+        return {"state_read": state, "blocks_write": cfg.num_draft_tokens * state}
+
+    def naive_conv(self, x: torch.Tensor, weight: torch.Tensor, drafts=None) -> torch.Tensor:
+        return naive.conv(self, x, weight, drafts)
 
     def __init__(self, cfg: Config, device: torch.device):
         super().__init__(cfg, device)

@@ -51,7 +51,18 @@ class KernelCommitFlow(MambaPoolFlow):
 
     name = "kernel-commit"
     RULE, POOL, HARNESS = RingRule, ReplayPool, ReplayHarness
+    naive_update = staticmethod(naive.update)
     naive = staticmethod(naive.verify)
+    STATE_BYTES = ("per active request and layer: read the checkpoint (the verify's start), write D records "
+                   "(delta and key, each a bf16 high and low part, and the fp32 log-decay), then the fold: "
+                   "read the D records and the checkpoint, write the checkpoint, in the state dtype")
+
+    @classmethod
+    def bench_state_bytes(cls, cfg) -> dict[str, int]:
+        rows, D = cfg.num_requests * cfg.num_layers, cfg.num_draft_tokens
+        state = rows * cfg.num_v_heads * cfg.head_k_dim * cfg.head_v_dim * cfg.torch_ssm_dtype.itemsize
+        record = rows * (2 * 2 * (cfg.num_v_heads * cfg.head_v_dim + cfg.num_k_heads * cfg.head_k_dim) + 4 * cfg.num_v_heads)
+        return {"checkpoint_read": state, "records_write": D * record, "fold": D * record + 2 * state}
 
     def __init__(self, cfg: Config, device: torch.device):
         super().__init__(cfg, device)

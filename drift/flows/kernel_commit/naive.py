@@ -78,3 +78,57 @@ def verify(args: VerifyArgs, dtype: torch.dtype = F64, store=None) -> torch.Tens
                     hi, lo = split_hi_lo(k[kh * group].to(F32))
                     pool.ring_k[l, ring[b], kh, p], pool.ring_k_lo[l, ring[b], kh, p] = hi, lo
     return out
+
+
+def update(flow, last: torch.Tensor, track, steps) -> None:
+    """The kind's built-in update (``sglang-0.5.23-replayssm``, drift/flows/kernel_commit/updates.py) as
+    per-row loops: advance each row's cursors by its accept length, fold a flushing row's records
+    into its checkpoint one at a time (:func:`fold`, float32, the high and low parts summed) and a
+    tracked row's first ``write_pos - n + step + 1`` into its track slot, restart a folded row's ring,
+    then the conv rollback (the tracked rows' verify-time window first). last / steps int64 ``[N]``;
+    track int64 ``[N]`` or None (tracking off): drift bench's naive step."""
+    pool, h = flow.pool, flow.harness
+    RL, D, group = pool.ring_len, flow.cfg.num_draft_tokens, flow.cfg.num_v_heads // flow.cfg.num_k_heads
+    temporal = raw_state(pool.temporal)
+    L, HV = temporal.shape[0], temporal.shape[2]
+    lasts = last.tolist()
+    rows = [(b, int(pool.state_indices[b]), int(pool.replay_indices[b]), max(lasts[b] + 1, 0)) for b in range(len(lasts))]
+    for b, slot, r, n in rows:  # advance
+        wp, base, flush = int(pool.write_pos[r]), int(pool.cache_base[r]), int(pool.is_flush[r]) != 0
+        new_wp = n if flush else wp + n
+        pool.cache_base[r] = (base + wp) & (RL - 1) if (n > 0 and flush) else base
+        pool.write_pos[r] = new_wp
+        pool.is_flush[r] = int(new_wp > 0 if h.fold_every_commit else new_wp + 2 * D > RL)
+    for b, slot, r, n in rows:  # fold
+        if slot < 0:
+            continue
+        wp, flush = int(pool.write_pos[r]), int(pool.is_flush[r]) != 0
+        tracked = track is not None and int(track[b]) >= 0 and int(steps[b]) >= 0
+        cs = [(int(pool.cache_base[r]) + c) & (RL - 1) for c in range(RL)]
+        for l in range(L):
+            for hd in range(HV):
+                old = temporal[l, slot, hd].to(F32)
+                d = pool.ring_d[l, r, hd].to(F32) + pool.ring_d_lo[l, r, hd].to(F32)
+                k = pool.ring_k[l, r, hd // group].to(F32) + pool.ring_k_lo[l, r, hd // group].to(F32)
+                g = pool.ring_g[l, r, hd]
+
+                def folded(count):
+                    keep = cs[:min(max(count, 0), RL)]
+                    return fold(old, d[keep], k[keep], g[keep]).to(temporal.dtype)
+                if tracked:
+                    temporal[l, int(track[b]), hd] = folded(wp - n + int(steps[b]) + 1)
+                if flush:
+                    temporal[l, slot, hd] = folded(wp)
+    for b, slot, r, n in rows:  # finish
+        if slot >= 0 and int(pool.is_flush[r]) != 0:
+            pool.cache_base[r] = (int(pool.cache_base[r]) + int(pool.write_pos[r])) & (RL - 1)
+            pool.write_pos[r] = 0
+            pool.is_flush[r] = 0
+    slots = [max(slot, 0) for _, slot, _, _ in rows]  # padded rows: the dummy, step -1 skips
+    if track is not None:
+        for b, tslot in enumerate(track.tolist()):
+            if int(steps[b]) >= 0:
+                pool.conv[:, tslot] = pool.conv[:, slots[b]].clone()
+    naive.conv_state_rollback(pool.conv, torch.tensor(slots), last, D)
+    if track is not None:
+        naive.conv_state_rollback(pool.conv, track, steps, D)

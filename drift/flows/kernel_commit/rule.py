@@ -6,11 +6,20 @@ from __future__ import annotations
 
 import torch
 
-from ...sim.kernels import Plan, VerifyArgs, VerifyRule
+from ...sim.kernels import Plan, VerifyArgs, VerifyRule, l2norm
 from ...sim.pool import STALE
 from .pool import ReplayPool, effective_states, put_records, split_hi_lo
 
 F32 = torch.float32
+
+
+def key_heads(args: VerifyArgs) -> torch.Tensor:
+    """The normalised key of each key head, fp32 ``[L, B, S, H, K]``: what :func:`drift.sim.kernels.op_inputs`
+    computes for k before repeating it over the value heads (the same operations, so the same
+    bits), without the op's other inputs."""
+    H, K = args.nk, args.dims[5]
+    x = args.mix_qkv.to(F32)
+    return l2norm(x[..., H * K: 2 * H * K].reshape(*x.shape[:-1], H, K))
 
 
 class RingRule(VerifyRule):
@@ -54,9 +63,8 @@ class RingRule(VerifyRule):
         store = plan.run[:, None] & (pos < RL)  # [B, S]
         phys = (pool.cache_base.index_select(0, replay).to(torch.int64)[:, None] + pos) & (RL - 1)
         rr = replay[:, None].expand(B, S)
-        _, k, _, _, _ = args.inputs(F32)  # [L, B, S, HV, K]
         d_hi, d_lo = split_hi_lo(deltas.to(F32))  # [L, B, S, HV, V]
-        k_hi, k_lo = split_hi_lo(k[:, :, :, :: HV // args.nk])  # [L, B, S, H, K]: one value head per key head
+        k_hi, k_lo = split_hi_lo(key_heads(args))  # [L, B, S, H, K]
         for ring, val in ((pool.ring_d, d_hi), (pool.ring_d_lo, d_lo), (pool.ring_k, k_hi), (pool.ring_k_lo, k_lo),
                           (pool.ring_g, args.g.to(F32))):
             put_records(ring, rr, phys, store, val)
