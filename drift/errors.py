@@ -99,13 +99,18 @@ _RAISE = dis.opmap["RAISE_VARARGS"]
 
 def ended_by_code(exc: BaseException) -> bool:
     """Whether ``exc`` is code under test (an update, a kernel, an extension) ending the process
-    rather than a signal: a ``SystemExit`` (``sys.exit``, ``exit()``), or a ``KeyboardInterrupt``
-    that code raised. Under drift's handler (:func:`interrupt`) a signal is one it recorded;
+    rather than a signal: a ``SystemExit`` (``sys.exit``, ``exit()``), any other ``BaseException``
+    that is not an ``Exception`` (``GeneratorExit``, a class of the code's own), or a
+    ``KeyboardInterrupt`` that code raised. Under drift's handler (:func:`interrupt`) a signal is one it recorded;
     elsewhere (pytest) a signal's KeyboardInterrupt lands on whatever instruction ran, code's on
     its ``raise`` statement."""
     if isinstance(exc, SystemExit):
         return True
-    if not isinstance(exc, KeyboardInterrupt) or _PENDING:
+    if isinstance(exc, Terminated) or isinstance(exc, Exception):
+        return False  # drift's own signal exception; an Exception does not end the process that way
+    if not isinstance(exc, KeyboardInterrupt):
+        return True  # GeneratorExit or a BaseException of the code's own: only code raises those
+    if _PENDING:
         return False
     if signal.getsignal(signal.SIGINT) is interrupt:
         return True  # drift's handler records every signal: this one is not
@@ -129,10 +134,12 @@ def raised_at(exc: BaseException) -> str:
 def what_raised(exc: BaseException) -> str:
     """``exc`` as a message says it: its repr, and for one that would end the process where it was
     raised (``SystemExit(0) (which would end the process; raised at f.py:3)``)."""
-    if not isinstance(exc, (SystemExit, KeyboardInterrupt)):
+    if isinstance(exc, Exception):
         return repr(exc)
     where = raised_at(exc)
     return f"{exc!r} (which would end the process{'; raised at ' + where if where else ''})"
 
 
-ENDS_PROCESS = (SystemExit, KeyboardInterrupt)  # what an ``except`` beside ``Exception`` catches for ended_by_code
+# What an ``except`` beside ``Exception`` catches for ended_by_code: every BaseException (SystemExit,
+# KeyboardInterrupt, GeneratorExit, a code's own); ended_by_code tells a signal's from code's.
+ENDS_PROCESS = (BaseException,)

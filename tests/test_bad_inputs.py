@@ -660,3 +660,34 @@ def test_an_interrupt_whose_exception_a_callback_swallowed_still_ends_the_comman
     monkeypatch.setattr(golden, "generate", real)
     assert main(["regen-golden", "--golden-dir", str(gdir), "--preset", "stagnation"]) == 0
     assert (gdir / "manifest.json").exists()
+
+
+BASE_EXCEPTIONS = '''
+class Odd(BaseException):
+    pass
+
+def raises_odd(self, last, track, steps):
+    raise Odd("not an Exception")
+
+def raises_generator_exit(self, last, track, steps):
+    raise GeneratorExit()
+
+def kernel_raises_odd(args):
+    raise Odd("from the kernel")
+'''
+
+
+@pytest.mark.parametrize("option, name, line", [("--update", "raises_odd", 6), ("--update", "raises_generator_exit", 9),
+                                                ("--kernel", "kernel_raises_odd", 12)])
+def test_any_base_exception_code_raises_fails_the_run_naming_its_line(tmp_path, capsys, option, name, line):
+    """Beside sys.exit and a raised KeyboardInterrupt (the battery in tests/test_front_ends.py): a
+    BaseException that is not an Exception, of the code's own or GeneratorExit, would end the
+    process as well; it fails the run (exit 1) at its line, never a traceback."""
+    from drift.cli import main
+
+    path = tmp_path / "base_exceptions.py"
+    path.write_text(BASE_EXCEPTIONS)
+    rc = main(["run", "--steps", "4", "--quiet", option, f"{path}:{name}"])
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    assert f"{path}:{line}" in err and "which would end the process" in err and "Traceback" not in err, err
