@@ -128,10 +128,12 @@ def run_env() -> dict:
 
 def sampled(run: DocRun, output: str) -> list[str]:
     """The lines of ``output`` the documents quote, with machine-specific parts taken out: the
-    directory drift is installed in (``/x/site-packages/drift/a.py`` reads ``drift/a.py``) and
-    pytest's timing."""
+    directory drift is installed in (``/x/site-packages/drift/a.py`` reads ``drift/a.py``), the
+    column padding that depends on it, and pytest's timing."""
     lines = [ln.rstrip() for ln in output.splitlines() if run.sample and re.search(run.sample, ln)]
-    return [re.sub(r"\s+in\s+[\d.]+s\b.*$", "", re.sub(r"(?<![\w.])/\S*?/(drift/)", r"\1", ln)) for ln in lines]
+    lines = [re.sub(r"\s+in\s+[\d.]+s\b.*$", "", re.sub(r"(?<![\w.])/\S*?/(drift/)", r"\1", ln)) for ln in lines]
+    # A table's padding follows its widest cell, a path as long as the checkout's: two spaces apart.
+    return [re.sub(r" {3,}", "  ", ln) for ln in lines]
 
 
 def measure(names=None) -> dict:

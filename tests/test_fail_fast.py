@@ -43,7 +43,7 @@ def test_fail_fast_stops_at_the_first_failing_chunk(capsys):
     # Committing one step back is order-one wrong from the first step: the run ends after its first
     # chunk (at most 256 steps, drift.sim.stream's chunk size), not at 2048.
     assert rc == EXIT_FAIL and 0 < steps <= 256, out
-    assert _rows(out)[title("run_completed")] == "FAIL" and "--fail-fast" in out
+    assert _rows(out)[title("run_completed")] == "FAIL" and "stopped early: fail-fast:" in out  # the stop names why, as under pytest -x
 
 
 def test_fail_fast_leaves_a_passing_run_whole(capsys):
