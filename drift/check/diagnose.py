@@ -259,6 +259,10 @@ def _cause(value: torch.Tensor, cand: dict, row: int, layer: int, head: int,
     options += [("step", row, t, after[row, t]) for t in range(after.shape[1]) if t != t_ok]
     options += [("slot", r, t, after[r, t]) for r in range(after.shape[0]) if r != row for t in range(after.shape[1])]
     options.append(("before", row, -1, cand["before"][layer, row, head]))
+    if not bool(torch.isfinite(run).all()):
+        bad = int((~torch.isfinite(run)).sum())
+        return "unexplained", (f"a non-finite value ({bad} of its {run.numel()} elements NaN or Inf), which no "
+                               "candidate holds: a read of a stale or unowned slot"), ()
     dist = [(_rel(run, c), kind, r, t) for kind, r, t, c in options]
     d_ok = dist[0][0]
     best = min(dist)

@@ -68,6 +68,9 @@ def summary_text(rep) -> str:
     body = table(CHECK_HEADER, check_rows(rep.checks))
     verdict = "PASS: every check passed" if rep.passed else "FAIL: " + ", ".join(
         c.name for c in rep.checks if c.failed)
+    diagnosis = rep.extra.get("diagnosis")
+    if diagnosis:
+        verdict += f"\ndiagnosis ({diagnosis.get('check', 'state')}): {diagnosis['text']}"
     return f"{head}\n\n{body}\n\n{verdict}"
 
 

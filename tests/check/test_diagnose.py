@@ -1,0 +1,65 @@
+"""The diagnosis of a precision failure (drift/check/diagnose.py): a failed run names the call that
+wrote its first out-of-bound committed state, that call's file and line, and the cause; a passing
+run has none. Negative controls are known-bad variants (drift/plug/mutants.py) whose bug is known:
+each must be named for what it is, in the copy-commit (sglang) and in-place (vllm) flows, and the
+kernel-commit (sglang-replayssm) flow. Short runs: 64 steps with fail-fast (a semantic bug fails at
+step 0, so the replay is one step)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drift.config import preset
+from drift.plug.mutants import SGLANG_0523
+from drift.runner import run_checked
+from drift.runspec import resolve
+
+
+def _diagnosis(flow="sglang", update=None, kernel=None, name="ci-small"):
+    run = resolve(preset(name).replace(flow=flow, steps=64), update, kernel)
+    rep = run_checked(run, sync_scan=False, fail_fast=True)
+    assert not rep.passed
+    return rep.extra["diagnosis"]
+
+
+@pytest.mark.parametrize("flow,update,at", [
+    ("sglang", "mutant:step_plus1", "mutants.py:87 in commit_next_step"),
+    ("sglang", "mutant:step_minus1", "mutants.py:91 in commit_previous_step"),
+    ("vllm", "mutant:vllm_start_plus1", "mutants.py"),
+    ("sglang-replayssm", "mutant:replay_no_bonus", "kernel_commit/updates.py"),
+])
+def test_wrong_step_is_the_update(flow, update, at):
+    d = _diagnosis(flow, update)
+    assert (d["cause"], d["call"]) == ("wrong step", "the update"), d["text"]
+    assert at in d["text"] and "the accept count says token" in d["text"], d["text"]
+
+
+@pytest.mark.parametrize("flow", ["sglang", "vllm"])
+def test_truncating_store_is_the_verify_kernel(flow):
+    d = _diagnosis(flow, kernel="mutant:truncate_store")
+    assert (d["cause"], d["call"]) == ("store rounding", "the verify kernel"), d["text"]
+    assert "one-sided" in d["text"] and d["at"].startswith("drift/sim/kernels.py:"), d
+    assert "_kernel_truncate" in d["text"], d["text"]
+
+
+def test_wrong_maths_in_the_kernel_is_the_kernel():
+    d = _diagnosis(kernel="mutant:heads_tiled", name="ci-heads")
+    assert (d["cause"], d["call"]) == ("unexplained", "the verify kernel"), d["text"]
+    assert "mutants.py:163 in _kernel_heads_tiled" in d["text"], d["text"]
+
+
+def _wrong_slot(b):
+    """Commit each row from the next row's scratch (a wrong-slot bug: the source rows rolled by one)."""
+    b.k.move_intermediate_cache(b.ssm, b.inter, b.dst, torch.roll(b.src, -1), b.last)
+
+
+def test_wrong_slot_is_the_update():
+    d = _diagnosis(update=SGLANG_0523.but(commit=_wrong_slot).build("wrong-slot", "rows rolled by one"))
+    assert (d["cause"], d["call"]) == ("wrong slot", "the update"), d["text"]
+    assert "it holds row " in d["text"] and "test_diagnose.py" in d["text"], d["text"]
+
+
+def test_a_passing_run_has_no_diagnosis():
+    rep = run_checked(resolve(preset("ci-small").replace(steps=64)), sync_scan=False, fail_fast=True)
+    assert rep.passed and "diagnosis" not in rep.extra and "diagnosis" not in rep.to_dict()
