@@ -35,6 +35,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from ..compat import TorchDispatchMode
 from ..runspec import Resolved
 from ..sim import kernels
 from ..sim.twin import F64, Float64Twin
@@ -80,10 +81,18 @@ class Write:
         return f"{self.call} at {self.stack[0] if self.stack else '<unknown>'} ({self.op}{outer})"
 
 
-if hasattr(torch.utils, "_python_dispatch"):
-    from torch.utils._python_dispatch import TorchDispatchMode
-else:  # pragma: no cover - torch without the dispatch API: boundary probes only
-    TorchDispatchMode = object
+class _NoDispatch:
+    """Stand-in for torch's dispatch mode where this torch lacks it (drift/compat.py): no op is seen,
+    so each call's changes are recorded at its boundary only (the call, not its line)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+_Mode = TorchDispatchMode if TorchDispatchMode is not None else _NoDispatch
 
 
 def _writes(func) -> bool:
@@ -91,7 +100,7 @@ def _writes(func) -> bool:
     return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
-class WriteRecorder(TorchDispatchMode):
+class WriteRecorder(_Mode):
     """Dispatch mode recording every write that changes one of ``probes`` (name -> a function
     returning the current values, any shape): after each op that writes an argument, each probe is
     read again and compared bit for bit. ``call`` says whose code runs (set by :meth:`calling`)."""

@@ -7,13 +7,23 @@ step 0, so the replay is one step)."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
 from drift.config import preset
-from drift.plug.mutants import SGLANG_0523
+from drift.cli import main
+from drift.errors import EXIT_FAIL
+from drift.plug.mutants import SGLANG_0523, _kernel_heads_tiled, accept_one_ahead, commit_next_step, commit_previous_step
 from drift.runner import run_checked
 from drift.runspec import resolve
+
+
+def _line(fn, text: str = "") -> int:
+    """The line of ``fn`` holding ``text`` (default: its last line): where the mutant writes."""
+    lines, first = inspect.getsourcelines(fn)
+    return first + next(i for i in range(len(lines) - 1, -1, -1) if text in lines[i])
 
 
 def _diagnosis(flow="sglang", update=None, kernel=None, name="ci-small"):
@@ -24,10 +34,10 @@ def _diagnosis(flow="sglang", update=None, kernel=None, name="ci-small"):
 
 
 @pytest.mark.parametrize("flow,update,at", [
-    ("sglang", "mutant:step_plus1", "mutants.py:87 in commit_next_step"),
-    ("sglang", "mutant:step_minus1", "mutants.py:91 in commit_previous_step"),
-    ("vllm", "mutant:vllm_start_plus1", "mutants.py"),
-    ("sglang-replayssm", "mutant:replay_no_bonus", "kernel_commit/updates.py"),
+    ("sglang", "mutant:step_plus1", f"mutants.py:{_line(commit_next_step)} in commit_next_step"),
+    ("sglang", "mutant:step_minus1", f"mutants.py:{_line(commit_previous_step)} in commit_previous_step"),
+    ("vllm", "mutant:vllm_start_plus1", f"mutants.py:{_line(accept_one_ahead, '.copy_(')} in accept_one_ahead"),
+    ("sglang-replayssm", "mutant:replay_no_bonus", "kernel_commit/updates.py:"),
 ])
 def test_wrong_step_is_the_update(flow, update, at):
     d = _diagnosis(flow, update)
@@ -46,7 +56,7 @@ def test_truncating_store_is_the_verify_kernel(flow):
 def test_wrong_maths_in_the_kernel_is_the_kernel():
     d = _diagnosis(kernel="mutant:heads_tiled", name="ci-heads")
     assert (d["cause"], d["call"]) == ("unexplained", "the verify kernel"), d["text"]
-    assert "mutants.py:163 in _kernel_heads_tiled" in d["text"], d["text"]
+    assert f"mutants.py:{_line(_kernel_heads_tiled, "return")} in _kernel_heads_tiled" in d["text"], d["text"]
 
 
 def _wrong_slot(b):
@@ -63,3 +73,16 @@ def test_wrong_slot_is_the_update():
 def test_a_passing_run_has_no_diagnosis():
     rep = run_checked(resolve(preset("ci-small").replace(steps=64)), sync_scan=False, fail_fast=True)
     assert rep.passed and "diagnosis" not in rep.extra and "diagnosis" not in rep.to_dict()
+
+
+def test_the_failure_says_it_in_drift_run_and_in_the_gate(capsys, tmp_path):
+    rc = main(["run", "--update", "mutant:step_plus1", "--steps", "64", "--quiet", "--fail-fast",
+               "--report", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == EXIT_FAIL and "diagnosis (committed_state): step 0" in out and "the wrong step" in out, out
+    assert "in commit_next_step" in (tmp_path / "report.json").read_text()
+    from drift.test_gate import _failures
+
+    rep = run_checked(resolve(preset("ci-small").replace(steps=64), "mutant:step_plus1"), sync_scan=False,
+                      fail_fast=True)
+    assert "\ndiagnosis: step 0" in _failures(rep) and "in commit_next_step" in _failures(rep)
