@@ -56,7 +56,7 @@ def test_truncating_store_is_the_verify_kernel(flow):
 def test_wrong_maths_in_the_kernel_is_the_kernel():
     d = _diagnosis(kernel="mutant:heads_tiled", name="ci-heads")
     assert (d["cause"], d["call"]) == ("unexplained", "the verify kernel"), d["text"]
-    assert f"mutants.py:{_line(_kernel_heads_tiled, "return")} in _kernel_heads_tiled" in d["text"], d["text"]
+    assert f"mutants.py:{_line(_kernel_heads_tiled, 'return')} in _kernel_heads_tiled" in d["text"], d["text"]
 
 
 def _wrong_slot(b):
