@@ -7,7 +7,7 @@ is counter-based and every kernel deterministic, so it reproduces the run bit fo
 resume relies on the same). It runs eagerly to the failing step, chunked as the run was, with a
 float64 twin beside it; during that one step a dispatch mode (:class:`WriteRecorder`) reads the
 element's committed state -- ``flow.committed_states()[layer, row, head]``, whatever the flow kind
-keeps it in -- after every torch op that writes (an in-place or ``out=`` op), and the verify scratch
+keeps it in -- after every torch op that writes (an op whose schema marks an argument written: ``x.copy_``, ``out=``), and the verify scratch
 where the pool has one, and keeps each op that changed it with the code-under-test frames that
 issued it (drift.syncs.detector.code_frames, the sync detector's attribution). Code the dispatcher
 does not see (the native C kernel, a compiled one) is caught at the call's boundary.
@@ -36,11 +36,11 @@ import numpy as np
 import torch
 
 from ..compat import TorchDispatchMode
+from ..errors import code_frames, display_path
 from ..runspec import Resolved
 from ..sim import kernels
 from ..sim.twin import F64, Float64Twin
 from ..simulate import ResumePoint, Simulation, StopRun
-from ..syncs.detector import _is_internal, code_frames, display_path
 from .checks import SEMANTIC_TOL
 
 STATE_CHECKS = ("committed_state", "drift_bound")  # the checks whose first failure is a committed state
@@ -48,13 +48,17 @@ _AT = re.compile(r"step (\d+), layer (\d+), row (\d+), head (\d+)")
 # the replay's own frames and drift's calling wrappers (the simulation loop, the update's loader)
 _HARNESS_FILES = tuple(os.path.normcase(os.path.abspath(sys.modules[m].__file__))
                        for m in (__name__, Simulation.__module__, "drift.plug.loader"))
+_TORCH = os.path.dirname(torch.__file__) + os.sep
 _NATIVE_SOURCE = os.path.join(os.path.dirname(kernels.__file__), "_native", "gdn_verify.c")
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _internal(filename: str) -> bool:
-    """torch's frames, the detector's, and the replay's own (this module, the simulation loop)."""
-    return _is_internal(filename) or os.path.normcase(os.path.abspath(filename)) in _HARNESS_FILES
+    """torch's (and torch_npu's) frames, and the replay's own (this module, the simulation loop, the loader)."""
+    npu = sys.modules.get("torch_npu")
+    if filename.startswith(_TORCH) or (npu is not None and filename.startswith(os.path.dirname(npu.__file__) + os.sep)):
+        return True
+    return os.path.normcase(os.path.abspath(filename)) in _HARNESS_FILES
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -131,7 +135,7 @@ class WriteRecorder(_Mode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if self.call and _writes(func):
-            frames = code_frames(sys._getframe(1), self.boundary, 8, _internal)
+            frames = code_frames(sys._getframe(1), _internal, self.boundary)
             self._check(str(func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else func),
                         tuple(f"{display_path(p)}:{n} in {c}" for p, n, c in frames))
         return out

@@ -69,6 +69,7 @@ from torch.overrides import TorchFunctionMode
 from ..compat import (DISPATCH_DETECTOR, MISSING_PRIVATE, TorchDispatchMode, disabled_torch_function_impl,
                       make_wrapper_subclass, tree_flatten, tree_map)
 from ..devices import npu_available
+from ..errors import code_frames, display_path
 
 
 VIRTUAL_DEVICE = torch.device("meta")
@@ -556,32 +557,6 @@ def _is_internal(filename: str) -> bool:
     return npu is not None and filename.startswith(os.path.dirname(npu.__file__) + os.sep)
 
 
-def code_frames(start: Optional[types.FrameType], boundary: Optional[types.FrameType] = None, limit: int = 8,
-                internal: Callable[[str], bool] = _is_internal) -> list[tuple[str, int, str]]:
-    """The frames of the code under test from ``start`` outwards, innermost first, as ``(file, line,
-    function)``: torch's own and this detector's skipped (``internal`` says which), at most ``limit``,
-    stopping at ``boundary`` (the frame that made the call). The sync detector names a sync by
-    them, and the precision diagnosis (drift/check/diagnose.py) a write."""
-    f, out = start, []
-    while f is not None and len(out) < limit:
-        fn = f.f_code.co_filename
-        if not internal(fn):
-            out.append((fn, f.f_lineno, f.f_code.co_name))
-        if f is boundary:
-            break
-        f = f.f_back
-    return out
-
-
-def display_path(filename: str) -> str:
-    """``filename`` relative to the working directory when inside it, else as given."""
-    try:
-        rel = os.path.relpath(filename)
-    except ValueError:  # another drive (Windows)
-        return filename
-    return filename if rel.startswith(os.pardir) else rel
-
-
 @dataclass(frozen=True)
 class SyncEvent:
     """One host-device synchronisation.
@@ -856,7 +831,8 @@ class SyncDetector:
 
     # ------------------------------------------------------------- recording
     def _stack(self, start: Optional[types.FrameType] = None) -> list[tuple[str, int, str]]:
-        return code_frames(start if start is not None else sys._getframe(1), self._boundary, self.stack_limit)
+        return code_frames(start if start is not None else sys._getframe(1), _is_internal, self._boundary,
+                           self.stack_limit)
 
     def _event(self, op: str, api: str, reason: str, frames: list[tuple[str, int, str]],
                seen_by: tuple[str, ...]) -> SyncEvent:
