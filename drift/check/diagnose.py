@@ -319,9 +319,11 @@ def diagnose(run: Resolved, check: str, step: int, layer: int, row: int, head: i
         sim._verify = rec.calling("the verify kernel", verify, kernel_where)
         sim.update = _Labelled(update, rec.calling("the update", update, lambda: (f"{update.spec} (native code)",)))
         rec.__enter__()
+        holder["armed"] = True
 
     def disarm():
-        holder["rec"].__exit__(None, None, None)
+        if holder.pop("armed", False):
+            holder["rec"].__exit__(None, None, None)
         sim._verify, sim.update = verify, update
 
     verify, update = sim._verify, sim.update
@@ -333,7 +335,10 @@ def diagnose(run: Resolved, check: str, step: int, layer: int, row: int, head: i
 
     replay = _Replay(step, arm, disarm)
     sim.observers = [replay]
-    sim.run(total if total is not None else run.cfg.steps)
+    try:
+        sim.run(total if total is not None else run.cfg.steps)
+    finally:
+        disarm()  # a replay that raised mid-step leaves no dispatch mode behind
     if replay.candidates is None or "rec" not in holder:
         return None
     rec = holder["rec"]

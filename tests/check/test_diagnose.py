@@ -86,3 +86,20 @@ def test_the_failure_says_it_in_drift_run_and_in_the_gate(capsys, tmp_path):
     rep = run_checked(resolve(preset("ci-small").replace(steps=64), "mutant:step_plus1"), sync_scan=False,
                       fail_fast=True)
     assert "\ndiagnosis: step 0" in _failures(rep) and "in commit_next_step" in _failures(rep)
+
+
+def test_a_replay_that_raises_says_so_and_leaves_the_verdict(monkeypatch):
+    import drift.check.diagnose as diagnose
+    from drift.compat import TorchDispatchMode
+
+    def broken(sim):  # the replay's step raises while the recorder is armed
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(diagnose._Replay, "on_step", lambda self, view: broken(self))
+    run = resolve(preset("ci-small").replace(steps=64), "mutant:step_plus1")
+    rep = run_checked(run, sync_scan=False, fail_fast=True)
+    assert not rep.passed and rep.extra["diagnosis"]["text"].startswith("no diagnosis: the replay raised RuntimeError")
+    if TorchDispatchMode is not None:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+        assert _get_current_dispatch_mode() is None  # no recorder left on the mode stack
