@@ -10,7 +10,10 @@ that reads something drift's harness does not provide). Every
 from __future__ import annotations
 
 import dis
+import os
 import signal
+import types
+from typing import Callable, Optional
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
@@ -129,6 +132,32 @@ def raised_at(exc: BaseException) -> str:
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     return f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else ""
+
+
+def code_frames(start: Optional[types.FrameType], internal: Callable[[str], bool],
+                boundary: Optional[types.FrameType] = None, limit: int = 8) -> list[tuple[str, int, str]]:
+    """The frames of the code under test from ``start`` outwards, innermost first, as ``(file, line,
+    function)``: those whose file ``internal`` names skipped (torch's, the caller's own), at most
+    ``limit``, stopping at ``boundary`` (the frame that made the call). The sync detector names a
+    sync by them (drift/syncs/detector.py), the precision diagnosis a write (drift/check/diagnose.py)."""
+    f, out = start, []
+    while f is not None and len(out) < limit:
+        fn = f.f_code.co_filename
+        if not internal(fn):
+            out.append((fn, f.f_lineno, f.f_code.co_name))
+        if f is boundary:
+            break
+        f = f.f_back
+    return out
+
+
+def display_path(filename: str) -> str:
+    """``filename`` relative to the working directory when inside it, else as given."""
+    try:
+        rel = os.path.relpath(filename)
+    except ValueError:  # another drive (Windows)
+        return filename
+    return filename if rel.startswith(os.pardir) else rel
 
 
 def what_raised(exc: BaseException) -> str:

@@ -18,7 +18,7 @@ from .check.compare import Comparison
 from .check.registry import CHECKS, RunContext
 from .check.result import CheckResult
 from .config import Config
-from .errors import ENDS_PROCESS, DriftError, LoadError, ended_by_code, raised_at
+from .errors import ENDS_PROCESS, DriftError, LoadError, ended_by_code, raised_at, what_raised
 from .openmp import run_threads
 from .runspec import Resolved
 from .sim.shim import kernels_in_use
@@ -204,14 +204,16 @@ def run_checked(run: Resolved, steps: Optional[int] = None, checks: Optional[Seq
                 progress: Optional[Callable[[int, int], None]] = None, golden=None, vs_sequential: bool = False,
                 start: Optional[ResumePoint] = None, env2_start: Optional[np.ndarray] = None,
                 observers: Sequence = (), sync_scan: bool = True, sync_first: bool = False,
-                fail_fast: bool = False, sync_sample: int = 0) -> RunReport:
+                fail_fast: bool = False, sync_sample: int = 0, diagnose: bool = True) -> RunReport:
     """Run the resolved ``run`` under every check (see :class:`CheckedRun`) and report.
     sync_scan: also run the update on the virtual accelerator and fail on any host sync; the scan
     runs before the simulation (cheap, and a sync fails the run whatever else it finds).
     sync_first: when the scan finds a sync, report at once (the precision checks not run).
     fail_fast: stop the simulation at the end of the first chunk in which a check failed.
     sync_sample: real steps of the run's horizon the scan re-checks beyond its representative ones.
-    A small run takes one intra-op thread (drift/openmp.py: run_threads)."""
+    diagnose: when a state check failed, replay to its first out-of-bound state and name what wrote
+    it (report ``extra["diagnosis"]``, :func:`diagnose_report`); the catalogues that only count
+    verdicts turn it off. A small run takes one intra-op thread (drift/openmp.py: run_threads)."""
     with run_threads(run.cfg):
         syncs = None
         if sync_scan and run.mode == "mtp":
@@ -220,7 +222,30 @@ def run_checked(run: Resolved, steps: Optional[int] = None, checks: Optional[Seq
             if syncs.failed and sync_first:
                 return sync_failed_report(run, syncs, time.perf_counter() - t0)
         checked = CheckedRun(run, checks, golden, vs_sequential, start, env2_start, observers, fail_fast)
-        return checked.report(checked.run(steps, progress=progress), sync_scan, syncs)
+        rep = checked.report(checked.run(steps, progress=progress), sync_scan, syncs)
+        if diagnose and not rep.passed:
+            diagnosis = diagnose_report(run, checked, steps, start)
+            if diagnosis is not None:
+                rep.extra["diagnosis"] = diagnosis
+        return rep
+
+
+def diagnose_report(run: Resolved, checked: CheckedRun, steps: Optional[int] = None,
+                    start: Optional[ResumePoint] = None) -> Optional[dict]:
+    """The diagnosis of a failed run's first out-of-bound committed state (drift/check/diagnose.py),
+    as report.json's ``diagnosis``; None when no state check failed. A diagnosis that cannot be made
+    says why; it never changes the verdict."""
+    from .check.diagnose import diagnose_failure, first_state_failure
+
+    if run.mode != "mtp" or first_state_failure(checked.ctx.checks) is None:
+        return None
+    try:
+        found = diagnose_failure(run, checked.ctx.checks, steps if steps is not None else run.cfg.steps, start)
+    except DriftError:
+        raise
+    except Exception as exc:  # the verdict stands; the diagnosis says it could not be made
+        return {"text": f"no diagnosis: the replay raised {what_raised(exc)}"}
+    return found.to_dict() if found is not None else None
 
 
 def sync_failed_report(run: Resolved, syncs: CheckResult, wall_s: float) -> RunReport:

@@ -17,7 +17,9 @@ from drift.syncs.scan import RUN_SAMPLE, sync_check
 
 
 def _failures(rep) -> str:
-    return "; ".join(f"{c.name}: {c.detail} ({c.where})" for c in rep.checks if c.failed) or "none"
+    text = "; ".join(f"{c.name}: {c.detail} ({c.where})" for c in rep.checks if c.failed) or "none"
+    diagnosis = rep.extra.get("diagnosis")
+    return f"{text}\ndiagnosis: {diagnosis['text']}" if diagnosis else text
 
 
 # First (pytest runs a module's tests in order; with -x a sync stops the gate in seconds): the

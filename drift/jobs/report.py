@@ -68,6 +68,9 @@ def summary_text(rep) -> str:
     body = table(CHECK_HEADER, check_rows(rep.checks))
     verdict = "PASS: every check passed" if rep.passed else "FAIL: " + ", ".join(
         c.name for c in rep.checks if c.failed)
+    diagnosis = rep.extra.get("diagnosis")
+    if diagnosis:  # above the verdict, which stays the last line
+        verdict = f"diagnosis ({diagnosis.get('check', 'state')}): {diagnosis['text']}\n{verdict}"
     return f"{head}\n\n{body}\n\n{verdict}"
 
 

@@ -53,7 +53,8 @@ def run_spec(cfg: Config, update: Optional[str] = None, kernel: Optional[str] = 
     profile = overrides.pop("profile", None)
     if profile:
         cfg = cfg.with_profile(profile)
-    return run_checked(resolve(cfg.replace(**overrides) if overrides else cfg, update, kernel, choose_flow=True))
+    return run_checked(resolve(cfg.replace(**overrides) if overrides else cfg, update, kernel, choose_flow=True),
+                       diagnose=False)  # the catalogue counts verdicts: no diagnosis replay
 
 
 def evaluate_mutant(name: str, cfg: Config) -> dict:
@@ -102,7 +103,7 @@ def tradeoff(cfg: Config, impls: Optional[Sequence[str]] = None, unpadded_guard:
         key = (label, FLOWS[flow].kind)
         if key not in costs:  # the same in every flow of one kind
             costs[key] = measure([resolve(c, impl)], [c.num_requests])[0]
-        rep = run_checked(resolve(c, impl))
+        rep = run_checked(resolve(c, impl), diagnose=False)
         if progress is not None:
             progress(len(rows) + 1, len(plan), f"{label}, {flow} flow")
         failed, ratio, syncs = _verdicts(rep)

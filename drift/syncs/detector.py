@@ -69,6 +69,7 @@ from torch.overrides import TorchFunctionMode
 from ..compat import (DISPATCH_DETECTOR, MISSING_PRIVATE, TorchDispatchMode, disabled_torch_function_impl,
                       make_wrapper_subclass, tree_flatten, tree_map)
 from ..devices import npu_available
+from ..errors import code_frames, display_path
 
 
 VIRTUAL_DEVICE = torch.device("meta")
@@ -556,15 +557,6 @@ def _is_internal(filename: str) -> bool:
     return npu is not None and filename.startswith(os.path.dirname(npu.__file__) + os.sep)
 
 
-def display_path(filename: str) -> str:
-    """``filename`` relative to the working directory when inside it, else as given."""
-    try:
-        rel = os.path.relpath(filename)
-    except ValueError:  # another drive (Windows)
-        return filename
-    return filename if rel.startswith(os.pardir) else rel
-
-
 @dataclass(frozen=True)
 class SyncEvent:
     """One host-device synchronisation.
@@ -839,16 +831,8 @@ class SyncDetector:
 
     # ------------------------------------------------------------- recording
     def _stack(self, start: Optional[types.FrameType] = None) -> list[tuple[str, int, str]]:
-        f = start if start is not None else sys._getframe(1)
-        out: list[tuple[str, int, str]] = []
-        while f is not None and len(out) < self.stack_limit:
-            fn = f.f_code.co_filename
-            if not _is_internal(fn):
-                out.append((fn, f.f_lineno, f.f_code.co_name))
-            if f is self._boundary:
-                break
-            f = f.f_back
-        return out
+        return code_frames(start if start is not None else sys._getframe(1), _is_internal, self._boundary,
+                           self.stack_limit)
 
     def _event(self, op: str, api: str, reason: str, frames: list[tuple[str, int, str]],
                seen_by: tuple[str, ...]) -> SyncEvent:
