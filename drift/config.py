@@ -24,6 +24,7 @@ import torch
 from .dtypes import STORE_DTYPES
 from .errors import ConfigError
 from .layouts import LAYOUTS, Layout
+from .lifecycles import LIFECYCLES, Lifecycle
 from .registry import Registry
 
 ROUNDINGS = ("rne", "stochastic", "truncate")
@@ -127,6 +128,11 @@ class Config:
     store_rounding: str = "rne"  # how fp32 states are stored into ssm_dtype
     flow: str = "sglang"  # how the engine keeps MTP state: an entry of drift.flows.registry.FLOWS (checked there)
     graph_mode: bool = True  # the verify op's metadata as SGLang's graph mode builds it (else eager)
+    # How requests come and go between steps: an entry of drift.lifecycles.LIFECYCLES ("fixed": one
+    # request per lane in fixed rows and slots; "serving": churn, prefix hits, preemption, reordering,
+    # graph buckets). Config's default is the fixed batch; drift run, the gate and the nightly default
+    # to serving (drift.lifecycles.DEFAULT_LIFECYCLE).
+    lifecycle: str = "fixed"
     device: str = "cpu"
     description: str = ""
     # Replay of a captured trace (drift.sim.tracefile) instead of the synthetic stream: its path
@@ -143,8 +149,17 @@ class Config:
 
     # ----------------------------------------------------------------- derived
     @property
+    def serving(self) -> Lifecycle:
+        """The lifecycle entry (drift.lifecycles)."""
+        return LIFECYCLES[self.lifecycle]
+
+    @property
     def num_rows(self) -> int:
-        """Batch rows passed to the update: active plus padded."""
+        """The most batch rows passed to the kernel and the update in one step: active plus padded
+        (fixed lifecycle); under churn the graph bucket that holds every lane (the batch of a step is
+        the bucket of its running requests, at most this)."""
+        if self.serving.churn:
+            return self.serving.bucket(self.num_requests)
         return self.num_requests + self.num_padded
 
     @property
@@ -158,8 +173,9 @@ class Config:
 
     @property
     def num_slots(self) -> int:
-        """Pool slots: dummy slot 0, one per request, one track slot per request, spares."""
-        return 1 + 2 * self.num_requests + self.spare_slots
+        """Pool slots: dummy slot 0, one per request, one track slot per request, spares; under churn
+        also the slots the prefix cache keeps (the last finished requests' snapshots)."""
+        return 1 + 2 * self.num_requests + self.spare_slots + (self.serving.prefix_cache if self.serving.churn else 0)
 
     @property
     def torch_ssm_dtype(self) -> torch.dtype:
@@ -258,6 +274,8 @@ class Config:
         )
         if self.trace:  # the trace's content, never its path: golden data of one trace serves no other
             keys += ("trace_sha256",)
+        if self.serving.churn:  # which requests exist, their prompts and shared prefixes (the fixed batch: none)
+            keys += ("lifecycle", "num_draft_tokens", "acceptance", "pattern", "drafts", "track_interval")
         payload = json.dumps({k: self.to_dict()[k] for k in keys}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
@@ -294,8 +312,12 @@ def _validate(cfg: Config) -> None:
                           f"allowed: 0 (full rank) .. {cfg.head_k_dim}")
     for name, allowed in (("ssm_dtype", STORE_DTYPES.names()), ("conv_dtype", STORE_DTYPES.names()),
                           ("store_rounding", ROUNDINGS), ("layout", LAYOUTS.names()),
-                          ("pattern", PATTERNS), ("drafts", DRAFTS), ("device", DEVICES)):
+                          ("pattern", PATTERNS), ("drafts", DRAFTS), ("device", DEVICES),
+                          ("lifecycle", LIFECYCLES.names())):
         _choice(cfg, name, allowed)
+    if cfg.serving.churn and cfg.trace:
+        raise ConfigError(f"lifecycle={cfg.lifecycle!r} with a trace: a trace records one sequence per request and "
+                          "no requests that arrive later; allowed with a trace: lifecycle='fixed'")
     if cfg.drafts == "ragged" and cfg.trace:
         raise ConfigError("drafts='ragged' with a trace: a trace replays the accept lengths it recorded; "
                           "allowed with a trace: drafts='full'")

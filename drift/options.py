@@ -14,6 +14,7 @@ command (``--update``), ``"drift-"`` for pytest (``--drift-update``) -- pytest-b
   --update SPEC   the update under test     --kernel SPEC  the verify kernel under test
   --trace FILE    replay a captured trace   --loop         wrap positions past the trace's end
   --flow F        state flow (FLOWS)        --no-graph     eager steps (no capture)
+  --lifecycle L   how requests come and go (LIFECYCLES: serving, or fixed)
 
 Values are checked by the type functions below, so a bad one is a usage error (exit 2) before
 any work starts.
@@ -27,6 +28,7 @@ from typing import Callable, Iterable, Optional
 
 from .config import DEFAULT_PRESET, DRAFTS, PATTERNS, PRESETS, PROFILES, ROUNDINGS, SEED_MAX
 from .flows.registry import FLOW_KINDS, FLOWS, UPDATES, default_update, flows_of
+from .lifecycles import DEFAULT_LIFECYCLE, LIFECYCLES
 from .plug.loader import KERNELS
 from .runspec import MODES
 
@@ -110,6 +112,10 @@ SPECS: dict[str, dict] = {
     "kernel": dict(metavar="SPEC", help=lambda: "verify kernel under test: "
                    f"{', '.join(n + (':<spec>' if KERNELS[n].takes_arg else '') for n in KERNELS)}, "
                    "mutant:<name>, package.module:qualname or path/to/file.py:qualname"),
+    "lifecycle": dict(type=_choice(LIFECYCLES, "lifecycle"), metavar="L",
+                      help=lambda: "how requests come and go between steps (docs/semantics.md §12): "
+                                   + "; ".join(f"{n} ({LIFECYCLES[n].description})" for n in LIFECYCLES)
+                                   + f" (default: {DEFAULT_LIFECYCLE}; fixed with --trace)"),
     "flow": dict(type=_choice(FLOWS, "flow"), metavar="F",
                  help=lambda: "how the engine keeps MTP state between steps (docs/semantics.md §6): "
                               + "; ".join(f"{n} ({FLOWS[n].engine})" for n in FLOWS)),
@@ -128,7 +134,7 @@ SPECS: dict[str, dict] = {
 # The shared options (every entry point that runs a simulation has them; docs/extending.md): the
 # options that make a Config, and those plus what is under test.
 CONFIG_OPTIONS = ("preset", "steps", "seed", "device", "profile", "rounding", "pattern", "drafts", "flow",
-                  "draft-tokens", "key-heads", "value-heads")
+                  "draft-tokens", "key-heads", "value-heads", "lifecycle")
 RUN_OPTIONS = CONFIG_OPTIONS + ("update", "update-factory", "kernel", "mode", "trace", "loop", "no-graph")
 DEFAULTS: dict[str, object] = {"preset": DEFAULT_PRESET, "device": "cpu", "update": None,
                                "kernel": "portable", "mode": "mtp", "loop": False}
@@ -160,8 +166,8 @@ def add_options(addoption: Callable, names: Iterable[str], prefix: str = "", rep
             text = (default_text or {}).get(name)
             if text is not None:
                 kw["help"] += f" (default: {text})"
-            elif name == "update":
-                pass  # its help says the default (it depends on the flow)
+            elif name in ("update", "lifecycle"):
+                pass  # its help says the default (it depends on the flow, or on --trace)
             elif name == "trace":
                 kw["help"] += " (default: none, the synthetic stream)" if default is None else f" (default: {default})"
             else:

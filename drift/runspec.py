@@ -2,8 +2,8 @@
 
 The ``drift`` command, the pytest plugin and the nightly each read the shared options
 (drift/options.py: ``--preset --steps --seed --device --profile --rounding --pattern --drafts --flow
---draft-tokens --key-heads --value-heads --update --update-factory --kernel --mode --trace --loop
---no-graph``; ``--drift-`` prefixed in pytest) into a :class:`RunSpec`; :meth:`RunSpec.config` turns
+--draft-tokens --key-heads --value-heads --lifecycle --update --update-factory --kernel --mode --trace
+--loop --no-graph``; ``--drift-`` prefixed in pytest) into a :class:`RunSpec`; :meth:`RunSpec.config` turns
 it into the validated :class:`Config` and :meth:`RunSpec.resolve` into a :class:`Resolved` run (the
 code under test loaded and accepted by the config's flow kind), which is all the layers below take.
 Every rule that ties options together
@@ -21,11 +21,12 @@ from .config import Config, preset, spread_decays
 from .devices import resolve_device
 from .errors import ConfigError, LoadError
 from .flows.registry import FLOW_KINDS, FLOWS, check, default_update, flows_of
+from .lifecycles import DEFAULT_LIFECYCLE
 from .plug.loader import Kernel, Update, load_kernel, load_update
 
 # Spec field -> the Config field it sets (None: not a Config field).
 CONFIG_FIELDS = {"steps": "steps", "seed": "seed", "device": "device", "rounding": "store_rounding",
-                 "pattern": "pattern", "drafts": "drafts", "flow": "flow"}
+                 "pattern": "pattern", "drafts": "drafts", "flow": "flow", "lifecycle": "lifecycle"}
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class RunSpec:
     draft_tokens: Optional[int] = None
     key_heads: Optional[int] = None
     value_heads: Optional[int] = None
+    lifecycle: Optional[str] = None  # None: drift.lifecycles.DEFAULT_LIFECYCLE (fixed with a trace)
     update: Optional[str] = None
     update_factory: Optional[str] = None
     kernel: Optional[str] = None
@@ -84,6 +86,8 @@ class RunSpec:
             cfg = cfg.with_profile(self.profile)
         changes = {field: getattr(self, name) for name, field in CONFIG_FIELDS.items()
                    if getattr(self, name) is not None}
+        if self.lifecycle is None:  # a trace records one sequence per request: the fixed batch
+            changes["lifecycle"] = "fixed" if self.trace else DEFAULT_LIFECYCLE
         if self.no_graph:
             changes["graph_mode"] = False
         changes.update(self._shape_changes(cfg))

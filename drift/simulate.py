@@ -37,8 +37,9 @@ from .sim import kernels
 from .sim.graph import GraphStatus, StepGraph
 from .sim.pool import StatePool
 from .sim.shim import kernels_in_use
+from .sim.serving import END_FINISH, END_NAMES, START_NAMES, START_PREFILL, START_RESUME, ServingSchedule
 from .sim.stream import InputStream
-from .sim.twin import prefill
+from .sim.twin import extend, prefill
 
 
 class StopRun(Exception):
@@ -65,6 +66,19 @@ class StepView:
     pre: np.ndarray
     accept: np.ndarray
     track: np.ndarray
+    # Under a churning lifecycle (None for the fixed batch, whose lane r is row r): the step's row of
+    # each lane (device int64 [R], idle lanes 0), its schedule (drift.sim.serving.ScheduleChunk) and
+    # index there, and the true start of each lane whose request starts here: lane -> (state [L, HV,
+    # V, K], window [L, Kc-1, C]) float64, for prefill and resume starts (a prefix hit's truth is its
+    # source's, which the comparison keeps).
+    lane_rows: Optional[torch.Tensor] = None
+    schedule: Optional[object] = None
+    starts: dict = field(default_factory=dict)
+
+    def by_lane(self, t: torch.Tensor) -> torch.Tensor:
+        """``t [L, N, ...]`` (per batch row) as ``[L, R, ...]`` per lane."""
+        R = self.pre.shape[0]
+        return t[:, :R] if self.lane_rows is None else t.index_select(1, self.lane_rows)
 
 
 class Observer(Protocol):
@@ -180,6 +194,38 @@ class StageClock:
         self._t = t
 
 
+class EventCounts:
+    """What a churning lifecycle did in a run, for its report (``RunInfo.meta["events"]``)."""
+
+    def __init__(self):
+        self.requests: set[int] = set()
+        self.starts = {name: 0 for name in START_NAMES.values()}
+        self.ends = {name: 0 for name in END_NAMES.values()}
+        self.buckets: set[int] = set()
+        self.padded: set[int] = set()
+        self.row_moves = 0
+        self._rows: Optional[np.ndarray] = None
+
+    def add(self, plan, s: int) -> None:
+        req = plan.request[s]
+        self.requests.update(int(q) for q in req[req >= 0])
+        for code, name in START_NAMES.items():
+            self.starts[name] += int((plan.start[s] == code).sum())
+        for code, name in END_NAMES.items():
+            self.ends[name] += int((plan.end[s] == code).sum())
+        self.buckets.add(int(plan.bucket[s]))
+        self.padded.add(int(plan.bucket[s] - (req >= 0).sum()))
+        rows = plan.row[s]
+        if self._rows is not None:
+            same_request = (rows >= 0) & (self._rows >= 0) & (plan.start[s] == 0)
+            self.row_moves += int((same_request & (rows != self._rows)).sum())
+        self._rows = rows.copy()
+
+    def to_dict(self) -> dict:
+        return {"requests": len(self.requests), "starts": dict(self.starts), "ends": dict(self.ends),
+                "buckets": sorted(self.buckets), "padded_rows": sorted(self.padded), "row_moves": self.row_moves}
+
+
 @dataclass
 class ResumePoint:
     """Where each active row starts instead of its prompt (a prefix-cache hit, a checkpoint).
@@ -231,11 +277,27 @@ class Simulation:
         self.harness = self.flow.harness
         self.update = run.update if mode == "mtp" else None
         self.kernel = run.kernel
-        self.stream = InputStream(cfg, self.device)
+        self.serving = cfg.serving.churn
+        schedule = None
+        if self.serving:  # requests come and go: the schedule, in the engine's batch order
+            if start is not None:
+                raise ValueError("a resume point starts the fixed batch's rows; a churning lifecycle starts its own")
+            schedule = ServingSchedule(cfg, self.flow.BATCH_ORDER, self.flow.snapshot_kept)
+        self.stream = InputStream(cfg, self.device, schedule=schedule)
         self.params = self.stream.params.to(self.device)
         self.observers = list(observers)
         self.guard = SlotGuard(self.pool, self.stream.chunk_steps) if (check_untouched and mode == "mtp") else None
-        if start is None:
+        self._ended: list[tuple] = []  # (lane, request, END_*, its snapshot kept) after the last step
+        self.events = EventCounts()
+        if self.serving:  # every lane starts empty; the schedule's first step admits the first requests
+            self.lengths = [0] * cfg.num_requests
+            shape = (cfg.num_layers, cfg.num_requests, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim)
+            self.prefill_state = torch.zeros(shape, dtype=torch.float64)
+            self.prefill_window = torch.zeros(cfg.num_layers, cfg.num_requests, cfg.conv_kernel - 1,
+                                              cfg.conv_channels, dtype=torch.float64)
+            self._truths: dict = {}
+            self.flow.start_serving(getattr(run.update, "serving", None), extend=self._extend)
+        elif start is None:
             self.lengths = [self.stream.prefill_len(r) for r in range(cfg.num_requests)]
             self.prefill_state, self.prefill_window = prefill(cfg, self.stream.tokens, self.stream.params,
                                                               self.lengths, torch.device("cpu"))
@@ -246,7 +308,8 @@ class Simulation:
             self.stream.pos = np.asarray(start.positions, np.int64).copy()
             self.prefill_state, self.prefill_window = start.true_state, start.true_window
             stored, window = start.state.to(self.device), start.window
-        self._load_start(stored, window)
+        if not self.serving:
+            self._load_start(stored, window)
         self.step = 0
         self._chunk = None
         self._touched_chunk = None
@@ -271,6 +334,8 @@ class Simulation:
             why = "eager: sequential decode is the reference shadow, never captured"
         elif self.cfg.store_rounding == "stochastic":
             why = "eager: stochastic rounding keys its noise by the host's step counter"
+        elif self.serving:
+            why = "eager: the serving lifecycle changes the batch between steps (its graph buckets are not captured)"
         return StepGraph(self.device, self._graph_body, enabled=not why, why_not=why)
 
     @property
@@ -339,7 +404,8 @@ class Simulation:
             kernels=kernels_in_use(), device=str(self.device), stopped_early=stopped,
             verify_kernel=self.verify_description(),
             untouched_violation=self.guard.first if self.guard else None,
-            meta={"graph": self.graph_status.state, "graph_note": self.graph_status.note})
+            meta={"graph": self.graph_status.state, "graph_note": self.graph_status.note,
+                  "lifecycle": self.cfg.lifecycle, **({"events": self.events.to_dict()} if self.serving else {})})
 
     def verify_description(self) -> str:
         """Which GDN verify ran: the portable kernel (native C or torch ops) or a plugged one, by name."""
@@ -388,13 +454,64 @@ class Simulation:
                 self._flush_guard()
                 self._guard_read = 0
                 self._chunk = self.stream.chunk(min(self.stream.chunk_steps, count - done))
-                self._touched_chunk = self._touched(self._chunk) if self.guard is not None else None
+                # Under churn the slots a step may touch are known only once its events ran (_step).
+                self._touched_chunk = (self._touched(self._chunk) if self.guard is not None and not self.serving
+                                       else None)
                 self._in_chunk = 0
                 self._lap("input stream")
             self._step(self._chunk, self._in_chunk, self._touched_chunk)
             self._in_chunk += 1
             done += 1
         return done
+
+    def _serve(self, chunk, s: int) -> dict:
+        """The events before step ``s`` of ``chunk``, in the engine's order: the requests that ended
+        after the last step release what they hold, the ones that start here are admitted (the engine's
+        bookkeeping; a prefix hit restores its source's snapshot; the extend stores the state after its
+        tokens), and the batch of the step is formed (its rows, padded to the graph bucket). Returns the
+        starts handed to observers (StepView.starts): lane -> (Start, true state, true window), the
+        truth given for prefill starts (a resume's is the twin's own; a prefix hit's its source's)."""
+        plan = chunk.schedule
+        for lane, request, end, kept in self._ended:
+            self.flow.release(lane, request, finished=end == END_FINISH, keep_snapshot=kept)
+        starts = {}
+        for start in plan.starts(s):
+            truth = self._prefilled(start) if start.code == START_PREFILL else (None, None)
+            starts[start.lane] = (start, *truth)
+            self.flow.admit(start.lane, start.request, start)
+        self.flow.arrange(plan.lanes[s, :chunk.rows(s)])
+        self._ended = [(r, int(plan.request[s, r]), int(plan.end[s, r]), bool(plan.kept[s, r]))
+                       for r in np.nonzero(plan.end[s])[0].tolist()]
+        self.events.add(plan, s)
+        return starts
+
+    def _prefilled(self, start) -> tuple[torch.Tensor, torch.Tensor]:
+        """The true state ``[L, HV, V, K]`` and window ``[L, Kc-1, C]`` (float64, CPU) after a prompt."""
+        key = (start.request, start.p1)
+        if key not in self._truths:
+            state, window = extend(self.cfg, self.stream.tokens, self.stream.params, [start.request], [0], [start.p1],
+                                   torch.device("cpu"))
+            self._truths = {key: (state[:, 0], window[:, 0])}
+        return self._truths[key]
+
+    def _extend(self, start, state0: torch.Tensor, window0: Optional[torch.Tensor]):
+        """drift's model of the engine's extend (the prefill kernel): the state and window after the
+        start's tokens, exact from what the slot held (``state0 [L, HV, V, K]``, ``window0 [L, Kc-1, C]``
+        or None: zeros), float64 on the CPU; the flow stores it once in the state dtype. From an empty
+        slot it is the truth: a prefill's (computed once), a resume's (an observer's twin, ``lane_truth``)."""
+        empty = window0 is None and start.p0 == 0 and not bool(state0.any())
+        if empty and start.code == START_PREFILL:
+            return self._prefilled(start)
+        if empty and start.code == START_RESUME:
+            for obs in self.observers:
+                have = getattr(obs, "lane_truth", None)
+                got = have(start.lane) if have is not None else None
+                if got is not None:
+                    return got
+        state, window = extend(self.cfg, self.stream.tokens, self.stream.params, [start.request], [start.p0],
+                               [start.p1], torch.device("cpu"), state0[:, None],
+                               None if window0 is None else window0[:, None])
+        return state[:, 0], window[:, 0]
 
     def _flush_guard(self) -> None:
         """Read the slot guard's per-step flags for the steps of the current chunk run so far."""
@@ -408,14 +525,25 @@ class Simulation:
         return torch.from_numpy(self.flow.touched(chunk.track_host, chunk.drafts_host)).to(self.device)
 
     def _step(self, chunk, s: int, touched: Optional[torch.Tensor]) -> None:
-        if self._graph.api is not None and not self._graph.status.failed:
+        starts: dict = {}
+        lane_rows = None
+        if self.serving:  # between steps, as the engine's scheduler: requests leave and join, the batch forms
+            starts = self._serve(chunk, s)
+            B = chunk.rows(s)
+            lane_rows = torch.from_numpy(np.maximum(chunk.schedule.row[s], 0)).to(self.device)
+            step_touched = (torch.from_numpy(self.flow.touched(chunk.track_host[s:s + 1], chunk.drafts_host[s:s + 1])[0])
+                            .to(self.device) if self.guard is not None else None)
+            out = self._compute(chunk.x[s][:, :B], chunk.a[s][:, :B], chunk.b[s][:, :B], chunk.last_steps[s][:B],
+                                chunk.track_steps[s][:B], s, step_touched, chunk.drafts[s][:B])
+        elif self._graph.api is not None and not self._graph.status.failed:
             out = self._graph_step(chunk, s, touched)
         else:
             out = self._compute(chunk.x[s], chunk.a[s], chunk.b[s], chunk.last_steps[s], chunk.track_steps[s],
                                 s, touched[s] if touched is not None else None, chunk.drafts[s])
         view = StepView(step=self.step, index=s, x=chunk.x[s], a=chunk.a[s], b=chunk.b[s],
                         last_steps=chunk.last_steps[s], track_steps=chunk.track_steps[s], out=out,
-                        pre=chunk.pre[s], accept=chunk.accept[s], track=chunk.track_host[s])
+                        pre=chunk.pre[s], accept=chunk.accept[s], track=chunk.track_host[s],
+                        lane_rows=lane_rows, schedule=chunk.schedule, starts=starts)
         for obs in self.observers:
             obs.on_step(view)
         self._lap("observers: per step")
@@ -504,7 +632,7 @@ class Simulation:
             if self.guard is not None:
                 self.guard.before()
                 self._lap("slot guard")
-            track_idx = pool.row_track_slots if cfg.track_interval > 0 else None
+            track_idx = pool.row_track_slots[: last.shape[0]] if cfg.track_interval > 0 else None
             track_steps = trk if cfg.track_interval > 0 else None
             try:
                 self.update(self.harness, last, track_idx, track_steps)

@@ -115,6 +115,33 @@ class BoundCheck(Check):
         self.worst_head = np.zeros((cfg.num_layers, cfg.num_v_heads))
         self.outputs = OutputBound()
         self.outputs.start(comparison)
+        self.snapshots: dict = {}  # request -> envelope (env2, var2) of its last tracked snapshot (churn)
+
+    def _start_envelope(self, chunk: MetricsChunk, s: int, e2: np.ndarray, v2: np.ndarray) -> None:
+        """Under a churning lifecycle, the envelope of a lane whose request starts at step ``s`` (in place,
+        ``[L, R, HV]``): a prefill or a resume stores its exact state once (one rounding, of the size of
+        the step's committed state); a prefix hit restores its source's snapshot, whose envelope is the
+        source's before the step it was tracked plus that snapshot's own rounding (kept when the source was
+        tracked, by request id; its contraction through the extend is left out: an upper bound), and its
+        extend stores once more."""
+        from ..sim.serving import START_PREFIX
+
+        one, one4 = self.kappa * chunk.ulp2_run[s], self.kappa4 * chunk.ulp4_run[s]
+        for lane in np.nonzero(chunk.start[s])[0]:
+            carried = (0.0, 0.0)
+            if chunk.start[s, lane] == START_PREFIX:
+                carried = self.snapshots.get(int(chunk.source[s, lane]), (0.0, 0.0))
+            e2[:, lane] = carried[0] + one[:, lane]
+            v2[:, lane] = carried[1] + one4[:, lane]
+
+    def _keep_snapshot_envelope(self, chunk: MetricsChunk, s: int, e2: np.ndarray, v2: np.ndarray) -> None:
+        """The envelope of the snapshots tracked at step ``s`` (before the step, plus one rounding), by request."""
+        for lane in np.nonzero((chunk.track[s] >= 0) & chunk.live[s])[0]:
+            q = int(chunk.request[s, lane])
+            self.snapshots[q] = (e2[:, lane] + self.kappa * chunk.ulp2_run[s][:, lane],
+                                 v2[:, lane] + self.kappa4 * chunk.ulp4_run[s][:, lane])
+        while len(self.snapshots) > 64 * self.cfg.num_requests:
+            self.snapshots.pop(next(iter(self.snapshots)))
 
     def consume(self, chunk: MetricsChunk) -> None:
         env = np.empty_like(chunk.err2)
@@ -125,7 +152,12 @@ class BoundCheck(Check):
         store = 0.0 if exact else self.kappa * chunk.round_w * chunk.ulp2_run
         store_var = 0.0 if exact else self.kappa4 * chunk.round_w ** 2 * chunk.ulp4_run
         inject = store + self.compute_scale * chunk.tok_w * chunk.ulp2_run
+        serving = "start" in chunk.arrays
         for s in range(chunk.count):
+            if serving:
+                e2, v2 = e2.copy(), v2.copy()
+                self._start_envelope(chunk, s, e2, v2)
+                self._keep_snapshot_envelope(chunk, s, e2, v2)
             prev_env[s], prev_var[s] = e2, v2
             e2 = chunk.rho2[s] * e2 + inject[s]
             v2 = chunk.rho2[s] ** 2 * v2 + (store_var[s] if not exact else 0.0)
@@ -137,12 +169,19 @@ class BoundCheck(Check):
         ratio = np.sqrt(chunk.err2) / np.maximum(bound, 1e-300)
         self._update(ratio, chunk.step0)
         self.worst_head = np.maximum(self.worst_head, np.nan_to_num(ratio, nan=np.inf).max((0, 2)))
-        steps = chunk.steps + 1  # steps completed
         rel = rel_err(chunk.err2, chunk.ref2, self.floor)
-        self.curves.add("rel_err", steps, rel)
-        self.curves.add("ulp_err", steps, ulp_err(chunk.err2, chunk.ulp2_bf16))
-        self.curves.add("bound_rel", steps, bound / np.maximum(np.sqrt(chunk.ref2), self.floor))
-        self.curves.add("bound_ratio", steps, ratio)
+        series = {"rel_err": rel, "ulp_err": ulp_err(chunk.err2, chunk.ulp2_bf16),
+                  "bound_rel": bound / np.maximum(np.sqrt(chunk.ref2), self.floor), "bound_ratio": ratio}
+        if serving:  # each request's curve by its own steps (age); an idle lane adds nothing
+            for lane in range(chunk.err2.shape[2]):
+                live = chunk.live[:, lane]
+                if live.any():
+                    for name, values in series.items():
+                        self.curves.add(name, chunk.age[live, lane] + 1, values[live][:, :, lane:lane + 1])
+        else:
+            steps = chunk.steps + 1  # steps completed
+            for name, values in series.items():
+                self.curves.add(name, steps, values)
         self.logdecay_sum = self.logdecay_sum + chunk.logdecay.sum((0, 2))
         self.logdecay_n += chunk.count * chunk.logdecay.shape[2]
         self.outputs.consume_bound(chunk, prev_env, prev_var, self.constant)

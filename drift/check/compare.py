@@ -8,6 +8,7 @@ time, as a :class:`MetricsChunk` to its consumers (checks, bound model, curves).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Optional, Protocol, Sequence
 
 import numpy as np
@@ -101,7 +102,10 @@ class Comparison:
             self.buf.update({k: torch.zeros(S, L, R, HV, dtype=F64, device=dev) for k in m.head})
             self.buf.update({k: torch.ones(S, L, R, HV, dtype=torch.bool, device=dev) for k in m.flags})
             self.buf.update({k: torch.zeros(S, R, dtype=F64, device=dev) for k in m.row})
-        self._host: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []
+        self._host: list[tuple] = []
+        self.age = np.zeros(R, np.int64)  # steps each lane's request has decoded (a churning lifecycle)
+        self._snapshot_truth: "OrderedDict[int, tuple]" = OrderedDict()  # request -> (position, state, window)
+        self._snapshot_cap = 4 * (R + cfg.serving.prefix_cache + 1)
         self._snap = None  # per-step snapshots of the current batch (allocated at the first step)
         self._pending = []
         self.golden_positions = 0  # committed positions validated against golden
@@ -134,14 +138,76 @@ class Comparison:
 
     def _views(self, view) -> dict[str, torch.Tensor]:
         """What a step leaves to compare, as views of the run (its device, its dtypes): committed
-        states, outputs and conv windows of the active rows, and the step's true inputs."""
-        flow, R = self.sim.flow, self.sim.cfg.num_requests
-        return {"run": flow.committed_states(), "out": view.out[:, :R], "win": flow.committed_windows(),
-                "x": view.x[:, :R], "a": view.a[:, :R], "b": view.b[:, :R]}
+        states, outputs and conv windows of the lanes, and the step's true inputs (per lane)."""
+        flow = self.sim.flow
+        return {"run": flow.committed_states(), "out": view.by_lane(view.out), "win": flow.committed_windows(),
+                "x": view.by_lane(view.x), "a": view.by_lane(view.a), "b": view.by_lane(view.b)}
+
+    # ------------------------------------------------------------ a churning lifecycle
+    def lane_truth(self, lane: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The twin's state ``[L, HV, V, K]`` and window ``[L, Kc-1, C]`` of ``lane`` after the last step the
+        simulation ran (float64, CPU): what a resumed request's re-prefill must store."""
+        self._process()
+        return self.twin.state[:, lane].cpu(), self.twin.window[:, lane].cpu()
+
+    def _start_lanes(self, view) -> None:
+        """The twin's lanes whose request starts at this step begin at its true start: a prefill's (the
+        simulation computed it), a prefix hit's (its source's snapshot truth, the twin's track state
+        when the source was last tracked, extended by the hit's own prompt tokens); a resumed request's
+        truth is the twin's own (nothing changes)."""
+        from ..sim.serving import START_PREFILL, START_PREFIX
+        from ..sim.twin import extend
+
+        self._process()  # the twin at the end of the last step
+        lanes, states, windows = [], [], []
+        for lane, (start, state, window) in sorted(view.starts.items()):
+            if start.code == START_PREFILL:
+                lanes.append(lane), states.append(state), windows.append(window)
+            elif start.code == START_PREFIX:
+                P, s_truth, w_truth = self._snapshot_truth[start.source]
+                assert P == start.p0, (P, start)
+                st, wd = extend(self.sim.cfg, self.sim.stream.tokens, self.sim.stream.params, [start.request],
+                                [start.p0], [start.p1], torch.device("cpu"), s_truth[:, None], w_truth[:, None])
+                lanes.append(lane), states.append(st[:, 0]), windows.append(wd[:, 0])
+            self.age[lane] = 0
+        if lanes:
+            start = torch.stack(states, 1)
+            self.twin.reset_lanes(np.asarray(lanes), start, torch.stack(windows, 1))
+            if getattr(self, "col_frac", None) is not None:  # the key-column shares of the state the step starts from
+                from .measures import key_columns, ulp_sq
+
+                idx = torch.from_numpy(np.asarray(lanes)).to(self.col_frac.device)
+                u2 = ulp_sq(start.to(self.col_frac.device, F64), self.sim.pool.temporal.dtype)
+                self.col_frac.index_copy_(1, idx, key_columns(u2))
+
+    def _keep_snapshot_truths(self, batch) -> None:
+        """The twin's track state of every tracked request, by request id (the truth a prefix hit on it
+        restores), the newest :data:`SNAPSHOT_TRUTHS` requests' kept."""
+        for j, (rows_j, states) in batch.twin.tracked.items():
+            req, pre, trk = batch.request[j], batch.pre[j], batch.track[j]
+            window = batch.twin.track_window[j]
+            for i, lane in enumerate(rows_j.tolist()):
+                q = int(req[lane])
+                self._snapshot_truth.pop(q, None)
+                self._snapshot_truth[q] = (int(pre[lane] + trk[lane] + 1), states[:, i].cpu().clone(),
+                                           window[:, lane].cpu().clone())
+        while len(self._snapshot_truth) > self._snapshot_cap:
+            self._snapshot_truth.pop(next(iter(self._snapshot_truth)))
 
     def on_step(self, view) -> None:
         """Snapshot the step (a few device copies); the comparison itself runs once per batch of
-        up to ``batch`` steps (:data:`BATCH_BYTES` of snapshots, at most a chunk)."""
+        up to ``batch`` steps (:data:`BATCH_BYTES` of snapshots, at most a chunk). Under a churning
+        lifecycle a step where a request starts ends the batch before it (the twin's lane restarts)."""
+        plan = view.schedule
+        if plan is not None:
+            if view.starts:
+                self._start_lanes(view)
+            live = plan.request[view.index] >= 0
+            self.age = np.where(live, self.age + 1, self.age)
+            lifecycle = (plan.request[view.index].copy(), plan.start[view.index].copy(), plan.source[view.index].copy(),
+                         np.where(live, self.age - 1, -1), live)
+        else:
+            lifecycle = None
         views = self._views(view)
         if self._snap is None:  # the twin's committed state of each step is held too, when kept
             per_step = sum(t.numel() * t.element_size() for t in views.values()) + (
@@ -153,9 +219,9 @@ class Comparison:
         for k, t in views.items():
             self._snap[k][j].copy_(t)
         extra = {m.key: m.snapshot(self, view) for m in self.measures if m.snapshot is not None}
-        self._host.append((view.step, view.pre.copy(), view.accept.copy(), view.track.copy()))
+        self._host.append((view.step, view.pre.copy(), view.accept.copy(), view.track.copy(), lifecycle))
         self._pending.append((view.index, view.pre.copy(), view.accept.copy(), view.track.copy(), extra,
-                              view.step))
+                              view.step, lifecycle))
         if len(self._pending) == self.batch:
             self._process()
 
@@ -188,9 +254,20 @@ class Comparison:
                                         keep_states=self.keep_states)
         batch.m = torch.arange(D, device=dev)[None, None, :] < torch.from_numpy(batch.accept).to(dev)[:, :, None]
         batch.rows = torch.tensor(batch.idx, dtype=torch.int64, device=dev)
+        if pending[0][6] is not None:  # a churning lifecycle: which request each lane ran
+            batch.request = np.stack([p[6][0] for p in pending])
+            batch.track = np.stack([p[3] for p in pending])
+            self._keep_snapshot_truths(batch)
         for m in self.measures:
             if m.on_batch is not None:
                 m.on_batch(self, batch)
+        if pending[0][6] is not None:  # an idle lane compares nothing: its sums read 0, its flags True
+            idle = torch.from_numpy(~np.stack([p[6][4] for p in pending])).to(dev)  # [n, R]
+            for buf in self.buf.values():
+                rows = buf[batch.rows]  # [n, R] per row, [n, L, R, HV] per head
+                mask = idle if rows.dim() == 2 else idle[:, None, :, None]
+                fill = torch.ones_like(rows) if buf.dtype == torch.bool else torch.zeros_like(rows)
+                buf[batch.rows] = torch.where(mask, fill, rows)
         self._pending.clear()
 
     # ------------------------------------------------------------------ flush
@@ -205,6 +282,9 @@ class Comparison:
         arrays["pre"] = np.stack([h[1] for h in self._host])
         arrays["accept"] = np.stack([h[2] for h in self._host])
         arrays["track"] = np.stack([h[3] for h in self._host])
+        if self._host[0][4] is not None:  # a churning lifecycle: request, start (START_*), source, age, live [S, R]
+            for i, name in enumerate(("request", "start", "source", "age", "live")):
+                arrays[name] = np.stack([h[4][i] for h in self._host])
         chunk = MetricsChunk(self._host[0][0], n, arrays)
         self._host.clear()
         stop = None

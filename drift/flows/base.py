@@ -16,6 +16,7 @@ from ..sim import kernels, naive
 from ..sim.kernels import VerifyArgs, VerifyRule
 from ..sim.pool import STALE
 from .registry import FLOWS, updates_of
+from .slots import Held, MambaSlots
 
 F64 = torch.float64
 
@@ -76,6 +77,10 @@ class FlowKind(abc.ABC):
     HARNESS: ClassVar[type]
     SETTINGS: ClassVar[dict[str, str]] = {}
     tracks: ClassVar[bool] = True  # it keeps prefix-cache snapshots (:meth:`tracked_snapshot`); False: n/a
+    # A churning lifecycle (drift/lifecycles.py): whether the kind models it (:meth:`admit`, :meth:`release`,
+    # :meth:`arrange`), and the engine's batch row order (drift.sim.serving.BATCH_ORDERS).
+    SERVES: ClassVar[bool] = False
+    BATCH_ORDER: ClassVar[str] = "append"
 
     def __init__(self, cfg: Config, device: torch.device):
         self.cfg, self.device = cfg, device
@@ -84,6 +89,9 @@ class FlowKind(abc.ABC):
         self.pool = self.POOL(cfg, device)
         self.harness = self.HARNESS(self.pool)
         self.rule: VerifyRule = self.make_rule()
+        # Each lane's batch row (the fixed batch: lane r is row r); a churning lifecycle rewrites it.
+        self.lane_rows_host = np.arange(cfg.num_requests, dtype=np.int64)
+        self.rows = cfg.num_rows  # the rows passed this step (the graph bucket under churn)
 
     # ------------------------------------------------------------ what the kind says
     def make_rule(self) -> VerifyRule:
@@ -168,6 +176,37 @@ class FlowKind(abc.ABC):
         -1 none): ``(rows [n], states [L, n, HV, V, K], windows [L, n, Kc-1, C], bit mismatches [n]
         against the state the snapshot must equal bit for bit, 0 where there is none to compare)``."""
 
+    # ------------------------------------------------------------ a churning lifecycle
+    def snapshot_kept(self, track: int, drafts: int) -> bool:
+        """Whether a tracked step (the draft step ``track`` of a row verifying ``drafts`` tokens) leaves the
+        snapshot the prefix cache keeps when its request finishes (the kind's track slot); every one by
+        default."""
+        return True
+
+    def start_serving(self, bookkeeping=None, extend=None) -> None:
+        """Begin a churning lifecycle: every slot free, no lane running (``bookkeeping``: the engine's
+        bookkeeping class to run instead of the kind's own, a serving mutant's; ``extend``: drift's model of
+        the engine's prefill, see :class:`MambaPoolFlow`)."""
+        raise NotImplementedError(f"flow kind {self.name!r} does not model a churning lifecycle")
+
+    def admit(self, lane: int, request: int, start) -> None:
+        """Request ``request`` starts in ``lane`` (``start``: a :class:`drift.sim.serving.Start`): the
+        engine's bookkeeping gives it what it holds and restores a prefix hit's snapshot (request
+        ``start.source``'s, which the prefix cache keeps), and the engine's extend stores the state after
+        its tokens ``start.p0 .. start.p1 - 1`` from what its slot then holds."""
+        raise NotImplementedError
+
+    def release(self, lane: int, request: int, finished: bool, keep_snapshot: bool) -> None:
+        """Request ``request`` leaves ``lane`` (finished, or preempted): the engine's bookkeeping frees what
+        it held; with ``keep_snapshot`` its last tracked snapshot stays in the prefix cache (which keeps
+        the lifecycle's ``prefix_cache`` newest, freeing the oldest)."""
+        raise NotImplementedError
+
+    def arrange(self, lanes_of_rows: np.ndarray) -> None:
+        """The batch of the next step: ``lanes_of_rows [B]`` the lane in each row (-1 padded), ``B`` the
+        graph bucket; the engine's builder fills the step's index buffers from it."""
+        raise NotImplementedError
+
     @abc.abstractmethod
     def buffers(self) -> list[torch.Tensor]:
         """The persistent tensors a decode step writes besides the pool's (a captured step replays them)."""
@@ -187,10 +226,10 @@ class MambaPoolFlow(FlowKind):
     conv and rolled back by the update (``drift.sim.pool.StatePool``, docs/semantics.md §3-§4)."""
 
     def conv_verify(self, x: torch.Tensor, weight: torch.Tensor, drafts=None) -> torch.Tensor:
-        return kernels.conv_verify(self.pool.conv, self.pool.row_slots, x, weight)
+        return kernels.conv_verify(self.pool.conv, self.pool.row_slots[: x.shape[1]], x, weight)
 
     def naive_conv(self, x: torch.Tensor, weight: torch.Tensor, drafts=None) -> torch.Tensor:
-        return naive.conv_verify(self.pool.conv, self.pool.row_slots.tolist(), x, weight)
+        return naive.conv_verify(self.pool.conv, self.pool.row_slots[: x.shape[1]].tolist(), x, weight)
 
     def load_start(self, stored: torch.Tensor, window: torch.Tensor) -> None:
         """Stored once in the state dtype, the conv window at the end of the buffer, the first D-1
@@ -207,13 +246,115 @@ class MambaPoolFlow(FlowKind):
         pool.conv[:, pool.row_track_slots[: cfg.num_requests]] = STALE
 
     def touched(self, track_host: np.ndarray, drafts_host: Optional[np.ndarray] = None) -> np.ndarray:
-        """The request slots at every step, and the track slot of a row tracked that step."""
+        """The request slots at every step, and the track slot of a row tracked that step (under churn:
+        the slots of the requests running now, and the track slot of a lane tracked)."""
         pool = self.pool
         t = np.zeros((track_host.shape[0], pool.temporal.shape[1]), dtype=bool)
+        if self.cfg.serving.churn:
+            live = self.lane_request >= 0
+            t[:, self.lane_slot[live]] = True
+            steps, lanes = np.nonzero(track_host >= 0)
+            t[steps, self.lane_track[lanes]] = True
+            return t
         t[:, pool.request_slots] = True
         rows, idx = np.nonzero(track_host >= 0)
         t[rows, pool.track_slots[idx]] = True
         return t
+
+    # ------------------------------------------------------------ a churning lifecycle (docs/semantics.md §12)
+    SERVES = True
+    SLOTS = MambaSlots  # the engine's bookkeeping: SGLang 0.5.23's request rows and mamba slots (drift/flows/slots.py)
+
+    def start_serving(self, bookkeeping=None, extend=None) -> None:
+        """``extend(start, state0, window0) -> (state, window)``: drift's prefill model (exact
+        float64 from what the slot holds, drift.sim.twin.extend), which the simulation supplies."""
+        R = self.cfg.num_requests
+        self.slots = (bookkeeping or self.SLOTS)(self.pool, R)
+        self.extend = extend
+        self.held: dict[int, Held] = {}  # lane -> what its request holds
+        self.lane_slot = np.zeros(R, np.int64)
+        self.lane_track = np.zeros(R, np.int64)
+        self.lane_request = np.full(R, -1, np.int64)
+        self.cache: dict[int, int] = {}  # request -> the slot holding its snapshot (the tree's), oldest first
+        self.fresh: set[int] = set()  # lanes admitted since the last arrange
+
+    def store_start(self, slot: int, state: torch.Tensor, window: torch.Tensor) -> None:
+        """The extend's store into ``slot``: the state in the state dtype (round to nearest), and the conv
+        window at the end of the buffer with its first D-1 rows stale (NaN: a read of them shows), as
+        :meth:`load_start` does."""
+        cfg, pool = self.cfg, self.pool
+        pool.states[:, slot] = state.to(pool.device).to(pool.temporal.dtype)
+        W, Km1 = cfg.conv_window, cfg.conv_kernel - 1
+        buf = torch.full((cfg.num_layers, W, cfg.conv_channels), STALE, dtype=pool.conv.dtype, device=pool.device)
+        buf[:, W - Km1:] = window.to(pool.device, pool.conv.dtype)
+        pool.conv[:, slot] = buf
+
+    def admit(self, lane: int, request: int, start) -> None:
+        """SGLang's admission of a request (drift/flows/slots.py): its row and slots, then -- before the
+        extend -- the deferred clear of a fresh working slot or the copy of a prefix hit's tree slot into
+        it; then the extend of its prompt (or, resuming, of everything it holds) from what the slot
+        holds: the state unconditionally (the chunked GDN prefill reads ``initial_state =
+        ssm_states[cache_indices]``), the conv window only after a prefix (``has_initial_state =
+        extend_prefix_lens > 0``)."""
+        cfg, pool = self.cfg, self.pool
+        held = self.slots.alloc(prefix_hit=start.source >= 0)
+        if start.source >= 0:
+            self.slots.copy_from(self.cache[start.source], held.work)
+        elif held.needs_clear:
+            self.slots.clear_slots([held.work])
+        state0 = pool.states[:, held.work].to(torch.float64).cpu()
+        window0 = (pool.conv[:, held.work, cfg.conv_window - (cfg.conv_kernel - 1):].to(torch.float64).cpu()
+                   if start.source >= 0 else None)
+        state, window = self.extend(start, state0, window0)
+        self.store_start(held.work, state, window)
+        pool.temporal[:, held.track] = STALE  # no snapshot yet: a read of it shows
+        pool.conv[:, held.track] = STALE
+        self.held[lane] = held
+        self.fresh.add(lane)
+        self.lane_slot[lane], self.lane_track[lane], self.lane_request[lane] = held.work, held.track, request
+        pool.active_slots[lane], pool.lane_track_slots[lane] = held.work, held.track
+        pool.owners[held.work] = f"slot of request {request} (lane {lane})"
+        pool.owners[held.track] = f"track slot of request {request} (lane {lane})"
+
+    def release(self, lane: int, request: int, finished: bool, keep_snapshot: bool) -> None:
+        pool, held = self.pool, self.held.pop(lane)
+        pool.owners.pop(held.work, None)
+        if keep_snapshot:  # donated to the tree: the prefix cache keeps the newest ones
+            self.cache[request] = held.track
+            pool.owners[held.track] = f"prefix cache: the snapshot of request {request}"
+        else:
+            pool.owners.pop(held.track, None)
+        self.slots.free(held, keep_track=keep_snapshot)
+        while len(self.cache) > self.cfg.serving.prefix_cache:  # the oldest snapshot evicted
+            slot = self.cache.pop(next(iter(self.cache)))
+            pool.owners.pop(slot, None)
+            self.slots.free_slots([slot])
+        self.lane_request[lane] = -1
+        pool.active_slots[lane] = 0
+        pool.lane_track_slots[lane] = 0
+
+    def arrange(self, lanes_of_rows: np.ndarray) -> None:
+        cfg, pool = self.cfg, self.pool
+        B, N = len(lanes_of_rows), cfg.num_rows
+        live = lanes_of_rows >= 0
+        rows, trk = np.zeros(N, np.int64), np.zeros(N, np.int64)  # padded rows: the dummy slot 0 (NPU)
+        rows[:B][live] = self.lane_slot[lanes_of_rows[live]]
+        trk[:B][live] = self.lane_track[lanes_of_rows[live]]
+        previous = self.lane_rows_host.copy()
+        self.lane_rows_host = np.zeros(cfg.num_requests, np.int64)
+        self.lane_rows_host[lanes_of_rows[live]] = np.nonzero(live)[0]
+        pool.row_slots.copy_(torch.from_numpy(rows))
+        pool.row_track_slots.copy_(torch.from_numpy(trk))
+        self.rows = B
+        moved_from = np.array([previous[lane] if lane >= 0 and lane not in self.fresh else -1 for lane in lanes_of_rows],
+                              np.int64)
+        self.fresh.clear()
+        self.arranged(lanes_of_rows, moved_from)
+
+    def arranged(self, lanes_of_rows: np.ndarray, moved_from: np.ndarray) -> None:
+        """The kind's own index buffers for the batch :meth:`arrange` formed: ``lanes_of_rows [B]`` and, per
+        row, the row its request held at the last step (``moved_from [B]``, -1 for a request that starts
+        and for padded rows)."""
 
     def committed_states(self) -> torch.Tensor:
         return self.pool.states[:, self.pool.active_slots]
@@ -222,8 +363,8 @@ class MambaPoolFlow(FlowKind):
         cfg, pool = self.cfg, self.pool
         return pool.conv[:, pool.active_slots, cfg.conv_window - (cfg.conv_kernel - 1):]
 
-    def track_windows(self, rows_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The track slots of batch rows ``rows_t`` (int64 ``[n]``) and the Kc-1 conv inputs they hold."""
+    def track_windows(self, lanes_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The track slots of lanes ``lanes_t`` (int64 ``[n]``) and the Kc-1 conv inputs they hold."""
         cfg, pool = self.cfg, self.pool
-        tslots = pool.row_track_slots[rows_t]
+        tslots = pool.lane_track_slots[lanes_t]
         return tslots, pool.conv[:, tslots, cfg.conv_window - (cfg.conv_kernel - 1):].clone()

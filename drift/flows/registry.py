@@ -147,6 +147,10 @@ def check(cfg: Config) -> type:
                           f"(modelled on: {flow.engine}); allowed with ragged drafts: "
                           f"{', '.join(f for f in FLOWS if FLOWS[f].ragged)}")
     kind = FLOW_KINDS[flow.kind]
+    if cfg.serving.churn and not kind.SERVES:
+        raise ConfigError(f"lifecycle={cfg.lifecycle!r} under flow={cfg.flow!r}: kind {kind.name!r} does not model "
+                          "requests that come and go; allowed: lifecycle='fixed', or a flow whose kind does ("
+                          + ", ".join(f for f in FLOWS if FLOW_KINDS[FLOWS[f].kind].SERVES) + ")")
     kind.validate(cfg)
     return kind
 

@@ -60,18 +60,36 @@ class StatePool:
         self.intermediate_ssm = (layout.scratch((L, N + 1, D, HV), V, K, sdt, device) if scratch
                                  else torch.empty((L, N + 1, 0, HV, V, K), dtype=sdt, device=device))
         self.conv = layout.conv((L, S), W, C, cdt, device)
-        rng = np.random.default_rng([cfg.seed, 0x5107])
-        perm = 1 + rng.permutation(S - 1)
         R = cfg.num_requests
-        self.request_slots = perm[:R].astype(np.int64)
-        self.track_slots = perm[R:2 * R].astype(np.int64)
-        self.spare_slots = perm[2 * R:].astype(np.int64)
-        # Batch rows: active requests, then padded rows on the dummy slot 0.
-        rows = np.concatenate([self.request_slots, np.zeros(cfg.num_padded, np.int64)])
-        trk = np.concatenate([self.track_slots, np.zeros(cfg.num_padded, np.int64)])
-        self.row_slots = torch.from_numpy(rows).to(device)  # [N] int64
-        self.row_track_slots = torch.from_numpy(trk).to(device)  # [N] int64
-        self.active_slots = torch.from_numpy(self.request_slots).to(device)  # [R]
+        # Who holds each slot, for messages (slot -> what it is); under churn the flow's bookkeeping keeps it.
+        self.owners: dict[int, str] = {}
+        if cfg.serving.churn:
+            # Every slot but the dummy starts free; the engine's allocator hands them out as requests arrive
+            # (the flow's serving bookkeeping, drift/flows/slots.py). Rows, lanes and their slots are
+            # persistent buffers the flow rewrites before each step.
+            self.request_slots = self.track_slots = np.zeros(0, np.int64)
+            self.spare_slots = np.arange(1, S, dtype=np.int64)
+            N = cfg.num_rows
+            self.row_slots = torch.zeros(N, dtype=torch.int64, device=device)
+            self.row_track_slots = torch.zeros(N, dtype=torch.int64, device=device)
+            self.active_slots = torch.zeros(R, dtype=torch.int64, device=device)
+            self.lane_track_slots = torch.zeros(R, dtype=torch.int64, device=device)
+        else:
+            rng = np.random.default_rng([cfg.seed, 0x5107])
+            perm = 1 + rng.permutation(S - 1)
+            self.request_slots = perm[:R].astype(np.int64)
+            self.track_slots = perm[R:2 * R].astype(np.int64)
+            self.spare_slots = perm[2 * R:].astype(np.int64)
+            # Batch rows: active requests, then padded rows on the dummy slot 0.
+            rows = np.concatenate([self.request_slots, np.zeros(cfg.num_padded, np.int64)])
+            trk = np.concatenate([self.track_slots, np.zeros(cfg.num_padded, np.int64)])
+            self.row_slots = torch.from_numpy(rows).to(device)  # [N] int64
+            self.row_track_slots = torch.from_numpy(trk).to(device)  # [N] int64
+            self.active_slots = torch.from_numpy(self.request_slots).to(device)  # [R]: each lane's slot
+            self.lane_track_slots = torch.from_numpy(self.track_slots).to(device)  # [R]: each lane's track slot
+            for r, (req, trk_slot) in enumerate(zip(self.request_slots, self.track_slots)):
+                self.owners[int(req)] = f"request slot of row {r}"
+                self.owners[int(trk_slot)] = f"track slot of row {r}"
         self._fill_sentinels()
 
     def _fill_sentinels(self) -> None:
@@ -95,20 +113,20 @@ class StatePool:
         return raw_state(self.intermediate_ssm)
 
     def slot_role(self, slot: int) -> str:
-        """'dummy', 'request row r', 'track slot of row r' or 'spare' (for messages)."""
+        """'dummy slot 0', 'request slot of row r', 'track slot of row r', what the serving bookkeeping
+        says holds it, or 'spare slot' / 'free slot' (for messages)."""
         if slot == 0:
             return "dummy slot 0"
-        for r, (req, trk) in enumerate(zip(self.request_slots, self.track_slots)):
-            if slot == req:
-                return f"request slot of row {r}"
-            if slot == trk:
-                return f"track slot of row {r}"
-        return "spare slot"
+        return self.owners.get(int(slot), "free slot" if self.cfg.serving.churn else "spare slot")
 
     @property
     def unowned_slots(self) -> np.ndarray:
-        """int64 ``[U]``: the slots no row owns (slot 0, the dummy or NULL block, and the spare slots),
-        which neither the verify kernel nor the update may write."""
+        """int64 ``[U]``: the slots no row owns (slot 0, the dummy or NULL block, and the spare slots;
+        under churn every slot no request and no cached snapshot holds), which neither the verify
+        kernel nor the update may write."""
+        if self.cfg.serving.churn:
+            free = [s for s in range(1, self.temporal.shape[1]) if s not in self.owners]
+            return np.asarray([0, *free], np.int64)
         return np.concatenate([[0], self.spare_slots]).astype(np.int64)
 
     def bits(self) -> tuple[torch.Tensor, torch.Tensor]:

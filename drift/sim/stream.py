@@ -29,6 +29,7 @@ import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
@@ -36,6 +37,9 @@ import torch
 from ..config import PREFILL_STAGGER, Config
 from ..errors import ConfigError, DataError
 from .tracefile import Trace, read_trace, trace_paths
+
+if TYPE_CHECKING:
+    from .serving import ScheduleChunk
 
 TOKEN_BLOCK = 64  # positions generated per (row, block) draw
 SCHEDULE_BLOCK = 1024  # steps generated per acceptance draw
@@ -183,13 +187,18 @@ class TrueTokens:
 
     ``get(row, p0, p1)`` returns float32 arrays ``x [n, L, C]`` (pre-conv mixed
     q/k/v channels), ``a [n, L, HV]`` and ``b [n, L, HV]`` (gating inputs) for
-    positions ``p0 .. p1-1``; all values lie on the bfloat16 grid.
+    positions ``p0 .. p1-1``; all values lie on the bfloat16 grid. ``row`` is the request id (the
+    fixed batch's request r is row r): a request's tokens are a function of (seed, request id) alone,
+    except the prompt a prefix-cache hit shares with an earlier request (``prefixes``).
     """
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, prefixes: Optional[dict] = None):
         self.cfg = cfg
         self._cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._trace = _trace_for(cfg) if cfg.trace else None
+        # request -> (source request, shared positions): a prefix-cache hit's prompt is its source's
+        # first positions (drift.sim.serving fills this as requests start; the fixed batch has none).
+        self.prefixes: dict[int, tuple[int, int]] = {} if prefixes is None else prefixes
 
     def _from_trace(self, row: int, p0: int, p1: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         cfg, rt = self.cfg, self._trace
@@ -240,6 +249,14 @@ class TrueTokens:
                     np.zeros((0, cfg.num_layers, cfg.num_v_heads), np.float32))
         if self._trace is not None:
             return self._from_trace(row, p0, p1)
+        shared = self.prefixes.get(row)
+        if shared is not None and p0 < shared[1]:  # the prompt a prefix hit shares with its source
+            src, P = shared
+            head = self.get(src, p0, min(p1, P))
+            if p1 <= P:
+                return head
+            tail = self.get(row, P, p1)
+            return tuple(np.concatenate(pair, axis=0) for pair in zip(head, tail))  # type: ignore[return-value]
         parts = []
         for blk in range(p0 // TOKEN_BLOCK, (p1 - 1) // TOKEN_BLOCK + 1):
             lo, hi = max(p0, blk * TOKEN_BLOCK) - blk * TOKEN_BLOCK, min(p1, (blk + 1) * TOKEN_BLOCK) - blk * TOKEN_BLOCK
@@ -365,15 +382,24 @@ class StepChunk:
     accept: np.ndarray
     track_host: np.ndarray
     drafts_host: np.ndarray
+    schedule: Optional["ScheduleChunk"] = None  # the serving schedule of these steps (None: the fixed batch)
+
+    def rows(self, s: int) -> int:
+        """The batch rows passed at step ``s`` of the chunk: its graph bucket (every row when fixed)."""
+        return self.last_steps.shape[1] if self.schedule is None else int(self.schedule.bucket[s])
 
 
 class InputStream:
-    """Iterates decode steps in device-resident chunks (one host-to-device copy per chunk)."""
+    """Iterates decode steps in device-resident chunks (one host-to-device copy per chunk).
 
-    def __init__(self, cfg: Config, device: torch.device, chunk_bytes: int = 16 << 20):
+    ``schedule``: the serving schedule (drift.sim.serving.ServingSchedule) of a config whose lifecycle
+    churns; its requests' tokens (and their shared prefixes) fill the lanes' rows step by step."""
+
+    def __init__(self, cfg: Config, device: torch.device, chunk_bytes: int = 16 << 20, schedule=None):
         self.cfg = cfg
         self.device = device
-        self.tokens = TrueTokens(cfg)
+        self.schedule = schedule
+        self.tokens = TrueTokens(cfg, prefixes=schedule.prefixes if schedule is not None else None)
         self.params = StreamParams.generate(cfg)
         per_step = cfg.num_layers * cfg.num_rows * cfg.num_draft_tokens * (cfg.conv_channels * 2 + 8 * cfg.num_v_heads)
         self.chunk_steps = int(max(1, min(256, chunk_bytes // max(per_step, 1))))
@@ -385,6 +411,8 @@ class InputStream:
 
     def chunk(self, count: int) -> StepChunk:
         """The next ``count`` steps (advances the stream)."""
+        if self.schedule is not None:
+            return self._serving_chunk(count)
         cfg = self.cfg
         L, N, R, D, C, HV = (cfg.num_layers, cfg.num_rows, cfg.num_requests, cfg.num_draft_tokens,
                              cfg.conv_channels, cfg.num_v_heads)
@@ -425,5 +453,59 @@ class InputStream:
             drafts_host=drafts_host,
         )
         self.pos = pre[-1] + acc[-1]
+        self.step += count
+        return out
+
+    def _serving_chunk(self, count: int) -> StepChunk:
+        """The next ``count`` steps of a churning lifecycle: the schedule says which request each lane
+        runs and where it stands; each lane's windows go to the batch row the schedule gives it (padded
+        rows: zeros, step -1)."""
+        cfg, sch = self.cfg, self.schedule
+        L, N, R, D, C, HV = (cfg.num_layers, cfg.num_rows, cfg.num_requests, cfg.num_draft_tokens,
+                             cfg.conv_channels, cfg.num_v_heads)
+        drafts_lane = draft_counts(cfg, self.step, count)
+        plan = sch.advance(accept_lengths(cfg, self.step, count), drafts_lane)
+        acc, pre, rows = plan.accept, plan.pre, plan.row
+        x = np.zeros((count, L, N, D, C), np.int16)
+        a = np.zeros((count, L, N, D, HV), np.float32)
+        b = np.zeros((count, L, N, D, HV), np.float32)
+        last = np.full((count, N), -1, np.int64)
+        trk = np.full((count, N), -1, np.int64)
+        drafts = np.full((count, N), D, np.int32)
+        for r in range(R):
+            steps = np.nonzero(plan.request[:, r] >= 0)[0]
+            if not len(steps):
+                continue
+            # contiguous runs of one request in this lane (a lane changes request at a start)
+            cut = np.nonzero((np.diff(steps) != 1) | (np.diff(plan.request[steps, r]) != 0))[0] + 1
+            for seg in np.split(steps, cut):
+                q = int(plan.request[seg[0], r])
+                p0, p1 = int(pre[seg[0], r]), int(pre[seg[-1], r]) + D
+                tx, ta, tb = self.tokens.get(q, p0, p1)
+                tx = torch.from_numpy(tx).to(torch.bfloat16).view(torch.int16).numpy()
+                idx = (pre[seg, r, None] - p0) + np.arange(D)[None, :]  # [n, D]
+                wx, wa, wb = tx[idx], ta[idx], tb[idx]  # [n, D, L, ...]
+                rejected = np.arange(D)[None, :] >= acc[seg, r, None]
+                if rejected.any():
+                    px, pa, pb = perturb(wx[rejected], wa[rejected], wb[rejected])
+                    wx[rejected], wa[rejected], wb[rejected] = px, pa, pb
+                rw = rows[seg, r]
+                x[seg, :, rw] = wx.transpose(0, 2, 1, 3)
+                a[seg, :, rw] = wa.transpose(0, 2, 1, 3)
+                b[seg, :, rw] = wb.transpose(0, 2, 1, 3)
+                last[seg, rw] = acc[seg, r] - 1
+                trk[seg, rw] = plan.track[seg, r]
+                drafts[seg, rw] = drafts_lane[seg, r]
+        live = plan.request >= 0
+        dev = self.device
+        out = StepChunk(
+            step0=self.step, count=count,
+            x=torch.from_numpy(x).view(torch.bfloat16).to(dev),
+            a=torch.from_numpy(a).to(dev), b=torch.from_numpy(b).to(dev),
+            last_steps=torch.from_numpy(last).to(dev), track_steps=torch.from_numpy(trk).to(dev),
+            drafts=torch.from_numpy(drafts).to(dev), pre=np.where(live, pre, 0), accept=np.where(live, acc, 0),
+            track_host=np.where(live, plan.track, -1), drafts_host=np.where(live, drafts_lane, D), schedule=plan,
+        )
+        self.pos = np.where(live[-1], pre[-1] + acc[-1], 0)
         self.step += count
         return out

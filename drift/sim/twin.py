@@ -35,27 +35,42 @@ def _inputs(cfg: Config, params: StreamParams, window: torch.Tensor, x: torch.Te
 
 
 def prefill(cfg: Config, tokens: TrueTokens, params: StreamParams, lengths: list[int],
-            device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact state and conv window of every request after its prompt (float64).
+            device: torch.device, requests: Optional[list[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact state and conv window of each request after its first ``lengths[i]`` tokens (float64):
+    the fixed batch's requests ``0 .. R-1``, or the request ids ``requests``.
 
-    Returns states ``[L, R, HV, V, K]`` and windows ``[L, R, Kc-1, C]`` (the last Kc-1 inputs).
+    Returns states ``[L, n, HV, V, K]`` and windows ``[L, n, Kc-1, C]`` (the last Kc-1 inputs).
     """
-    L, R, Kc = cfg.num_layers, cfg.num_requests, cfg.conv_kernel
-    state = torch.zeros(L, R, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim, dtype=F64, device=device)
-    window = torch.zeros(L, R, Kc - 1, cfg.conv_channels, dtype=F64, device=device)
+    requests = list(range(cfg.num_requests)) if requests is None else list(requests)
+    return extend(cfg, tokens, params, requests, [0] * len(requests), lengths, device)
+
+
+def extend(cfg: Config, tokens: TrueTokens, params: StreamParams, requests: list[int], starts: list[int],
+           ends: list[int], device: torch.device, state: Optional[torch.Tensor] = None,
+           window: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The state and conv window of each request ``requests[i]`` after its tokens ``starts[i] ..
+    ends[i] - 1``, in float64, from ``state [L, n, HV, V, K]`` and ``window [L, n, Kc-1, C]`` (the state
+    and the last Kc-1 inputs before ``starts[i]``; zeros when None: a prompt from its start). An
+    engine's extend (prefill) from what a slot holds, computed exactly (drift's model of the prefill
+    kernel: exact, then stored once in the state dtype; docs/semantics.md §12)."""
+    L, R, Kc = cfg.num_layers, len(requests), cfg.conv_kernel
+    shape = (L, R, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim)
+    state = torch.zeros(shape, dtype=F64, device=device) if state is None else state.to(device, F64).clone()
+    window = (torch.zeros(L, R, Kc - 1, cfg.conv_channels, dtype=F64, device=device) if window is None
+              else window.to(device, F64).clone())
     rows = torch.arange(R, device=device)
     prm = params.to(device)
-    longest = max(lengths)
-    for p0 in range(0, longest, PREFILL_CHUNK):
-        n = min(PREFILL_CHUNK, longest - p0)
+    longest = max(e - s for s, e in zip(starts, ends)) if R else 0
+    for off in range(0, longest, PREFILL_CHUNK):
+        n = min(PREFILL_CHUNK, longest - off)
         xs, as_, bs = [], [], []
-        for r in range(R):
-            x, a, b = tokens.get(r, p0, p0 + n)
+        for q, s0 in zip(requests, starts):
+            x, a, b = tokens.get(q, s0 + off, s0 + off + n)
             xs.append(x), as_.append(a), bs.append(b)
         x = torch.from_numpy(np.stack(xs, 1)).to(device=device, dtype=F64).permute(2, 1, 0, 3)  # [L,R,n,C]
         a = torch.from_numpy(np.stack(as_, 1)).to(device=device, dtype=F64).permute(2, 1, 0, 3)
         b = torch.from_numpy(np.stack(bs, 1)).to(device=device, dtype=F64).permute(2, 1, 0, 3)
-        take = torch.tensor([max(0, min(n, ln - p0)) for ln in lengths], device=device)
+        take = torch.tensor([max(0, min(n, e - s - off)) for s, e in zip(starts, ends)], device=device)
         q, k, v, decay, beta = _inputs(cfg, prm, window, x, a, b)
         kernels.gdn_decode(state, rows, q, k, v, decay, beta, take, compute_dtype=F64)
         window = _advance_window(window, x, take)
@@ -94,6 +109,13 @@ class Float64Twin:
         self.norm2 = torch.zeros(cfg.num_layers, cfg.num_requests, cfg.num_draft_tokens, cfg.num_v_heads,
                                  dtype=F64, device=device)  # ||h||^2 after each token of the step
         self._rows = torch.arange(cfg.num_requests, device=device)
+
+    def reset_lanes(self, lanes: np.ndarray, state: torch.Tensor, window: torch.Tensor) -> None:
+        """Lanes ``lanes [n]`` start a new request (or resume one) here: its true state ``[L, n, HV, V,
+        K]`` and its last Kc-1 true inputs ``[L, n, Kc-1, C]`` (any float dtype; held in float64)."""
+        idx = torch.from_numpy(np.asarray(lanes, np.int64)).to(self.device)
+        self.state.index_copy_(1, idx, state.to(self.device, F64))
+        self.window = self.window.index_copy(1, idx, window.to(self.device, F64))
 
     def advance(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accept: np.ndarray,
                 track: np.ndarray, mark: np.ndarray | None = None) -> None:

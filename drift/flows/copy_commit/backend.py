@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 from ...config import Config
@@ -63,16 +64,27 @@ class VerifyArgsBuilder:
         """The arguments of this step's verify: mix_qkv bf16 ``[L, N, D, C]``, beta (logits) bf16 and
         g fp32 ``[L, N, D, HV]`` (gate_inputs: what g was computed from, :class:`VerifyArgs`)."""
         cfg, pool = self.cfg, self.pool
+        B, D = mix_qkv.shape[1], cfg.num_draft_tokens  # the step's rows: every row, or its graph bucket
         num_accepted = self.prev_accept if self.accept_counts else self.num_accepted
-        return VerifyArgs(mix_qkv, beta, g, pool.temporal, pool.intermediate_ssm, self.cache_indices,
-                          self.ssm_state_indices.view(cfg.num_rows, cfg.num_draft_tokens), num_accepted,
-                          self.actual_seq_lengths, cfg.num_k_heads, cfg.num_v_heads, self.scale, rounding, key,
+        return VerifyArgs(mix_qkv, beta, g, pool.temporal, pool.intermediate_ssm, self.cache_indices[:B],
+                          self.ssm_state_indices[:B * D].view(B, D), num_accepted[:B],
+                          self.actual_seq_lengths[:B], cfg.num_k_heads, cfg.num_v_heads, self.scale, rounding, key,
                           rule=self.rule, gate_inputs=gate_inputs)
 
     def accepted(self, last_steps: torch.Tensor) -> None:
-        """Record this step's accepted steps (int ``[N]``, -1 for padded rows) for the next step's
+        """Record this step's accepted steps (int ``[B]``, -1 for padded rows) for the next step's
         ``num_accepted_tokens`` in the npu-accepted flow: ``max(last + 1, 1)``, on the device."""
-        self.prev_accept.copy_(torch.clamp(last_steps + 1, min=1).to(I32))
+        self.prev_accept[: last_steps.shape[0]].copy_(torch.clamp(last_steps + 1, min=1).to(I32))
+
+    def follow(self, moved_from) -> None:
+        """A new batch (a churning lifecycle; ``moved_from [B]`` host int: the row each row's request held
+        at the last step, -1 new or padded). The accepted-count form continues a row from its previous
+        scratch block ``b * S + n - 1``, which is row b's: a request that kept its row keeps its count, any
+        other row gets 1 (its committed state, which the commit copy left holding the accepted state)."""
+        B = len(moved_from)
+        stays = torch.from_numpy(np.asarray(moved_from) == np.arange(B)).to(self.prev_accept.device)
+        self.prev_accept[:B] = torch.where(stays, self.prev_accept[:B], torch.ones_like(self.prev_accept[:B]))
+        self.prev_accept[B:] = 1
 
     def state_dict(self) -> dict:
         return {"prev_accept": self.prev_accept.cpu().clone()}

@@ -48,14 +48,25 @@ class CopyCommitFlow(MambaPoolFlow):
     def after_verify(self, last: torch.Tensor) -> None:
         self.args.accepted(last)
 
+    def arranged(self, lanes_of_rows: np.ndarray, moved_from: np.ndarray) -> None:
+        """SGLang rebuilds the step's mamba indices from the batch's request rows every step
+        (``MambaAttnBackendBase._forward_metadata``; graph mode: ``_replay_metadata`` rewrites the whole
+        ``[:bs]`` buffer, padded rows included): the verify's ``cache_indices`` and the update's
+        ``forward_metadata.mamba_cache_indices`` are the rows' slots now. The npu-accepted form's accept
+        counts follow their request to its row (1 for a request that starts)."""
+        idx = self.pool.row_slots.to(torch.int32)
+        self.args.cache_indices.copy_(idx)
+        self.harness.linear_attn_backend.forward_metadata.mamba_cache_indices.copy_(idx)
+        self.args.follow(moved_from)
+
     def tracked_snapshot(self, track: np.ndarray) -> tuple:
         """The track slots, compared bit for bit with the scratch block each was copied from."""
         pool = self.pool
-        rows = np.nonzero(track >= 0)[0]
-        rows_t = torch.from_numpy(rows).to(pool.device)
-        tslots, windows = self.track_windows(rows_t)
+        rows = np.nonzero(track >= 0)[0]  # lanes
+        tslots, windows = self.track_windows(torch.from_numpy(rows).to(pool.device))
         got = pool.states[:, tslots]  # [L, n, HV, V, K] in the state dtype
-        held = pool.scratch[:, rows_t, torch.from_numpy(track[rows]).to(pool.device)]
+        batch_rows = torch.from_numpy(self.lane_rows_host[rows]).to(pool.device)  # the scratch is per batch row
+        held = pool.scratch[:, batch_rows, torch.from_numpy(track[rows]).to(pool.device)]
         bits_bad = (as_bits(got) != as_bits(held)).sum((0, 2, 3, 4))
         return rows, got.clone(), windows, bits_bad
 

@@ -38,7 +38,7 @@ from ...sim import kernels
 from ..base import MambaPoolFlow
 from ..registry import FLOW_KINDS, FLOWS
 from . import naive
-from .pool import ReplayHarness, ReplayPool, effective_states
+from .pool import NULL_SLOT, ReplayHarness, ReplayPool, ReplaySlots, effective_states
 from .rule import RingRule
 
 I32 = torch.int32
@@ -87,19 +87,42 @@ class KernelCommitFlow(MambaPoolFlow):
 
     def verify_args(self, mix, beta, g, rounding: str, key: int, drafts=None, gate=None) -> kernels.VerifyArgs:
         cfg, pool = self.cfg, self.pool
-        return kernels.VerifyArgs(mix, beta, g, pool.temporal, pool.intermediate_ssm, *self._indices, cfg.num_k_heads,
-                                  cfg.num_v_heads, cfg.head_k_dim ** -0.5, rounding, key, rule=self.rule,
-                                  gate_inputs=gate)
+        B = mix.shape[1]  # the step's rows: every row, or its graph bucket
+        return kernels.VerifyArgs(mix, beta, g, pool.temporal, pool.intermediate_ssm, *(t[:B] for t in self._indices),
+                                  cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim ** -0.5, rounding, key,
+                                  rule=self.rule, gate_inputs=gate)
 
     def after_verify(self, last: torch.Tensor) -> None:
-        self._last.copy_(last)  # the accepted steps: which tracked rows must equal their checkpoint
+        self._last[: last.shape[0]].copy_(last)  # the accepted steps: which tracked rows must equal their checkpoint
+        self._last[last.shape[0]:] = -1
 
     def committed_states(self) -> torch.Tensor:
         """The state each request's next verify starts from: its checkpoint, with any records still in
         its ring folded in (none after a fold-every-commit step), in the state dtype."""
-        pool, R = self.pool, self.cfg.num_requests
-        h = effective_states(pool, pool.replay_indices[:R], pool.active_slots, self.cfg.num_v_heads)
+        pool = self.pool
+        h = effective_states(pool, pool.lane_ring_rows, pool.active_slots, self.cfg.num_v_heads)
         return h.to(pool.temporal.dtype)
+
+    # ------------------------------------------------------------ a churning lifecycle (docs/semantics.md §12)
+    SLOTS = ReplaySlots  # SGLang's bookkeeping, a fresh request row's spec cursors zeroed
+
+    def admit(self, lane: int, request: int, start) -> None:
+        super().admit(lane, request, start)
+        self.pool.lane_ring_rows[lane] = self.held[lane].row
+
+    def arranged(self, lanes_of_rows: np.ndarray, moved_from: np.ndarray) -> None:
+        """The spec verify's and the commit's indices per row (``_replayssm_target_verify``: ``ssm_state_indices
+        = cache_indices``, -1 for padded rows; ``replay_indices = req_pool_indices``, row 0 for padded rows),
+        handed to the commit for this step's rows."""
+        pool, h, B = self.pool, self.harness, len(lanes_of_rows)
+        live = torch.from_numpy(np.concatenate([lanes_of_rows >= 0, np.zeros(self.cfg.num_rows - B, bool)]))
+        live = live.to(pool.device)
+        rows = np.zeros(self.cfg.num_rows, np.int64)
+        rows[:B][lanes_of_rows >= 0] = [self.held[int(lane)].row for lane in lanes_of_rows[lanes_of_rows >= 0]]
+        pool.state_indices.copy_(torch.where(live, pool.row_slots, torch.full_like(pool.row_slots, NULL_SLOT)))
+        pool.replay_indices.copy_(torch.from_numpy(rows))
+        self._indices[0].copy_(pool.state_indices.to(I32))
+        h.state_batch_indices, h.req_pool_indices = pool.state_indices[:B], pool.replay_indices[:B]
 
     def tracked_snapshot(self, track: np.ndarray) -> tuple:
         """What the track slots hold. The run held no per-token state to compare bits with; where a
@@ -107,13 +130,14 @@ class KernelCommitFlow(MambaPoolFlow):
         same records into both slots with the same code, so the track slot must equal the new
         checkpoint bit for bit (counted); other rows are judged by their error alone."""
         pool = self.pool
-        rows = np.nonzero(track >= 0)[0]
+        rows = np.nonzero(track >= 0)[0]  # lanes
         rows_t = torch.from_numpy(rows).to(pool.device)
         tslots, windows = self.track_windows(rows_t)
         got = pool.states[:, tslots]
-        same_step = (self._last.index_select(0, rows_t) == torch.from_numpy(track[rows]).to(pool.device))
+        batch_rows = torch.from_numpy(self.lane_rows_host[rows]).to(pool.device)
+        same_step = (self._last.index_select(0, batch_rows) == torch.from_numpy(track[rows]).to(pool.device))
         same_step &= torch.tensor(self.harness.fold_every_commit, device=pool.device)
-        ckpt = pool.states[:, pool.row_slots[rows_t]]
+        ckpt = pool.states[:, pool.active_slots[rows_t]]
         bits_bad = ((as_bits(got) != as_bits(ckpt)).sum((0, 2, 3, 4)) * same_step).to(torch.int64)
         return rows, got.clone(), windows, bits_bad
 

@@ -15,6 +15,7 @@ from ...config import Config
 from ...fileio import check_memory
 from ...sim.pool import StatePool
 from ..base import Harness
+from ..slots import MambaSlots
 
 F32, BF16, I32 = torch.float32, torch.bfloat16, torch.int32
 NULL_SLOT = -1  # spec_utils.py: null_block_id=-1, "SGLang: valid slots >= 0, padding == -1"
@@ -68,11 +69,27 @@ class ReplayPool(StatePool):
         live = torch.arange(N, device=device) < R
         self.state_indices = torch.where(live, self.row_slots, torch.full_like(self.row_slots, NULL_SLOT))
         self.replay_indices = torch.clamp(torch.arange(N, dtype=torch.int64, device=device), max=R)
+        # Each lane's ring slot (the fixed batch: lane r's row r; under churn its request's request-pool row).
+        self.lane_ring_rows = self.replay_indices[:R].clone()
 
     def ring_tensors(self) -> dict[str, torch.Tensor]:
         return {"ring_d": self.ring_d, "ring_d_lo": self.ring_d_lo, "ring_k": self.ring_k,
                 "ring_k_lo": self.ring_k_lo, "ring_g": self.ring_g, "write_pos": self.write_pos,
                 "cache_base": self.cache_base, "is_flush": self.is_flush}
+
+
+class ReplaySlots(MambaSlots):
+    """SGLang 0.5.23's bookkeeping under the spec ring (``--enable-linear-replayssm-spec``): the ring and its
+    cursors belong to the request-pool row (``replay_indices = req_pool_indices``), and
+    ``HybridReqToTokenPool.alloc`` zeroes a freshly handed-out row's cursors
+    (``srt/mem_cache/memory_pool.py``: ``spec_write_pos.index_fill_(0, fresh_rows, 0)``, and
+    ``replayssm_cache_base`` / ``replayssm_is_flush`` likewise); ``copy_from`` touches neither ring nor
+    cursors, and nothing resets them at free (docs/semantics.md §12)."""
+
+    def fresh_row(self, row: int) -> None:
+        pool = self.pool
+        for cursor in (pool.write_pos, pool.cache_base, pool.is_flush):
+            cursor.index_fill_(0, torch.tensor([row], device=cursor.device), 0)
 
 
 class ReplayHarness(Harness):

@@ -42,8 +42,8 @@ class RingRule(VerifyRule):
         self.pool = pool
 
     def _rows(self, args: VerifyArgs):
-        pool, dev = self.pool, args.mix_qkv.device
-        slots, replay = pool.state_indices.to(dev), pool.replay_indices.to(dev)
+        pool, dev, B = self.pool, args.mix_qkv.device, args.mix_qkv.shape[1]  # the step's rows
+        slots, replay = pool.state_indices[:B].to(dev), pool.replay_indices[:B].to(dev)
         live = slots >= 0
         flush = pool.is_flush.index_select(0, replay) != 0
         return slots, replay, live, flush
