@@ -282,7 +282,7 @@ class Simulation:
         if self.serving:  # requests come and go: the schedule, in the engine's batch order
             if start is not None:
                 raise ValueError("a resume point starts the fixed batch's rows; a churning lifecycle starts its own")
-            schedule = ServingSchedule(cfg, self.flow.BATCH_ORDER, self.flow.snapshot_kept)
+            schedule = ServingSchedule(cfg, self.flow.BATCH_ORDER)
         self.stream = InputStream(cfg, self.device, schedule=schedule)
         self.params = self.stream.params.to(self.device)
         self.observers = list(observers)

@@ -177,12 +177,6 @@ class FlowKind(abc.ABC):
         against the state the snapshot must equal bit for bit, 0 where there is none to compare)``."""
 
     # ------------------------------------------------------------ a churning lifecycle
-    def snapshot_kept(self, track: int, drafts: int) -> bool:
-        """Whether a tracked step (the draft step ``track`` of a row verifying ``drafts`` tokens) leaves the
-        snapshot the prefix cache keeps when its request finishes (the kind's track slot); every one by
-        default."""
-        return True
-
     def start_serving(self, bookkeeping=None, extend=None) -> None:
         """Begin a churning lifecycle: every slot free, no lane running (``bookkeeping``: the engine's
         bookkeeping class to run instead of the kind's own, a serving mutant's; ``extend``: drift's model of

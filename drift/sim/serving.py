@@ -14,7 +14,7 @@ Lane ``r`` runs requests ``r, r + R, r + 2R, ...``; lane 0's first request runs 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy as np
@@ -181,18 +181,16 @@ BATCH_ORDERS: dict[str, Callable[[list[int], list[int], list[int]], list[int]]] 
 class ServingSchedule:
     """The lifecycle of ``cfg`` (churn on), replayed in step order on the host: :meth:`advance` takes
     the accept lengths the stream drew for the next steps (``[count, R]``, every lane) and the draft
-    counts, and returns their :class:`ScheduleChunk`. ``batch_order`` is the engine's (:data:`BATCH_ORDERS`);
-    ``snapshot_kept(track, drafts)`` says whether a tracked step leaves the snapshot the prefix cache
-    keeps when the request finishes (the flow kind's; default: every tracked step)."""
+    counts, and returns their :class:`ScheduleChunk`. ``batch_order`` is the engine's (:data:`BATCH_ORDERS`).
+    A finished request's last tracked snapshot (its longest prefix on the track grid) enters the prefix
+    cache in every flow: the requests, their prompts and their truths do not depend on the engine."""
 
-    def __init__(self, cfg: Config, batch_order: str = "append",
-                 snapshot_kept: Optional[Callable[[int, int], bool]] = None):
+    def __init__(self, cfg: Config, batch_order: str = "append"):
         from .stream import track_steps  # the track rule (stream imports this module)
 
         self.cfg, self.life = cfg, cfg.serving
         self.track_steps = track_steps
         self.order_fn = BATCH_ORDERS[batch_order]
-        self.snapshot_kept = snapshot_kept or (lambda track, drafts: True)
         R = cfg.num_requests
         self.lanes = [_Lane() for _ in range(R)]
         for r, lane in enumerate(self.lanes):
@@ -251,7 +249,7 @@ class ServingSchedule:
                 pre, acc = lane.pos, int(accept[j, r])
                 trk = int(self.track_steps(np.array([pre]), np.array([acc]), cfg.track_interval)[0])
                 out["pre"][j, r], out["accept"][j, r], out["track"][j, r] = pre, acc, trk
-                if trk >= 0 and self.snapshot_kept(trk, int(drafts[j, r])):
+                if trk >= 0:
                     lane.last_snapshot = pre + trk + 1
                 lane.pos = pre + acc
                 self.spans[q][1] = lane.pos
