@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from .checkpoint import restore, saveable
+from .dtypes import as_bits
 from .devices import resolve_device
 from .errors import ENDS_PROCESS, DriftError, UpdateRaised, ended_by_code, raise_if_interrupted, what_raised
 from .flows.registry import state_flow
@@ -37,7 +38,7 @@ from .sim import kernels
 from .sim.graph import GraphStatus, StepGraph
 from .sim.pool import StatePool
 from .sim.shim import kernels_in_use
-from .sim.serving import END_FINISH, END_NAMES, START_NAMES, START_PREFILL, START_RESUME, ServingSchedule
+from .sim.serving import END_FINISH, END_NAMES, START_NAMES, START_PREFILL, START_PREFIX, START_RESUME, ServingSchedule
 from .sim.stream import InputStream
 from .sim.twin import extend, prefill
 
@@ -129,6 +130,12 @@ class SlotGuard:
         self.violations = torch.zeros(len(self.CALLS), capacity, S, dtype=torch.bool, device=pool.device)
         self._kernel_changed = torch.zeros(S, dtype=torch.bool, device=pool.device)
         self.first: Optional[dict] = None  # first violation seen: step, slot, role, call
+
+    def own(self, unowned: np.ndarray) -> None:
+        """The slots no row owns now (a churning lifecycle hands slots out and takes them back between steps)."""
+        self._unowned = torch.from_numpy(np.asarray(unowned, np.int64)).to(self.pool.device)
+        self._unowned_t = self._t_words.index_select(1, self._unowned)
+        self._unowned_c = self._c_words.index_select(1, self._unowned)
 
     def before_verify(self) -> None:
         """Before the verify kernel's call: the words of the slots no row owns."""
@@ -289,6 +296,8 @@ class Simulation:
         self.guard = SlotGuard(self.pool, self.stream.chunk_steps) if (check_untouched and mode == "mtp") else None
         self._ended: list[tuple] = []  # (lane, request, END_*, its snapshot kept) after the last step
         self.events = EventCounts()
+        self.start_findings: list[dict] = []  # requests whose first verify read another start (_check_starts)
+        self.starts_checked = 0
         if self.serving:  # every lane starts empty; the schedule's first step admits the first requests
             self.lengths = [0] * cfg.num_requests
             shape = (cfg.num_layers, cfg.num_requests, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim)
@@ -475,11 +484,15 @@ class Simulation:
         for lane, request, end, kept in self._ended:
             self.flow.release(lane, request, finished=end == END_FINISH, keep_snapshot=kept)
         starts = {}
-        for start in plan.starts(s):
+        begun = plan.starts(s)
+        for start in begun:
             truth = self._prefilled(start) if start.code == START_PREFILL else (None, None)
             starts[start.lane] = (start, *truth)
             self.flow.admit(start.lane, start.request, start)
         self.flow.arrange(plan.lanes[s, :chunk.rows(s)])
+        if self.guard is not None:
+            self.guard.own(self.pool.unowned_slots)
+        self._check_starts(begun)
         self._ended = [(r, int(plan.request[s, r]), int(plan.end[s, r]), bool(plan.kept[s, r]))
                        for r in np.nonzero(plan.end[s])[0].tolist()]
         self.events.add(plan, s)
@@ -494,24 +507,59 @@ class Simulation:
             self._truths = {key: (state[:, 0], window[:, 0])}
         return self._truths[key]
 
-    def _extend(self, start, state0: torch.Tensor, window0: Optional[torch.Tensor]):
-        """drift's model of the engine's extend (the prefill kernel): the state and window after the
-        start's tokens, exact from what the slot held (``state0 [L, HV, V, K]``, ``window0 [L, Kc-1, C]``
-        or None: zeros), float64 on the CPU; the flow stores it once in the state dtype. From an empty
-        slot it is the truth: a prefill's (computed once), a resume's (an observer's twin, ``lane_truth``)."""
-        empty = window0 is None and start.p0 == 0 and not bool(state0.any())
-        if empty and start.code == START_PREFILL:
-            return self._prefilled(start)
-        if empty and start.code == START_RESUME:
+    def _true_start(self, start) -> tuple[torch.Tensor, torch.Tensor]:
+        """The truth (float64, CPU) a prefill or a resume stores: the prefill's (computed once), a resume's
+        from an observer's twin (``lane_truth``), else a prefill of everything the request holds."""
+        if start.code == START_RESUME:
             for obs in self.observers:
                 have = getattr(obs, "lane_truth", None)
                 got = have(start.lane) if have is not None else None
                 if got is not None:
                     return got
+        return self._prefilled(start)
+
+    def _extend(self, start, state0: torch.Tensor, window0: Optional[torch.Tensor]):
+        """drift's model of the engine's extend (the prefill kernel): the state and window after the
+        start's tokens, exact from what the slot held (``state0 [L, HV, V, K]``, ``window0 [L, Kc-1, C]``
+        or None: zeros), float64 on the CPU; the flow stores it once in the state dtype. From an empty
+        slot it is the truth (:meth:`_true_start`)."""
+        if window0 is None and start.p0 == 0 and not bool(state0.any()):
+            return self._true_start(start)
         state, window = extend(self.cfg, self.stream.tokens, self.stream.params, [start.request], [start.p0],
                                [start.p1], torch.device("cpu"), state0[:, None],
                                None if window0 is None else window0[:, None])
         return state[:, 0], window[:, 0]
+
+    def _check_starts(self, begun: list) -> None:
+        """Each request that starts here must find, where its first verify reads it, exactly the start a
+        correct engine stores: its true start rounded once (a prefill, a resume: a cleared slot extended
+        from zeros), or the extend of the snapshot the prefix cache keeps for its source (a prefix hit).
+        A mismatch -- a slot that kept its previous holder's state, a restore from the wrong snapshot, an
+        index that points elsewhere -- is recorded with the step, the slot and both holders (the check
+        ``request_starts``). Host-side, between steps: drift's own bookkeeping, not the hot path."""
+        if not begun:
+            return
+        pool, flow = self.pool, self.flow
+        got_states, got_windows = flow.committed_states(), flow.committed_windows()
+        for start in begun:
+            if start.code == START_PREFIX:
+                snap, snap_window = flow.cached_snapshot(start.source)
+                state, window = extend(self.cfg, self.stream.tokens, self.stream.params, [start.request],
+                                       [start.p0], [start.p1], torch.device("cpu"), snap.to(torch.float64).cpu()[:, None],
+                                       snap_window.to(torch.float64).cpu()[:, None])
+                state, window = state[:, 0], window[:, 0]
+            else:
+                state, window = self._true_start(start)
+            want = as_bits(state.to(pool.device).to(pool.temporal.dtype))
+            bad = int((as_bits(got_states[:, start.lane]) != want).sum())
+            bad_window = int((got_windows[:, start.lane].to(torch.float64).cpu() != window).sum())
+            self.starts_checked += 1
+            if (bad or bad_window) and len(self.start_findings) < 20:
+                slot = flow.start_slot(start.lane)
+                self.start_findings.append({
+                    "step": self.step, "lane": start.lane, "request": start.request, "start": START_NAMES[start.code],
+                    "source": start.source, "slot": slot, "holder": pool.slot_role(slot),
+                    "previous": pool.previous.get(slot, ""), "state_bits": bad, "window_values": bad_window})
 
     def _flush_guard(self) -> None:
         """Read the slot guard's per-step flags for the steps of the current chunk run so far."""

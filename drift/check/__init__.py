@@ -2,4 +2,4 @@
 comparison observer, the checks and their registry, the drift bound, the sequential shadow, the
 run-level checks. Importing the package registers every built-in check (drift.check.registry)."""
 
-from . import bounds, checks, runlevel, shadow  # noqa: F401  (each registers its checks)
+from . import bounds, checks, lifecycle, runlevel, shadow  # noqa: F401  (each registers its checks)

@@ -201,6 +201,15 @@ class FlowKind(abc.ABC):
         graph bucket; the engine's builder fills the step's index buffers from it."""
         raise NotImplementedError
 
+    def cached_snapshot(self, request: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The snapshot the prefix cache keeps for finished request ``request``: state ``[L, HV, V, K]``
+        (state dtype) and conv inputs ``[L, Kc-1, C]``."""
+        raise NotImplementedError
+
+    def start_slot(self, lane: int) -> int:
+        """The slot (or block) ``lane``'s request's next verify reads its state from (for messages)."""
+        raise NotImplementedError
+
     @abc.abstractmethod
     def buffers(self) -> list[torch.Tensor]:
         """The persistent tensors a decode step writes besides the pool's (a captured step replays them)."""
@@ -307,37 +316,48 @@ class MambaPoolFlow(FlowKind):
         self.fresh.add(lane)
         self.lane_slot[lane], self.lane_track[lane], self.lane_request[lane] = held.work, held.track, request
         pool.active_slots[lane], pool.lane_track_slots[lane] = held.work, held.track
-        pool.owners[held.work] = f"slot of request {request} (lane {lane})"
-        pool.owners[held.track] = f"track slot of request {request} (lane {lane})"
+        pool.own(held.work, f"the slot of request {request} (lane {lane})")
+        pool.own(held.track, f"the track slot of request {request} (lane {lane})")
 
     def release(self, lane: int, request: int, finished: bool, keep_snapshot: bool) -> None:
         pool, held = self.pool, self.held.pop(lane)
-        pool.owners.pop(held.work, None)
+        pool.disown(held.work)
         if keep_snapshot:  # donated to the tree: the prefix cache keeps the newest ones
             self.cache[request] = held.track
-            pool.owners[held.track] = f"prefix cache: the snapshot of request {request}"
+            pool.own(held.track, f"the prefix cache's snapshot of request {request}")
         else:
-            pool.owners.pop(held.track, None)
+            pool.disown(held.track)
         self.slots.free(held, keep_track=keep_snapshot)
         while len(self.cache) > self.cfg.serving.prefix_cache:  # the oldest snapshot evicted
             slot = self.cache.pop(next(iter(self.cache)))
-            pool.owners.pop(slot, None)
+            pool.disown(slot)
             self.slots.free_slots([slot])
         self.lane_request[lane] = -1
         pool.active_slots[lane] = 0
         pool.lane_track_slots[lane] = 0
 
+    def cached_snapshot(self, request: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The snapshot the prefix cache keeps for ``request``: its state ``[L, HV, V, K]`` (state dtype) and
+        the Kc-1 conv inputs ``[L, Kc-1, C]`` it holds."""
+        cfg, pool, slot = self.cfg, self.pool, self.cache[request]
+        return pool.states[:, slot], pool.conv[:, slot, cfg.conv_window - (cfg.conv_kernel - 1):]
+
+    def start_slot(self, lane: int) -> int:
+        """The slot ``lane``'s request's next verify reads (for messages)."""
+        return int(self.lane_slot[lane])
+
     def arrange(self, lanes_of_rows: np.ndarray) -> None:
         cfg, pool = self.cfg, self.pool
         B, N = len(lanes_of_rows), cfg.num_rows
         live = lanes_of_rows >= 0
-        rows, trk = np.zeros(N, np.int64), np.zeros(N, np.int64)  # padded rows: the dummy slot 0 (NPU)
-        rows[:B][live] = self.lane_slot[lanes_of_rows[live]]
+        rows, trk = np.zeros(B, np.int64), np.zeros(N, np.int64)  # padded rows: the dummy slot 0 (NPU)
+        rows[live] = self.lane_slot[lanes_of_rows[live]]
         trk[:B][live] = self.lane_track[lanes_of_rows[live]]
         previous = self.lane_rows_host.copy()
         self.lane_rows_host = np.zeros(cfg.num_requests, np.int64)
         self.lane_rows_host[lanes_of_rows[live]] = np.nonzero(live)[0]
-        pool.row_slots.copy_(torch.from_numpy(rows))
+        # The engine's metadata of the step (its running rows first, the graph bucket's padding after them).
+        self.slots.replay_metadata(pool.row_slots, rows.tolist(), int((~live).sum()))
         pool.row_track_slots.copy_(torch.from_numpy(trk))
         self.rows = B
         moved_from = np.array([previous[lane] if lane >= 0 and lane not in self.fresh else -1 for lane in lanes_of_rows],

@@ -89,6 +89,19 @@ class MambaSlots:
         self.free_slots([held.work] + ([] if keep_track else [held.track]))
         self.free_rows.append(held.row)
 
+    # ------------------------------------------------------------------ the step's batch
+    def replay_metadata(self, indices: torch.Tensor, slots: list[int], padded: int) -> None:
+        """``_replay_metadata`` (``srt/hardware_backend/npu/attention/ascend_hybrid_linear_attn_backend.py``;
+        eager: ``MambaAttnBackendBase._forward_metadata``): the step's mamba indices, each row's slot looked up
+        from its request row (``get_mamba_indices``), the whole ``[:bs]`` buffer rewritten every step, the
+        ``padded`` rows at its end on slot 0 (NPU's padding slot; ``req_pool_indices`` 0). ``indices``: the
+        persistent int64 buffer; ``slots [bs]``: each row's slot, padded rows' any."""
+        bs = len(slots)
+        values = torch.tensor(slots, dtype=torch.int64)
+        values[bs - padded:] = 0
+        indices[:bs].copy_(values)
+        indices[bs:] = 0
+
     # ------------------------------------------------------------------ MambaPool
     def clear_slots(self, slots: list[int]) -> None:
         """``MambaPool.clear_slots``: the slots' conv windows and states zeroed (the deferred clear)."""

@@ -56,6 +56,18 @@ def _graph_text(run: dict) -> str:
     return "eager" if state else "not recorded"
 
 
+def lifecycle_text(run: dict, cfg: dict) -> str:
+    """Which lifecycle ran and, under churn, which events it ran (drift/lifecycles.py)."""
+    ev = run.get("events")
+    if not ev:
+        return f"{cfg.get('lifecycle', 'fixed')}: one request per lane, fixed rows and slots"
+    starts = ", ".join(f"{n} {k}" for k, n in ev["starts"].items())
+    ends = ", ".join(f"{n} {k}" for k, n in ev["ends"].items())
+    return (f"{cfg['lifecycle']}: {ev['requests']} requests ({starts}; {ends}), graph buckets "
+            f"{', '.join(map(str, ev['buckets']))} with {'/'.join(map(str, ev['padded_rows']))} padded rows, "
+            f"{ev['row_moves']} row moves")
+
+
 def summary_text(rep) -> str:
     d = rep.to_dict()
     run, cfg = d["run"], d["config"]
@@ -63,6 +75,7 @@ def summary_text(rep) -> str:
             f"({run['mode']}), device {run['device']}, {cfg['ssm_dtype']} state, "
             f"{cfg['store_rounding']} store, kernels: {run['kernels']}, GDN verify: {run.get('verify_kernel', 'not recorded')}, "
             f"steps: {_graph_text(run)}\n"
+            f"lifecycle {lifecycle_text(run, cfg)}\n"
             f"reference: {d['reference']}; {run['wall_s']:.1f} s "
             f"({run['steps_per_s']} steps/s)")
     body = table(CHECK_HEADER, check_rows(rep.checks))
@@ -87,6 +100,7 @@ def summary_markdown(rep) -> str:
         f"{' (graph-mode arguments)' if cfg.get('graph_mode', True) else ' (eager arguments)'}; "
         f"kernels: {run['kernels']}; GDN verify: {run.get('verify_kernel', 'not recorded')}; device {run['device']}; "
         f"steps {_graph_text(run)}",
+        f"- lifecycle {lifecycle_text(run, cfg)}",
         f"- reference: {d['reference']}",
         f"- wall time {run['wall_s']:.1f} s ({run['steps_per_s']} steps/s)",
         "",

@@ -61,8 +61,10 @@ class StatePool:
                                  else torch.empty((L, N + 1, 0, HV, V, K), dtype=sdt, device=device))
         self.conv = layout.conv((L, S), W, C, cdt, device)
         R = cfg.num_requests
-        # Who holds each slot, for messages (slot -> what it is); under churn the flow's bookkeeping keeps it.
+        # Who holds each slot, for messages (slot -> what it is); under churn the flow's bookkeeping keeps it
+        # (:meth:`own`, :meth:`disown`), and ``previous`` who held it before (a leak names both).
         self.owners: dict[int, str] = {}
+        self.previous: dict[int, str] = {}
         if cfg.serving.churn:
             # Every slot but the dummy starts free; the engine's allocator hands them out as requests arrive
             # (the flow's serving bookkeeping, drift/flows/slots.py). Rows, lanes and their slots are
@@ -111,6 +113,16 @@ class StatePool:
     def scratch(self) -> torch.Tensor:
         """Verify scratch by its meaning: ``[L, rows + 1, D, HV, V, K]`` raw blocks."""
         return raw_state(self.intermediate_ssm)
+
+    def own(self, slot: int, holder: str) -> None:
+        """``slot`` now holds ``holder`` (a request's slot, its track slot, a cached snapshot)."""
+        self.disown(slot)
+        self.owners[int(slot)] = holder
+
+    def disown(self, slot: int) -> None:
+        """``slot`` is free again; what held it is kept as its previous holder."""
+        if int(slot) in self.owners:
+            self.previous[int(slot)] = self.owners.pop(int(slot))
 
     def slot_role(self, slot: int) -> str:
         """'dummy slot 0', 'request slot of row r', 'track slot of row r', what the serving bookkeeping
