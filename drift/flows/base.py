@@ -302,7 +302,7 @@ class MambaPoolFlow(FlowKind):
         cfg, pool = self.cfg, self.pool
         held = self.slots.alloc(prefix_hit=start.source >= 0)
         if start.source >= 0:
-            self.slots.copy_from(self.cache[start.source], held.work)
+            self.slots.copy_from(self.slots.match(self.cache, start.source), held.work)
         elif held.needs_clear:
             self.slots.clear_slots([held.work])
         state0 = pool.states[:, held.work].to(torch.float64).cpu()

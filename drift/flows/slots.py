@@ -80,6 +80,12 @@ class MambaSlots:
         self.fresh_row(row)
         return Held(row, work, track, needs_clear=not prefix_hit)
 
+    def match(self, cache: dict, source: int) -> int:
+        """``MambaComponent.finalize_match_result_in_cache`` (``srt/mem_cache/unified_cache/components/mamba.py``):
+        the slot of the tree node the prefix matched, here the one holding ``source``'s snapshot (``cache``:
+        request -> slot, the snapshots the tree keeps)."""
+        return cache[source]
+
     def fresh_row(self, row: int) -> None:
         """What ``alloc`` resets for a freshly handed-out request row (nothing for a copy-commit pool)."""
 

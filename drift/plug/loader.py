@@ -161,6 +161,9 @@ class Update:
     flow: str = ""
     factory: Optional[Callable[[Any], Any]] = None  # make(harness) -> the owner's instance (--update-factory)
     factory_spec: str = ""
+    # The engine's serving bookkeeping the update runs with under a churning lifecycle (a serving mutant's
+    # broken one, drift/plug/mutants.py); None: its flow kind's own (drift/flows/slots.py and the like).
+    serving: Optional[type] = None
 
     def __call__(self, backend, last_correct_step_indices, mamba_track_indices, mamba_steps_to_track):
         kwargs = {name: None for name in self.extra}
@@ -321,7 +324,7 @@ def load_update(spec: "str | Callable | Update", factory: Optional[str] = None,
     if isinstance(spec, Update):
         return spec
     sgl_kernels()  # code under test imports its kernels at module import time
-    kinds, flow = (), ""
+    kinds, flow, serving = (), "", None
     if callable(spec):
         fn, name, text = spec, getattr(spec, "__qualname__", repr(spec)), getattr(spec, "__qualname__", "")
     elif spec in UPDATES:
@@ -331,7 +334,7 @@ def load_update(spec: "str | Callable | Update", factory: Optional[str] = None,
                         f"{', '.join(UPDATES)})")
     elif spec.startswith(MUTANT_PREFIX):
         m = mutant(spec, "update")
-        fn, name, text, flow = m.fn, spec, spec, m.flow
+        fn, name, text, flow, serving = m.fn, spec, spec, m.flow, m.serving
         kinds = (FLOWS[m.flow].kind,) if m.flow else ()
     elif ":" in spec:
         fn, name, text = resolve_spec(spec, "update"), spec.rsplit(":", 1)[1], spec
@@ -347,7 +350,8 @@ def load_update(spec: "str | Callable | Update", factory: Optional[str] = None,
         source = ""
     resolved = isinstance(spec, str) and not spec.startswith(MUTANT_PREFIX) and spec not in UPDATES
     owner = _owner(fn, spec if resolved else None) if resolved or callable(spec) else None
-    return Update(name=name, spec=text, fn=fn, extra=extra, source=source, owner=owner, kinds=kinds, flow=flow)
+    return Update(name=name, spec=text, fn=fn, extra=extra, source=source, owner=owner, kinds=kinds, flow=flow,
+                  serving=serving)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,8 @@ from ..config import find_profile
 from ..flows.copy_commit.updates import SGLANG_0523, Batch, commit_all, commit_unless_all_step0, rollback_rows
 from ..flows.in_place.updates import align_copy, bookkeeping, kept_tokens
 from ..flows.kernel_commit import updates as replay_parts
+from ..flows.kernel_commit.pool import ReplaySlots
+from ..flows.slots import Held, MambaSlots
 from ..registry import Registry
 from ..sim import kernels
 from ..sim.kernels import VerifyArgs
@@ -33,8 +35,10 @@ BF16 = torch.bfloat16
 class Mutant:
     """One known regression: ``direction`` what it costs ("sync", "semantics" or "precision");
     ``target`` the plug point it replaces ("update" or "kernel"); ``thread`` the public thread it is
-    modelled on ('' when none); ``config`` overrides under which the bug shows (a profile); ``flow``
-    the flow it runs in (an update mutant is written for its flow's kind; '' for the run's flow)."""
+    modelled on ('' when none); ``config`` overrides under which the bug shows (a profile, a
+    lifecycle); ``flow`` the flow it runs in (an update mutant is written for its flow's kind; '' for the
+    run's flow); ``serving``: a serving mutant's bookkeeping (the engine's request and slot bookkeeping of a
+    churning lifecycle with one line changed; its update is the flow's released one)."""
 
     name: str
     direction: str
@@ -44,6 +48,7 @@ class Mutant:
     fn: Callable
     config: Optional[dict] = None
     flow: str = ""
+    serving: Optional[type] = None  # the engine's serving bookkeeping with the bug (the update itself is released)
 
 
 # ------------------------------------------------------------ commit parts: syncs
@@ -299,6 +304,64 @@ def fold_if_any_flush(c) -> None:
         replay_parts.fold_checkpoints(c)
 
 
+# ------------------------------------------------------- SGLang's serving bookkeeping (drift/flows/slots.py)
+class SlotNotCleared(MambaSlots):
+    """``HybridReqToTokenPool.alloc`` sets ``mamba_needs_clear = False``: the prefill's chunked kernel reads
+    ``initial_state = ssm_states[cache_indices]`` unconditionally, so the new request starts from what the
+    slot's previous holder left (its conv window is not read without a prefix)."""
+
+    def alloc(self, prefix_hit: bool) -> Held:
+        held = super().alloc(prefix_hit)
+        held.needs_clear = False
+        return held
+
+
+class PrefixParentSnapshot(MambaSlots):
+    """``finalize_match_result_in_cache`` takes the slot of the matched node's parent: the snapshot the tree
+    kept before the one the prefix matched (another request's, a shorter prefix)."""
+
+    def match(self, cache: dict, source: int) -> int:
+        keys = list(cache)
+        i = keys.index(source)
+        return cache[keys[i - 1]] if i > 0 else cache[keys[-1]]
+
+
+class IndicesRefreshedOnBucketChange(MambaSlots):
+    """``_replay_metadata`` refreshes the captured ``state_indices`` buffer only when the graph bucket changes
+    (``if self._last_bs != bs``): after a finish and a new request in the same bucket, or a retraction's
+    reorder, row i keeps the slot of the request that held row i before."""
+
+    _last_bs = -1
+
+    def replay_metadata(self, indices: torch.Tensor, slots: list[int], padded: int) -> None:
+        if len(slots) != self._last_bs:
+            super().replay_metadata(indices, slots, padded)
+            self._last_bs = len(slots)
+
+
+class PaddedTailNotRefreshed(MambaSlots):
+    """``_replay_metadata`` copies only the real rows' indices (``[: bs - num_padding]``): a padded row keeps the
+    slot of the request that held that row in a fuller batch of the same bucket, and the verify's conv rolls that
+    request's window (``causal_conv1d_update`` stores at the row's index)."""
+
+    def replay_metadata(self, indices: torch.Tensor, slots: list[int], padded: int) -> None:
+        real = len(slots) - padded
+        indices[:real].copy_(torch.tensor(slots[:real], dtype=torch.int64))
+
+
+class SpecCursorsNotReset(ReplaySlots):
+    """``HybridReqToTokenPool.alloc`` without ``spec_write_pos.index_fill_(0, fresh_rows, 0)`` (and the
+    ``cache_base`` / ``is_flush`` lines): a reused request row keeps its previous holder's ReplaySSM spec
+    cursors, so the new request's verify folds records that are not its own (an fp32 checkpoint keeps records
+    in the ring between folds)."""
+
+    def fresh_row(self, row: int) -> None:
+        pass
+
+
+# The bug shows only where requests come and go; the fp32 checkpoint keeps records in the ring between folds.
+SERVING = {"lifecycle": "serving"}
+FP32 = find_profile("fp32 states", lambda p, lay: p.ssm_dtype == "float32")
 REPLAY = "sglang-replayssm"  # the flow whose commit these mutants break (drift/flows/kernel_commit)
 SGLANG = "sglang"  # the flow of SGLang's commit-copy update, whose recipe the first mutants break
 
@@ -377,6 +440,27 @@ for _m in (
            _replay("replay_high_only", fold=fold_high_parts_only), flow=REPLAY),
     Mutant("replay_fold_sync", "sync", "update", "sglang-replayssm flow: the fold launched only "
            "`if bool(is_flush.any())`", "", _replay("replay_fold_sync", fold=fold_if_any_flush), flow=REPLAY),
+    Mutant("slot_not_cleared", "semantics", "update", "serving: a new request's mamba slot is not cleared before "
+           "its prefill (mamba_needs_clear = False), so it starts from the slot's previous holder's state",
+           "sglang HybridReqToTokenPool.alloc / clear_slots", _update("slot_not_cleared", "released; slot not cleared"),
+           SERVING, flow=SGLANG, serving=SlotNotCleared),
+    Mutant("prefix_wrong_snapshot", "semantics", "update", "serving: a prefix-cache hit restores the snapshot of "
+           "the matched node's parent (an older cached snapshot, another prefix)", "sglang "
+           "MambaComponent.finalize_match_result_in_cache", _update("prefix_wrong_snapshot", "released; wrong snapshot"),
+           SERVING, flow=SGLANG, serving=PrefixParentSnapshot),
+    Mutant("stale_rows_after_reorder", "semantics", "update", "serving: the step's mamba indices refreshed only "
+           "when the graph bucket changes, so after requests leave and join (or a retraction reorders) a row "
+           "commits into the slot of the request that held it before", "sglang _replay_metadata",
+           _update("stale_rows_after_reorder", "released; stale indices"), SERVING, flow=SGLANG,
+           serving=IndicesRefreshedOnBucketChange),
+    Mutant("stale_padded_rows", "semantics", "update", "serving: the padded tail of the step's mamba indices not "
+           "refreshed, so a padded row keeps a live request's slot and the verify's conv rolls its window",
+           "sglang _replay_metadata; #26906 / #27202 class", _update("stale_padded_rows", "released; stale padding"),
+           SERVING, flow=SGLANG, serving=PaddedTailNotRefreshed),
+    Mutant("replay_cursor_not_reset", "semantics", "update", "serving, sglang-replayssm flow: a reused request "
+           "row keeps its previous holder's spec ring cursors (fp32 checkpoint: records wait in the ring)",
+           "sglang #28451 class (HybridReqToTokenPool.alloc)", _replay("replay_cursor_not_reset"),
+           {**SERVING, "profile": FP32}, flow=REPLAY, serving=SpecCursorsNotReset),
     Mutant("padded_alias_row0", "semantics", "kernel", "padded graph rows alias request 0's scratch slot",
            "sglang #26906 / #27202", _kernel_padded_alias),
 ):
