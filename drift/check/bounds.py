@@ -119,14 +119,14 @@ class BoundCheck(Check):
 
     def _start_envelope(self, chunk: MetricsChunk, s: int, e2: np.ndarray, v2: np.ndarray) -> None:
         """Under a churning lifecycle, the envelope of a lane whose request starts at step ``s`` (in place,
-        ``[L, R, HV]``): a prefill or a resume stores its exact state once (one rounding, of the size of
-        the step's committed state); a prefix hit restores its source's snapshot, whose envelope is the
+        ``[L, R, HV]``): a prefill or a resume stores its exact state once (one rounding of the start, as a
+        fixed run's prefill store); a prefix hit restores its source's snapshot, whose envelope is the
         source's before the step it was tracked plus that snapshot's own rounding (kept when the source was
         tracked, by request id; its contraction through the extend is left out: an upper bound), and its
         extend stores once more."""
         from ..sim.serving import START_PREFIX
 
-        one, one4 = self.kappa * chunk.ulp2_run[s], self.kappa4 * chunk.ulp4_run[s]
+        one, one4 = self.kappa * chunk.start_ulp2[s], self.kappa4 * chunk.start_ulp4[s]
         for lane in np.nonzero(chunk.start[s])[0]:
             carried = (0.0, 0.0)
             if chunk.start[s, lane] == START_PREFIX:

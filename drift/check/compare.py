@@ -158,6 +158,8 @@ class Comparison:
         from ..sim.serving import START_PREFILL, START_PREFIX
         from ..sim.twin import extend
 
+        from .measures import key_columns, ulp_sq
+
         self._process()  # the twin at the end of the last step
         lanes, states, windows = [], [], []
         for lane, (start, state, window) in sorted(view.starts.items()):
@@ -171,14 +173,18 @@ class Comparison:
                 lanes.append(lane), states.append(st[:, 0]), windows.append(wd[:, 0])
             self.age[lane] = 0
         if lanes:
-            start = torch.stack(states, 1)
-            self.twin.reset_lanes(np.asarray(lanes), start, torch.stack(windows, 1))
-            if getattr(self, "col_frac", None) is not None:  # the key-column shares of the state the step starts from
-                from .measures import key_columns, ulp_sq
-
-                idx = torch.from_numpy(np.asarray(lanes)).to(self.col_frac.device)
-                u2 = ulp_sq(start.to(self.col_frac.device, F64), self.sim.pool.temporal.dtype)
-                self.col_frac.index_copy_(1, idx, key_columns(u2))
+            self.twin.reset_lanes(np.asarray(lanes), torch.stack(states, 1), torch.stack(windows, 1))
+        # The size of the start's one rounding (the bound's starting envelope, as a run's first store) and the
+        # key-column shares of the state the step starts from: the true start's ulps in the state dtype
+        # (the stored start is the truth rounded once).
+        every = sorted(view.starts)
+        idx = torch.from_numpy(np.asarray(every, np.int64)).to(self.twin.device)
+        dtype = self.sim.pool.temporal.dtype
+        u2 = ulp_sq(self.twin.state.index_select(1, idx).to(dtype).to(F64), dtype)  # [L, n, HV, V, K]
+        self._start_ulps = {lane: (u2[:, i].sum((-1, -2)).cpu().numpy(), u2[:, i].square().sum((-1, -2)).cpu().numpy())
+                            for i, lane in enumerate(every)}
+        if getattr(self, "col_frac", None) is not None:
+            self.col_frac.index_copy_(1, idx.to(self.col_frac.device), key_columns(u2).to(self.col_frac.device))
 
     def _keep_snapshot_truths(self, batch) -> None:
         """The twin's track state of every tracked request, by request id (the truth a prefix hit on it
@@ -204,8 +210,12 @@ class Comparison:
                 self._start_lanes(view)
             live = plan.request[view.index] >= 0
             self.age = np.where(live, self.age + 1, self.age)
+            L, HV = self.sim.cfg.num_layers, self.sim.cfg.num_v_heads
+            start_ulp = np.zeros((2, L, len(live), HV))  # ulp^2 and ulp^4 sums of a start's rounding
+            for lane, (u2, u4) in (self._start_ulps.items() if view.starts else ()):
+                start_ulp[0, :, lane], start_ulp[1, :, lane] = u2, u4
             lifecycle = (plan.request[view.index].copy(), plan.start[view.index].copy(), plan.source[view.index].copy(),
-                         np.where(live, self.age - 1, -1), live)
+                         np.where(live, self.age - 1, -1), live, start_ulp)
         else:
             lifecycle = None
         views = self._views(view)
@@ -285,6 +295,8 @@ class Comparison:
         if self._host[0][4] is not None:  # a churning lifecycle: request, start (START_*), source, age, live [S, R]
             for i, name in enumerate(("request", "start", "source", "age", "live")):
                 arrays[name] = np.stack([h[4][i] for h in self._host])
+            ulps = np.stack([h[4][5] for h in self._host])  # [S, 2, L, R, HV]
+            arrays["start_ulp2"], arrays["start_ulp4"] = ulps[:, 0], ulps[:, 1]
         chunk = MetricsChunk(self._host[0][0], n, arrays)
         self._host.clear()
         stop = None
