@@ -137,7 +137,8 @@ def add_bench(p: argparse.ArgumentParser) -> None:
 
     # Only what drift bench times: full drafts, and the flows its naive loop mirrors.
     add_options(p.add_argument, [n for n in CONFIG_OPTIONS if n not in ("drafts", "flow")],
-                defaults={"preset": "qwen3.5-397b-tp16"})
+                defaults={"preset": "qwen3.5-397b-tp16", "lifecycle": "fixed"},
+                default_text={"lifecycle": "fixed: the naive loop it compares with runs one fixed batch"})
     p.add_argument("--flow", metavar="F", type=_benchmarked_flow,
                    help=f"the flow timed: {', '.join(benchmarked_flows())} (default: the preset's)")
     p.add_argument("--layers", type=positive_int, help="simulate only this many layers (default: all)")
@@ -209,7 +210,7 @@ def add_bench_update(p: argparse.ArgumentParser) -> None:
 def cmd_bench_update(args: argparse.Namespace) -> int:
     from .syncs.costmodel import format_table, measure, to_json
 
-    spec = RunSpec(preset=args.preset, device=args.device, flow=args.flow)
+    spec = RunSpec(preset=args.preset, device=args.device, flow=args.flow, lifecycle="fixed")  # a batch of each size
     kind = spec.resolve().kind  # the built-ins of the flow's kind when no --update is given
     runs = [replace(spec, update=u).resolve() for u in (args.update or kind.updates())]
     rows = measure(runs, batch_sizes=args.batches, steps=args.steps,
@@ -224,8 +225,10 @@ def add_nightly(p: argparse.ArgumentParser) -> None:
                                DEFAULT_UPDATES, TREND_FACTOR, VARIANTS)
 
     add_options(p.add_argument, ("preset", "seed", "update"), repeat=("preset", "seed", "update"))
-    add_options(p.add_argument, ("steps", "device", "flow", "trace", "loop", "no-graph"), defaults={"steps": None},
-                default_text={"steps": f"{DEFAULT_STEPS}; with --trace the whole trace"})
+    add_options(p.add_argument, ("steps", "device", "flow", "lifecycle", "trace", "loop", "no-graph"),
+                defaults={"steps": None, "lifecycle": "fixed"},
+                default_text={"steps": f"{DEFAULT_STEPS}; with --trace the whole trace",
+                              "lifecycle": "fixed: the nightly measures the long horizon of one request per lane"})
     p.add_argument("--variant", action="append", default=[], choices=VARIANTS,
                    help=f"store variant (repeatable; default: all of {', '.join(VARIANTS)})")
     p.add_argument("--layers", default="auto", help=f"auto ({CPU_LAYERS} on cpu, all elsewhere), all, or N")
@@ -257,7 +260,7 @@ def _variants_of_flow(variants, args, preset: str, update: str, steps, layers) -
     keep = []
     for v in variants:
         probe = Entry(preset, 0, "-" if v == "sequential" else update, v, steps, layers, trace=args.trace or "",
-                      loop=args.loop, flow=args.flow or "")
+                      loop=args.loop, flow=args.flow or "", lifecycle=args.lifecycle)
         try:
             probe.config(args.device)
         except ConfigError as exc:
@@ -284,13 +287,14 @@ def cmd_nightly(args: argparse.Namespace) -> int:
     variants = args.variant or _variants_of_flow(VARIANTS, args, (args.preset or presets)[0], updates[0], steps, layers)
     entries = build_matrix(args.preset or presets, args.seed or [0], updates, variants,
                            steps, layers, trace=args.trace or "", loop=args.loop, graph=not args.no_graph,
-                           flow=args.flow or "")
+                           flow=args.flow or "", lifecycle=args.lifecycle)
     from .sim.pool import check_fits
 
     for e in entries:  # a bad trace, option, steps past a trace's end, states too large, an update of
         check_fits(e.resolve(args.device).cfg)  # another flow: an error now, not after hours
     for e in build_matrix(args.preset or presets, [(args.seed or [0])[0]], updates, ["rne"], steps, layers,
-                          trace=args.trace or "", loop=args.loop, graph=not args.no_graph, flow=args.flow or ""):
+                          trace=args.trace or "", loop=args.loop, graph=not args.no_graph, flow=args.flow or "",
+                          lifecycle=args.lifecycle):
         e.resolve(args.device)  # every --update loaded and checked, also where only sequential decode runs
     k, n = parse_shard(args.shard)
     mine = shard(entries, k, n)

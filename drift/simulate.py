@@ -436,7 +436,29 @@ class Simulation:
         return saveable({"temporal": pool.temporal, "conv": pool.conv, "inter": pool.intermediate_ssm,
                          "flow": self.flow.state_dict(),
                          "stream_pos": self.stream.pos, "stream_step": self.stream.step, "step": self.step,
-                         "guard_first": self.guard.first if self.guard is not None else None})
+                         "guard_first": self.guard.first if self.guard is not None else None,
+                         "serving": self._serving_state() if self.serving else None})
+
+    def _serving_state(self) -> dict:
+        """A churning lifecycle's own state: the schedule, the flow's bookkeeping, what the run found so far."""
+        ev = self.events
+        return {"schedule": self.stream.schedule.state_dict(), "flow": self.flow.serving_state_dict(),
+                "ended": [list(map(int, e)) for e in self._ended], "starts_checked": self.starts_checked,
+                "start_findings": self.start_findings,
+                "events": {"requests": sorted(ev.requests), "starts": ev.starts, "ends": ev.ends,
+                           "buckets": sorted(ev.buckets), "padded": sorted(ev.padded), "row_moves": ev.row_moves,
+                           "rows": ev._rows}}
+
+    def _load_serving_state(self, st: dict) -> None:
+        self.stream.schedule.load_state_dict(st["schedule"])
+        self.flow.load_serving_state_dict(st["flow"])
+        self._ended = [(a, b, c, bool(d)) for a, b, c, d in st["ended"]]
+        self.starts_checked, self.start_findings = int(st["starts_checked"]), list(st["start_findings"])
+        ev, e = self.events, st["events"]
+        ev.requests, ev.starts, ev.ends = set(e["requests"]), dict(e["starts"]), dict(e["ends"])
+        ev.buckets, ev.padded, ev.row_moves, ev._rows = set(e["buckets"]), set(e["padded"]), e["row_moves"], e["rows"]
+        if self.guard is not None:
+            self.guard.own(self.pool.unowned_slots)
 
     def load_state_dict(self, state: dict) -> None:
         pool = self.pool
@@ -449,6 +471,8 @@ class Simulation:
         self.step = int(state["step"])
         if self.guard is not None:
             self.guard.first = state["guard_first"]
+        if self.serving:
+            self._load_serving_state(restore(state["serving"]))
         self._chunk, self._in_chunk, self._guard_read = None, 0, 0
 
     def advance(self, count: int) -> int:

@@ -94,3 +94,26 @@ def test_idle_lanes_compare_nothing():
     rep = run_checked(resolve(preset("ci-small", lifecycle="serving", steps=256)))
     state = find_result(rep.checks, "committed_state")
     assert state.passed and np.isfinite(state.worst) and state.worst > 0
+
+
+def test_a_serving_run_resumed_from_a_checkpoint_gives_the_same_figures(tmp_path):
+    """The nightly resumes a churning lifecycle from a checkpoint file (no pickle): schedule, slot bookkeeping,
+    lanes and the bound's snapshot envelopes all come back, so the figures equal an uninterrupted run's. The
+    negative control: resuming into a run of another seed gives other figures."""
+    from drift import checkpoint
+    from drift.runner import CheckedRun
+
+    cfg = preset("ci-small", lifecycle="serving", steps=512)
+    whole = CheckedRun(resolve(cfg))
+    whole_rep = whole.report(whole.run(), sync_scan=False)
+    path = tmp_path / "ckpt.pt"
+    first = CheckedRun(resolve(cfg))
+    first.run(checkpoint=lambda done, snap: checkpoint.save(path, snap) if not path.exists() else None,
+              checkpoint_every=256)
+    resumed = CheckedRun(resolve(cfg))
+    rep = resumed.report(resumed.run(resume_state=checkpoint.load(path)), sync_scan=False)
+    assert _figures(rep) == _figures(whole_rep)
+    assert rep.info.meta["events"] == whole_rep.info.meta["events"]
+    other = CheckedRun(resolve(cfg.replace(seed=3)))
+    other_rep = other.report(other.run(resume_state=checkpoint.load(path)), sync_scan=False)
+    assert _figures(other_rep) != _figures(whole_rep)

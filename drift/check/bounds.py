@@ -29,6 +29,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..checkpoint import restore, saveable
 from ..dtypes import STORE_DTYPES
 from .checks import Check
 from .registry import CHECKS, CheckSpec
@@ -222,12 +223,14 @@ class BoundCheck(Check):
         return res
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "curves": self.curves.state_dict(), "outputs": self.outputs.state_dict()}
+        return {**super().state_dict(), "curves": self.curves.state_dict(), "outputs": self.outputs.state_dict(),
+                "snapshots": [[q, saveable(e), saveable(v)] for q, (e, v) in self.snapshots.items()]}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.curves.load_state_dict(state["curves"])
         self.outputs.load_state_dict(state["outputs"])
+        self.snapshots = {int(q): (restore(e), restore(v)) for q, e, v in state.get("snapshots", [])}
 
 
 class OutputBound(Check):

@@ -14,7 +14,7 @@ from typing import Optional, Protocol, Sequence
 import numpy as np
 import torch
 
-from ..checkpoint import saveable
+from ..checkpoint import restore, saveable
 from ..devices import supports_float64
 from ..sim.twin import F64, Float64Twin
 from ..simulate import StopRun
@@ -322,7 +322,9 @@ class Comparison:
         return {"golden_positions": self.golden_positions, "golden_checkpoints": self.golden_checkpoints,
                 "beyond_golden_steps": self.beyond_golden_steps,
                 "twin_state": saveable(self.twin.state), "twin_window": saveable(self.twin.window),
-                "consumers": [c.state_dict() if hasattr(c, "state_dict") else None for c in self.consumers]}
+                "consumers": [c.state_dict() if hasattr(c, "state_dict") else None for c in self.consumers],
+                "age": saveable(self.age), "col_frac": saveable(getattr(self, "col_frac", None)),
+                "snapshot_truth": [[q, P, saveable(st), saveable(w)] for q, (P, st, w) in self._snapshot_truth.items()]}
 
     def load_state_dict(self, state: dict) -> None:
         self.golden_positions = state["golden_positions"]
@@ -330,6 +332,11 @@ class Comparison:
         self.beyond_golden_steps = state["beyond_golden_steps"]
         self.twin.state.copy_(state["twin_state"])
         self.twin.window = state["twin_window"].to(self.twin.window.device)
+        if "age" in state:  # a churning lifecycle's lanes; the key-column shares the next step starts from
+            self.age = restore(state["age"])
+            self._snapshot_truth = OrderedDict((int(q), (int(P), st, w)) for q, P, st, w in state["snapshot_truth"])
+            if state.get("col_frac") is not None and getattr(self, "col_frac", None) is not None:
+                self.col_frac.copy_(state["col_frac"])
         for c, cs in zip(self.consumers, state["consumers"]):
             if cs is not None:
                 c.load_state_dict(cs)

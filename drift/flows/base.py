@@ -336,6 +336,38 @@ class MambaPoolFlow(FlowKind):
         pool.active_slots[lane] = 0
         pool.lane_track_slots[lane] = 0
 
+    def serving_state_dict(self) -> dict:
+        """The serving bookkeeping's state between chunks (drift.checkpoint): the engine's free lists (and
+        whatever else its bookkeeping object keeps), what each lane holds, the cache, the index buffers."""
+        pool = self.pool
+        slots = {k: v for k, v in vars(self.slots).items() if k != "pool"}
+        return {"slots": slots, "held": [[lane, h.row, h.work, h.track, int(h.needs_clear)] for lane, h in self.held.items()],
+                "lane_slot": self.lane_slot, "lane_track": self.lane_track, "lane_request": self.lane_request,
+                "cache": [[q, slot] for q, slot in self.cache.items()], "fresh": sorted(self.fresh),
+                "lane_rows": self.lane_rows_host, "rows": self.rows,
+                "owners": [[k, v] for k, v in pool.owners.items()], "previous": [[k, v] for k, v in pool.previous.items()],
+                "buffers": {name: t for name, t in self.serving_buffers().items()}}
+
+    def load_serving_state_dict(self, st: dict) -> None:
+        pool = self.pool
+        for k, v in st["slots"].items():
+            setattr(self.slots, k, v)
+        self.held = {int(lane): Held(int(r), int(w), int(t), bool(c)) for lane, r, w, t, c in st["held"]}
+        self.lane_slot, self.lane_track, self.lane_request = st["lane_slot"], st["lane_track"], st["lane_request"]
+        self.cache = {int(q): int(slot) for q, slot in st["cache"]}
+        self.fresh = set(int(x) for x in st["fresh"])
+        self.lane_rows_host, self.rows = st["lane_rows"], int(st["rows"])
+        pool.owners = {int(k): v for k, v in st["owners"]}
+        pool.previous = {int(k): v for k, v in st["previous"]}
+        for name, t in self.serving_buffers().items():
+            t.copy_(st["buffers"][name])
+
+    def serving_buffers(self) -> dict[str, torch.Tensor]:
+        """The persistent index buffers the serving bookkeeping rewrites (a kind adds its own)."""
+        pool = self.pool
+        return {"row_slots": pool.row_slots, "row_track_slots": pool.row_track_slots,
+                "active_slots": pool.active_slots, "lane_track_slots": pool.lane_track_slots}
+
     def cached_snapshot(self, request: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The snapshot the prefix cache keeps for ``request``: its state ``[L, HV, V, K]`` (state dtype) and
         the Kc-1 conv inputs ``[L, Kc-1, C]`` it holds."""

@@ -86,6 +86,7 @@ class Entry:
     loop: bool = False
     graph: bool = True  # False: eager steps and eager verify arguments (--no-graph)
     flow: str = ""  # the state flow (drift.config.FLOWS); "": the preset's
+    lifecycle: str = "fixed"  # how requests come and go (drift/lifecycles.py); the nightly's long horizon: fixed
 
     @property
     def key(self) -> str:
@@ -95,12 +96,14 @@ class Entry:
         if self.trace:
             stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(self.trace).name.removesuffix(".npz"))
             return f"{self.preset}.trace-{stem}{'-loop' if self.loop else ''}.seed{self.seed}.{update}.{self.variant}"
-        return f"{self.preset}.seed{self.seed}.{update}.{self.variant}"
+        life = "" if self.lifecycle == "fixed" else f".{self.lifecycle}"  # the fixed batch keeps earlier keys
+        return f"{self.preset}{life}.seed{self.seed}.{update}.{self.variant}"
 
     def spec(self, device: str) -> RunSpec:
         """The entry's run (drift/runspec.py): the variant picks the rounding or the fp32 profile, and
         sequential decode (its update is the flow's default, loaded and checked but not run)."""
         return RunSpec(preset=self.preset, seed=self.seed, steps=self.steps, device=device, flow=self.flow or None,
+                       lifecycle=self.lifecycle,
                        trace=self.trace or None, loop=self.loop, no_graph=not self.graph, layers=self.layers,
                        profile=FP32_PROFILE if self.variant == "fp32" else None,
                        rounding=None if self.variant == "fp32" else
@@ -118,7 +121,7 @@ class Entry:
 
 def build_matrix(presets: Sequence[str], seeds: Sequence[int], updates: Sequence[str], variants: Sequence[str],
                  steps: Optional[int], layers: Optional[int], trace: str = "", loop: bool = False,
-                 graph: bool = True, flow: str = "") -> list[Entry]:
+                 graph: bool = True, flow: str = "", lifecycle: str = "fixed") -> list[Entry]:
     if steps is None and not trace:
         raise ConfigError("steps=None is only allowed with a trace (the whole trace)")
     out = []
@@ -130,7 +133,7 @@ def build_matrix(presets: Sequence[str], seeds: Sequence[int], updates: Sequence
                 if v not in VARIANTS:
                     raise ConfigError(f"variant={v!r} is not known; allowed: {', '.join(VARIANTS)}")
                 for update in (["-"] if v == "sequential" else updates):
-                    out.append(Entry(p, s, update, v, steps, layers, trace, loop, graph, flow))
+                    out.append(Entry(p, s, update, v, steps, layers, trace, loop, graph, flow, lifecycle))
     return out
 
 

@@ -202,6 +202,27 @@ class ServingSchedule:
         self.prefixes: dict[int, tuple[int, int]] = {}  # request -> (source request, shared positions)
         self.spans: dict[int, list[int]] = {}  # request -> [first position, last position reached]
 
+    LANE_FIELDS = ("request", "idle_left", "pending", "source", "pos", "done", "preempted", "last_snapshot")
+
+    def state_dict(self) -> dict:
+        """Where the schedule stands (between chunks), as ints and lists (drift.checkpoint)."""
+        return {"lanes": [[int(getattr(lane, f)) for f in self.LANE_FIELDS] for lane in self.lanes],
+                "order": list(self.order), "ended": list(self._ended), "step": self.step,
+                "cache": [list(c) for c in self.cache],
+                "prefixes": [[q, src, P] for q, (src, P) in self.prefixes.items()],
+                "spans": [[q, a, b] for q, (a, b) in self.spans.items()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for lane, values in zip(self.lanes, state["lanes"]):
+            for f, v in zip(self.LANE_FIELDS, values):
+                setattr(lane, f, bool(v) if f == "preempted" else int(v))
+            lane.draws = request_draws(self.cfg, self.life, lane.request) if lane.request >= 0 else None
+        self.order, self._ended, self.step = list(state["order"]), list(state["ended"]), int(state["step"])
+        self.cache = [tuple(c) for c in state["cache"]]
+        self.prefixes.clear()  # the same dict the stream's tokens read
+        self.prefixes.update({int(q): (int(src), int(P)) for q, src, P in state["prefixes"]})
+        self.spans = {int(q): [int(a), int(b)] for q, a, b in state["spans"]}
+
     def _arrive(self, lane: _Lane, request: int, first: bool = False) -> None:
         d = request_draws(self.cfg, self.life, request)
         lane.request, lane.draws = request, d

@@ -59,6 +59,10 @@ class CopyCommitFlow(MambaPoolFlow):
         self.harness.linear_attn_backend.forward_metadata.mamba_cache_indices.copy_(idx)
         self.args.follow(moved_from)
 
+    def serving_buffers(self) -> dict[str, torch.Tensor]:
+        return {**super().serving_buffers(), "cache_indices": self.args.cache_indices,
+                "mamba_cache_indices": self.harness.linear_attn_backend.forward_metadata.mamba_cache_indices}
+
     def tracked_snapshot(self, track: np.ndarray) -> tuple:
         """The track slots, compared bit for bit with the scratch block each was copied from."""
         pool = self.pool

@@ -110,6 +110,16 @@ class KernelCommitFlow(MambaPoolFlow):
         super().admit(lane, request, start)
         self.pool.lane_ring_rows[lane] = self.held[lane].row
 
+    def serving_buffers(self) -> dict[str, torch.Tensor]:
+        pool = self.pool
+        return {**super().serving_buffers(), "lane_ring_rows": pool.lane_ring_rows, "state_indices": pool.state_indices,
+                "replay_indices": pool.replay_indices, "op_cache_indices": self._indices[0]}
+
+    def load_serving_state_dict(self, st: dict) -> None:
+        super().load_serving_state_dict(st)
+        B, h, pool = self.rows, self.harness, self.pool
+        h.state_batch_indices, h.req_pool_indices = pool.state_indices[:B], pool.replay_indices[:B]
+
     def arranged(self, lanes_of_rows: np.ndarray, moved_from: np.ndarray) -> None:
         """The spec verify's and the commit's indices per row (``_replayssm_target_verify``: ``ssm_state_indices
         = cache_indices``, -1 for padded rows; ``replay_indices = req_pool_indices``, row 0 for padded rows),
