@@ -115,7 +115,8 @@ SPECS: dict[str, dict] = {
     "lifecycle": dict(type=_choice(LIFECYCLES, "lifecycle"), metavar="L",
                       help=lambda: "how requests come and go between steps (docs/semantics.md §12): "
                                    + "; ".join(f"{n} ({LIFECYCLES[n].description})" for n in LIFECYCLES)
-                                   + f" (default: {DEFAULT_LIFECYCLE}; fixed with --trace)"),
+                                   + f" (default: {DEFAULT_LIFECYCLE}; fixed with --trace or under a flow whose kind "
+                                     "models no churn)"),
     "flow": dict(type=_choice(FLOWS, "flow"), metavar="F",
                  help=lambda: "how the engine keeps MTP state between steps (docs/semantics.md §6): "
                               + "; ".join(f"{n} ({FLOWS[n].engine})" for n in FLOWS)),

@@ -141,7 +141,8 @@ class RunSpec:
         if self.update_factory:  # the Class.method's self built by the user's make(harness)
             update = load_update(update if update is not None else default_update(check(cfg).name),
                                  factory=self.update_factory, opt=self.opt)
-        return resolve(cfg, update, self.kernel, self.mode, choose_flow=self.flow is None, opt=self.opt)
+        return resolve(cfg, update, self.kernel, self.mode, choose_flow=self.flow is None, opt=self.opt,
+                       lifecycle_default=self.lifecycle is None)
 
 
 MODES = ("mtp", "sequential")
@@ -171,18 +172,21 @@ class Resolved:
 
 
 def resolve(cfg: Config, update: Any = None, kernel: Any = None, mode: str = "mtp", choose_flow: bool = False,
-            opt: Callable[[str], str] = lambda name: f"--{name}") -> Resolved:
+            opt: Callable[[str], str] = lambda name: f"--{name}", lifecycle_default: bool = False) -> Resolved:
     """``cfg`` with the code under test loaded (drift/plug/loader.py) and checked against its flow kind:
     the flow and the kind's rules (:func:`drift.flows.registry.check`), the update written for that
     kind (None: the kind's default), the kernel accepted by it (``FlowKind.accepts``). With
     ``choose_flow`` (the run named no flow) an update written for other kinds picks its own flow: a
     mutant's, else the first of its first kind. LoadError / ConfigError (exit 2) name what to pass;
-    ``opt(name)`` spells an option as the caller does."""
+    ``opt(name)`` spells an option as the caller does. ``lifecycle_default``: the lifecycle was not asked
+    for, so a flow whose kind models no churn runs the fixed batch (an asked-for one is refused there)."""
     if mode not in MODES:
         raise ConfigError(f"mode={mode!r} is not known; allowed: {', '.join(MODES)}")
     upd = None if update is None else load_update(update)
     if choose_flow and upd is not None and upd.kinds and cfg.flow in FLOWS and FLOWS[cfg.flow].kind not in upd.kinds:
         cfg = cfg.replace(flow=upd.flow or flows_of(upd.kinds[0])[0])
+    if lifecycle_default and cfg.serving.churn and cfg.flow in FLOWS and not FLOW_KINDS[FLOWS[cfg.flow].kind].SERVES:
+        cfg = cfg.replace(lifecycle="fixed")  # the default lifecycle where the flow's kind models no other
     kind = check(cfg)
     if upd is None:
         upd = load_update(default_update(kind.name))

@@ -50,7 +50,7 @@ GATE = (PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs", "drift")
 RUNS: tuple[DocRun, ...] = (
     DocRun("help", "drift --help", "the help, without importing torch", (*DRIFT, "--help")),
     DocRun("run", "drift run --report drift-report", "4,096 MTP steps of `ci-small` through SGLang 0.5.23's "
-           "update, every check; exit 0", (*DRIFT, "run", "--quiet", "--report", "drift-report"),
+           "update under the serving lifecycle, every check; exit 0", (*DRIFT, "run", "--quiet", "--report", "drift-report"),
            loaded=True, readme=True),
     DocRun("run-sync", "drift run --update sglang-32130", "the sglang #32130 version: the host-sync scan runs "
            "first and fails it, naming the line; exit 1", (*DRIFT, "run", "--quiet", "--update", "sglang-32130"),
