@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ..dtypes import store_dtype
+from .golden import SCHED_FIELDS
 from ..registry import Registry
 from ..sim import native
 from ..sim.twin import TwinSteps
@@ -328,7 +329,7 @@ def _golden_start(comp) -> None:
     if g is None or not g.serving:
         return
     ga, dev = g.arrays, comp.ref_device
-    sched = {f: ga[f"sched_{f}"] for f in ("step", "lane", "request", "code", "source", "p0", "p1")}
+    sched = {f: ga[f"sched_{f}"] for f in SCHED_FIELDS}
     ck = ga["start_ckpt"]
     comp.gold_serving = {
         "keys": ga["key_request"].astype(np.int64) << 32 | ga["key_position"].astype(np.int64),
@@ -391,6 +392,11 @@ def _golden_starts(comp, view):
             comp.golden_checkpoints += 1
         found.append((lane, dev_p, ck_dev, ck_bad, float(mismatch)))
     return found
+
+
+def _golden_snapshot(comp, view) -> tuple:
+    """What the golden measure takes at a step: (the step, :func:`_golden_starts`' findings)."""
+    return view.step, _golden_starts(comp, view)
 
 
 def _golden_batch(comp, batch: Batch) -> None:
@@ -487,5 +493,4 @@ MEASURES.register("golden", Measure(
           "gold_out_dev"),  # the same for the outputs of the accepted tokens (max over them)
     row=("gold_ckpt_bad", "gold_ckpt_dev",
          "gold_sched_bad"),  # churn: a start, or a request's step, that is not in the schedule golden was made for
-    states=True, start=_golden_start, snapshot=lambda comp, view: (view.step, _golden_starts(comp, view)),
-    on_batch=_golden_batch))
+    states=True, start=_golden_start, snapshot=_golden_snapshot, on_batch=_golden_batch))
