@@ -85,7 +85,7 @@ import torch
 from ..config import PRESETS, Config, preset
 from ..errors import DriftError, GoldenError, WriteError, raise_if_interrupted
 from ..fileio import atomic_write_bytes, atomic_write_json, load_npz, npz_bytes, read_bytes, read_json
-from ..lifecycles import LIFECYCLES
+from ..lifecycles import DEFAULT_LIFECYCLE
 from ..sim.stream import StreamParams, TrueTokens, accept_lengths, draft_counts, max_position
 from ..sim.tracefile import trace_paths
 
@@ -93,6 +93,8 @@ SCHEMA = 1
 GENERATOR_VERSION = "2"  # 2: the op's quantised inputs (bf16 mix_qkv, fp32 g), [V, K] states
 CHECKPOINT_EVERY = 4096  # positions between full-state checkpoints
 GOLDEN_PRESETS = ("ci-small", "ci-heads", "stagnation")  # the PR-gating presets
+# ... and the lifecycles they gate under: the fixed batch and the serving lifecycle the gate runs by default
+GOLDEN_LIFECYCLES = ("fixed", DEFAULT_LIFECYCLE)
 REGEN_HINT = "drift regen-golden --preset {name} --force"
 SERVING_CHECKPOINTS = 6  # full checkpoints at request starts per serving entry: two of each kind ...
 SERVING_CHECKPOINT_BYTES = 1 << 20  # ... as many of them as fit in 1 MiB
@@ -452,8 +454,10 @@ def _sha256(data: bytes) -> str:
 
 
 def requires_golden(cfg: Config) -> bool:
-    """A PR-gating preset as it gates (its own seed, its trajectory): golden data is mandatory."""
-    return cfg.name in GOLDEN_PRESETS and cfg.seed == preset(cfg.name).seed and _is_preset_config(cfg)
+    """A PR-gating preset as it gates (its own seed, its trajectory, a lifecycle it gates under): golden
+    data is mandatory."""
+    return (cfg.name in GOLDEN_PRESETS and cfg.lifecycle in GOLDEN_LIFECYCLES and cfg.seed == preset(cfg.name).seed
+            and _is_preset_config(cfg))
 
 
 def _is_preset_config(cfg: Config) -> bool:
@@ -768,8 +772,9 @@ def _against_stored(directory: Path, entry: dict, key: str, data: bytes, arrays:
 
 
 def golden_lifecycles() -> tuple[str, ...]:
-    """The lifecycles golden data covers: the fixed batch, then every churning lifecycle (registry order)."""
-    return ("fixed",) + tuple(name for name, life in LIFECYCLES.items() if life.churn)
+    """The lifecycles golden data is made and required for (:data:`GOLDEN_LIFECYCLES`): the fixed entry,
+    then the serving entry. Another churning lifecycle (a test's, a user's) finds none and says so."""
+    return GOLDEN_LIFECYCLES
 
 
 def regenerate(names: Sequence[str], seed: Optional[int] = None, force: bool = False,
