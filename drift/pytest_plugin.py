@@ -262,7 +262,9 @@ def drift_golden(request: pytest.FixtureRequest):
             if cfg.trace:
                 write_trace_golden(cfg, force=True, out=out)
             else:
-                regenerate([cfg.name], seed=cfg.seed, force=True, out=out)
+                # a serving run reads the fixed entry (the lanes' first requests) and its own
+                regenerate([cfg.name], seed=cfg.seed, force=True, out=out,
+                           lifecycles=("fixed", cfg.lifecycle) if cfg.serving.churn else ("fixed",))
             pytest.fail(f"--drift-force-regen: golden for {cfg.name} seed {cfg.seed} regenerated:\n"
                         f"{out.getvalue()}review the diff and re-run without --drift-force-regen")
         golden, note = load_golden(cfg)  # a trace's: generated beside it on first use

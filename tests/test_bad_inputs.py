@@ -42,9 +42,10 @@ def err_of(capsys) -> str:
 
 # ------------------------------------------------------------------- golden store
 def _golden_copy(tmp_path: Path) -> Path:
-    """A copy of the golden manifest drift ships, with one small data file (8 steps of ci-small)."""
+    """A copy of the golden manifest drift ships, with one small data file (8 steps of ci-small, its
+    fixed entry)."""
     d = tmp_path / "golden"
-    assert golden.regenerate(["ci-small"], directory=d, steps=8, out=io.StringIO()) == 0
+    assert golden.regenerate(["ci-small"], directory=d, steps=8, out=io.StringIO(), lifecycles=("fixed",)) == 0
     return d
 
 
@@ -73,10 +74,11 @@ def test_regeneration_repairs_a_file_damaged_on_disk(tmp_path):
     whole = f.read_bytes()
     f.write_bytes(whole[:1000])  # truncated: the manifest's sha256 still names the true data
     out = io.StringIO()
-    assert golden.regenerate(["ci-small"], directory=d, steps=8, out=out) == 0  # no --force needed
+    fixed = ("fixed",)
+    assert golden.regenerate(["ci-small"], directory=d, steps=8, out=out, lifecycles=fixed) == 0  # no --force needed
     assert "repaired" in out.getvalue() and f.read_bytes() == whole
     out = io.StringIO()
-    assert golden.regenerate(["ci-small"], directory=d, steps=8, out=out) == 0
+    assert golden.regenerate(["ci-small"], directory=d, steps=8, out=out, lifecycles=fixed) == 0
     assert "unchanged" in out.getvalue()  # negative control: an intact file is left alone
 
 

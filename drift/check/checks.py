@@ -213,32 +213,56 @@ class TrackCheck(Check):
 
 class GoldenCheck(Check):
     """The float64 twin agrees with the golden trajectory: projections at every committed
-    position and accepted output, full states and conv windows at checkpoints."""
+    position and accepted output, full states and conv windows at checkpoints. Under a churning
+    lifecycle lane by lane, each lane against its request's golden rows (drift/check/golden.py), the
+    twin's fresh lane at every start included, and the run's starts against the schedule the golden
+    data was made for; a place is named by step, lane (``row``) and request."""
 
     key = "golden"
     measures = ("golden",)
-    _state = Check._state + ("ckpt_fail",)
+    _state = Check._state + ("ckpt_fail", "sched_fail")
 
     def __init__(self, tol: float = GOLDEN_TOL):
         super().__init__(tol)
         self.ckpt_fail: Optional[str] = None
+        self.sched_fail: Optional[str] = None
 
     def start(self, comparison) -> None:
         super().start(comparison)
         self.comparison = comparison
+
+    @staticmethod
+    def _request(chunk: MetricsChunk, where: str, s: int, r: int) -> str:
+        """``where`` with the request lane ``r`` ran at chunk step ``s`` (a churning lifecycle)."""
+        if "request" not in chunk.arrays:
+            return where
+        return f"{where} (request {int(chunk.request[s, r])})"
 
     def consume(self, chunk: MetricsChunk) -> None:
         if self.comparison.golden is None:
             return
         dev = np.fmax(chunk.gold_dev, chunk.gold_out_dev)  # NaN (past the horizon) ignored
         covered = np.isfinite(dev)
-        self._update(np.where(covered, dev, 0.0), chunk.step0)
+        worst, first = self.worst, self.first_fail
+        values = np.where(covered, dev, 0.0)
+        self._update(values, chunk.step0)
+        if "request" in chunk.arrays:  # name the request of the lane (row) where it happened
+            if self.worst != worst:
+                s, _, r, _ = np.unravel_index(int(np.argmax(np.nan_to_num(values, nan=np.inf))), values.shape)
+                self.worst_where = self._request(chunk, self.worst_where, s, r)
+            if first is None and self.first_fail is not None:
+                s, _, r, _ = np.argwhere(values > self.limit)[0]
+                self.first_fail = self._request(chunk, self.first_fail, s, r)
         self.seen -= chunk.count
         self.seen += int(covered.any(axis=(1, 2, 3)).sum())
         ck = np.where(chunk.gold_ckpt_bad > 0, np.inf, chunk.gold_ckpt_dev)
         if self.ckpt_fail is None and (ck > self.limit).any():
             s, r = np.argwhere(ck > self.limit)[0]
-            self.ckpt_fail = f"step {chunk.step0 + int(s)}, row {int(r)}"
+            self.ckpt_fail = self._request(chunk, f"step {chunk.step0 + int(s)}, row {int(r)}", s, r)
+        sched = chunk.arrays.get("gold_sched_bad")
+        if self.sched_fail is None and sched is not None and (sched > 0).any():
+            s, r = np.argwhere(sched > 0)[0]
+            self.sched_fail = self._request(chunk, f"step {chunk.step0 + int(s)}, row {int(r)}", s, r)
 
     def result(self) -> CheckResult:
         comp = self.comparison
@@ -252,6 +276,11 @@ class GoldenCheck(Check):
         if self.ckpt_fail:
             res.passed = False
             res.detail = (res.detail + "; " if res.detail else "") + f"checkpoint state/window differs ({self.ckpt_fail})"
+        if self.sched_fail:
+            res.passed = False
+            res.detail = ((res.detail + "; " if res.detail else "") + "the run's requests differ from those the golden "
+                          f"data was made for ({self.sched_fail}): the lifecycle's schedule changed")
+            hint = hint.replace("the preset changed", "the preset or the lifecycle changed")
         if not res.passed:
             res.detail += f"; the twin disagrees with {comp.golden.path.name}: {hint}"
         else:

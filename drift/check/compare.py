@@ -348,6 +348,7 @@ class Comparison:
         text = (f"{self.golden_note}; float64 twin on {dev} validated against it at "
                 f"{self.golden_positions} committed positions and {self.golden_checkpoints} checkpoints")
         if self.beyond_golden_steps:
-            text += (f"; {self.beyond_golden_steps} steps reached past golden position {self.golden_limit} "
-                     "and were checked against the float64 twin alone")
+            past = (f"past the {self.golden.steps} steps the golden data was made for" if self.golden.serving
+                    else f"past golden position {self.golden_limit}")
+            text += f"; {self.beyond_golden_steps} steps reached {past} and were checked against the float64 twin alone"
         return text

@@ -28,6 +28,43 @@ sequences, so golden data of one trace never serves another. :func:`load_golden`
 missing entry on first use (saying so on stderr, written atomically; review it with ``drift
 regen-golden --trace NAME.npz``, which prints the diff against what is stored and overwrites a
 changed entry only with ``--force``); a damaged one raises :class:`GoldenError` naming the file.
+
+Serving lifecycle (a churning ``cfg.lifecycle``, drift/lifecycles.py). A request's truth depends on
+its own tokens only (drift.sim.stream: a prefix-cache hit's first ``P`` positions are its source's
+tokens), so the golden data of a serving run is per request id, and the PR gate's requests are
+learnt by running :class:`drift.sim.serving.ServingSchedule` on the host with the stream's accept
+lengths over the preset's horizon. Lane ``r``'s first request is request ``r`` with the fixed batch's
+prompt and tokens: requests ``0 .. R-1`` are the fixed entry's rows, at every position (the serving
+run reads the fixed entry for them). The serving entry, ``NAME/seed<S>/<lifecycle>``, holds for every
+later request what the gate compares (:func:`generate_serving`):
+
+  sched_*        ``[NS]``             every start of the horizon (step, lane, request, START_* code,
+                                      prefix source, shared positions, start position), in step order
+  key_request, key_position ``[M]``   (request, position) of every committed position of a request
+                                      ``>= R`` (one per decode step it runs) and of every start of one
+  key_proj_state, key_state_norm, key_proj_out ``[M, L, HV]``   the state projection and norm there and
+                                      the output projection of the token before it (a step's last
+                                      accepted token)
+  start_ckpt ``[n]``, start_state ``[n, L, HV, V, K]``, start_window ``[n, L, Kc-1, C]``
+                                      full checkpoints at ``n`` starts after step 0 (indices into
+                                      sched_*): the first ones of each kind (prefill, prefix hit,
+                                      resume) in turn, SERVING_CHECKPOINTS at most, as many as fit in
+                                      SERVING_CHECKPOINT_BYTES
+
+A run validates its float64 twin lane by lane: at each step the lane's request and committed
+position pick the golden row (the fixed entry's for a lane's first request, a key otherwise); at
+each start the twin's fresh lane (a prefill, a prefix hit's restored and extended snapshot, a
+resume's own state) is compared with the projection stored for its start position and, where there
+is one, with the full checkpoint (state, and the conv window bit for bit); and the run's start is
+compared with the schedule the data was made for. The outputs of the other accepted tokens of a
+later request, and its positions between steps, are the twin's alone: the budget. Measured at seed
+0, the serving entries take ci-small 1.9 MB (90 requests, 10,231 keys, 6 start checkpoints of 140 kB),
+ci-heads 1.4 MB, stagnation 0.3 MB, golden/ 15.5 MB of its 16 MiB; every position of ci-small's
+later requests alone (64,715) would take 6.2 MB.
+
+Each request is computed from position 0 over its own tokens (a prefix hit's through its source's):
+the generator models no prefix cache, snapshot or resume, so the twin's handling of them is checked
+against a computation that has none.
 """
 
 from __future__ import annotations
@@ -48,16 +85,20 @@ import torch
 from ..config import PRESETS, Config, preset
 from ..errors import DriftError, GoldenError, WriteError, raise_if_interrupted
 from ..fileio import atomic_write_bytes, atomic_write_json, load_npz, npz_bytes, read_bytes, read_json
-from ..sim.stream import StreamParams, TrueTokens, max_position
+from ..lifecycles import DEFAULT_LIFECYCLE
+from ..sim.stream import StreamParams, TrueTokens, accept_lengths, draft_counts, max_position
 from ..sim.tracefile import trace_paths
 
 SCHEMA = 1
 GENERATOR_VERSION = "2"  # 2: the op's quantised inputs (bf16 mix_qkv, fp32 g), [V, K] states
 CHECKPOINT_EVERY = 4096  # positions between full-state checkpoints
 GOLDEN_PRESETS = ("ci-small", "ci-heads", "stagnation")  # the PR-gating presets
+# ... and the lifecycles they gate under: the fixed batch and the serving lifecycle the gate runs by default
+GOLDEN_LIFECYCLES = ("fixed", DEFAULT_LIFECYCLE)
 REGEN_HINT = "drift regen-golden --preset {name} --force"
+SERVING_CHECKPOINTS = 6  # full checkpoints at request starts per serving entry: two of each kind ...
+SERVING_CHECKPOINT_BYTES = 1 << 20  # ... as many of them as fit in 1 MiB
 F64 = torch.float64
-
 
 
 def golden_dir() -> Path:
@@ -73,8 +114,10 @@ def golden_dir() -> Path:
         return Path(__file__).resolve().parents[2] / "golden"
 
 
-def _entry_key(name: str, seed: int) -> str:
-    return f"{name}/seed{seed}"
+def _entry_key(name: str, seed: int, lifecycle: str = "fixed") -> str:
+    """The manifest key: ``NAME/seed<S>`` for the fixed batch (as before lifecycles existed),
+    ``NAME/seed<S>/<lifecycle>`` for a churning lifecycle's serving entry."""
+    return f"{name}/seed{seed}" if lifecycle == "fixed" else f"{name}/seed{seed}/{lifecycle}"
 
 
 # ------------------------------------------------------------------ generator
@@ -173,10 +216,163 @@ def _generate(cfg: Config, steps: Optional[int], positions: Optional[int] = None
             "ckpt_out": ckpt_out, **vec}
 
 
+# ----------------------------------------------------------- serving lifecycle
+SCHED_FIELDS = ("step", "lane", "request", "code", "source", "p0", "p1")  # the sched_* arrays, in this order
+
+
+def serving_schedule(cfg: Config, steps: Optional[int] = None) -> dict[str, np.ndarray]:
+    """The starts and steps of ``cfg``'s serving lifecycle over ``steps`` decode steps (default: the
+    config's), replayed on the host as a run replays them (drift.sim.serving.ServingSchedule with the
+    stream's accept lengths; the batch order does not change which requests run, nor where): the
+    ``sched_*`` arrays (int64 ``[NS]``, every start in step order, :data:`SCHED_FIELDS`), ``request``
+    ``[S, R]`` (-1 idle), ``post`` ``[S, R]`` (the committed position after each step), and the request
+    -> (source, shared positions) map of the prefix hits (``prefixes``)."""
+    from ..sim.serving import START_PREFIX, ServingSchedule
+
+    n = cfg.steps if steps is None else int(steps)
+    sch = ServingSchedule(cfg)
+    plan = sch.advance(accept_lengths(cfg, 0, n), draft_counts(cfg, 0, n))
+    step, lane = np.nonzero(plan.start)  # row-major: step order, then lane
+    code = plan.start[step, lane]
+    out = {"sched_step": step, "sched_lane": lane, "sched_request": plan.request[step, lane], "sched_code": code,
+           "sched_source": plan.source[step, lane],
+           "sched_p0": np.where(code == START_PREFIX, plan.prefix[step, lane], 0), "sched_p1": plan.pre[step, lane]}
+    out = {k: np.ascontiguousarray(v, dtype=np.int64) for k, v in out.items()}
+    live = plan.request >= 0
+    return {**out, "request": plan.request.copy(), "post": np.where(live, plan.pre + plan.accept, -1),
+            "prefixes": dict(sch.prefixes)}
+
+
+def start_checkpoints(cfg: Config, sched: dict) -> np.ndarray:
+    """Which starts get a full checkpoint (indices into ``sched_*``): those after step 0 (the first
+    requests' prefills at step 0 are the fixed entry's rows), the first of each kind -- prefill,
+    prefix hit, resume -- in turn, then the second of each, ...: at most :data:`SERVING_CHECKPOINTS`,
+    as many as fit in :data:`SERVING_CHECKPOINT_BYTES`."""
+    L, HV, K, V, Kc, C = (cfg.num_layers, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim, cfg.conv_kernel,
+                          cfg.conv_channels)
+    per = 4 * L * (HV * V * K + (Kc - 1) * C)
+    n = min(SERVING_CHECKPOINTS, SERVING_CHECKPOINT_BYTES // per)
+    later = sched["sched_step"] > 0
+    kinds = [np.nonzero(later & (sched["sched_code"] == c))[0].tolist() for c in sorted(set(sched["sched_code"].tolist()))]
+    picked: list[int] = []
+    for i in range(max((len(k) for k in kinds), default=0)):
+        picked += [k[i] for k in kinds if i < len(k)]
+    return np.array(sorted(picked[:n]), np.int64)
+
+
+def generate_serving(cfg: Config, steps: Optional[int] = None) -> dict[str, np.ndarray]:
+    """The serving entry's arrays for ``cfg`` (a churning lifecycle) over ``steps`` decode steps
+    (default: the preset's); module docstring. One thread, as :func:`generate`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _generate_serving(cfg, steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _generate_serving(cfg: Config, steps: Optional[int]) -> dict[str, np.ndarray]:
+    if not cfg.serving.churn:
+        raise ValueError(f"generate_serving needs a churning lifecycle, not {cfg.lifecycle!r}")
+    L, R, HV, K, V = cfg.num_layers, cfg.num_requests, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
+    Kc, C = cfg.conv_kernel, cfg.conv_channels
+    sched = serving_schedule(cfg, steps)
+    req, post = sched["request"], sched["post"]
+    later = req >= R  # a lane's first request is the fixed entry's row
+    starts = sched["sched_request"] >= R
+    kq = np.concatenate([req[later], sched["sched_request"][starts]])
+    kp = np.concatenate([post[later], sched["sched_p1"][starts]])
+    keys = np.unique(kq.astype(np.int64) << 32 | kp.astype(np.int64))  # sorted by (request, position)
+    key_request, key_position = keys >> 32, keys & 0xFFFFFFFF
+    ck = start_checkpoints(cfg, sched)
+    ck_request, ck_position = sched["sched_request"][ck], sched["sched_p1"][ck]
+    # Per request: the positions it must reach (its keys, its checkpoints), from position 0.
+    wanted: dict[int, list[int]] = {}
+    for q, p in zip(np.concatenate([key_request, ck_request]).tolist(), np.concatenate([key_position, ck_position]).tolist()):
+        wanted.setdefault(int(q), []).append(int(p))
+    params = StreamParams.generate(cfg)
+    prm = {k: getattr(params, k).to(F64) for k in ("A_log", "dt_bias", "conv_weight")}
+    vec = projection_vectors(cfg)
+    u, w, wo = (torch.from_numpy(vec[k]).to(F64) for k in ("proj_u", "proj_w", "proj_wo"))
+    tokens = TrueTokens(cfg, prefixes=sched["prefixes"])
+    M, n = len(keys), len(ck)
+    key_ps, key_sn, key_po = (np.zeros((M, L, HV), np.float32) for _ in range(3))
+    start_state = np.zeros((n, L, HV, V, K), np.float32)
+    start_window = np.zeros((n, L, Kc - 1, C), np.float32)
+    key_at = {(int(q), int(p)): i for i, (q, p) in enumerate(zip(key_request.tolist(), key_position.tolist()))}
+    ck_at = {(int(q), int(p)): i for i, (q, p) in enumerate(zip(ck_request.tolist(), ck_position.tolist()))}
+    # Requests in groups of similar reach (longest first), each group stepped together.
+    order = sorted(wanted, key=lambda q: (-max(wanted[q]), q))
+    group, block = 4, 256
+    for g0 in range(0, len(order), group):
+        qs = order[g0:g0 + group]
+        G, P = len(qs), max(max(wanted[q]) for q in qs)
+        marks = {p: [] for q in qs for p in wanted[q]}  # position -> [(slot in group, request)]
+        for i, q in enumerate(qs):
+            for p in set(wanted[q]):
+                marks[p].append((i, q))
+        h = torch.zeros(L, G, HV, V, K, dtype=F64)
+        window = torch.zeros(L, G, Kc - 1, C, dtype=F64)
+        for p0 in range(0, P, block):
+            raise_if_interrupted()
+            m = min(block, P - p0)
+            got = [tokens.get(q, p0, p0 + m) for q in qs]
+            xs, as_, bs = (torch.from_numpy(np.stack([t[j] for t in got], 2)).to(F64) for j in range(3))  # [m, L, G, .]
+            for j in range(m):
+                p = p0 + j + 1  # the state after p tokens
+                h, window, o = _golden_step(cfg, prm, h, window, xs[j], as_[j], bs[j])
+                for i, q in marks.get(p, ()):
+                    k = key_at.get((q, p))
+                    if k is not None:
+                        key_ps[k] = torch.einsum("lhv,lhvk,lhk->lh", w, h[:, i], u).numpy()
+                        key_sn[k] = torch.linalg.vector_norm(h[:, i], dim=(-2, -1)).numpy()
+                        key_po[k] = torch.einsum("lhv,lhv->lh", o[:, i], wo).numpy()
+                    c = ck_at.get((q, p))
+                    if c is not None:
+                        start_state[c], start_window[c] = h[:, i].numpy(), window[:, i].numpy()
+    out = {k: v for k, v in sched.items() if k.startswith("sched_")}
+    out.update({"key_request": key_request.astype(np.int32), "key_position": key_position.astype(np.int32),
+                "key_proj_state": key_ps, "key_state_norm": key_sn, "key_proj_out": key_po,
+                "start_ckpt": ck, "start_state": start_state, "start_window": start_window, **vec})
+    return out
+
+
+def serving_coverage(golden: "Golden", cfg: Config, steps: Optional[int] = None) -> list[str]:
+    """What ``golden`` (a serving golden, :func:`load_golden`) leaves uncovered of ``cfg``'s serving run
+    over ``steps`` decode steps (default: the config's), one sentence per gap; empty when it covers
+    every request the run has: its starts as scheduled, a lane's first request at every position it
+    reaches (the fixed entry), every later request at each committed position and its start."""
+    sched = serving_schedule(cfg, steps)
+    a, R = golden.arrays, cfg.num_requests
+    gaps = []
+    horizon = min(golden.steps, cfg.steps if steps is None else int(steps))
+    mine, theirs = (sched["sched_step"] < horizon), (a["sched_step"] < horizon)
+    for f in SCHED_FIELDS:
+        if not np.array_equal(sched[f"sched_{f}"][mine], a[f"sched_{f}"][theirs]):
+            gaps.append(f"the starts of the first {horizon} steps differ from the golden's (sched_{f})")
+            break
+    req, post = sched["request"], sched["post"]
+    first = (req >= 0) & (req < R)
+    if first.any() and int(post[first].max()) > golden.max_position:
+        gaps.append(f"a lane's first request reaches position {int(post[first].max())}, past the fixed entry's "
+                    f"{golden.max_position}")
+    later, starts = req >= R, sched["sched_request"] >= R
+    want = set(zip(req[later].tolist(), post[later].tolist()))
+    want |= set(zip(sched["sched_request"][starts].tolist(), sched["sched_p1"][starts].tolist()))
+    lacking = sorted(want - set(zip(a["key_request"].tolist(), a["key_position"].tolist())))
+    if lacking:
+        gaps.append(f"{len(lacking)} committed or start positions of later requests have no key "
+                    f"(the first: request {lacking[0][0]} at position {lacking[0][1]})")
+    return gaps
+
+
 # ------------------------------------------------------------------- loading
 @dataclass
 class Golden:
-    """Loaded golden arrays (host numpy) with where they came from."""
+    """Loaded golden arrays (host numpy) with where they came from. A serving golden (``lifecycle``
+    churning) holds the fixed entry's arrays (requests ``0 .. R-1``) and the serving entry's
+    (``sched_*``, ``key_*``, ``start_*``; module docstring) together; ``path`` is the serving file's,
+    ``fixed_path`` the fixed one's."""
 
     name: str
     seed: int
@@ -184,14 +380,30 @@ class Golden:
     path: Path
     arrays: dict
     regen_hint: str = ""  # the command that regenerates it (set for a trace's golden data)
+    lifecycle: str = "fixed"
+    fixed_path: Optional[Path] = None
+
+    @property
+    def serving(self) -> bool:
+        """Whether it covers a churning lifecycle's requests (the serving entry's arrays are there)."""
+        return "key_request" in self.arrays
 
     @property
     def max_position(self) -> int:
         return self.arrays["proj_state"].shape[0] - 1
 
     def describe(self) -> str:
-        return (f"golden {self.path.name} (float64 truth stored as float32; positions 0..{self.max_position}, "
-                f"{len(self.arrays['ckpt_pos'])} full checkpoints)")
+        n = len(self.arrays['ckpt_pos'])
+        if not self.serving:
+            return (f"golden {self.path.name} (float64 truth stored as float32; positions 0..{self.max_position}, "
+                    f"{n} full checkpoints)")
+        a = self.arrays
+        fixed = f"positions 0..{self.max_position}, {n} full checkpoint{'s' * (n != 1)}"
+        return (f"golden {self.path.name} with {self.fixed_path.name if self.fixed_path else 'the fixed entry'} "
+                f"(float64 truth stored as float32; the {self.lifecycle} lifecycle's "
+                f"{len(np.unique(a['sched_request']))} requests over {self.steps} steps: the first "
+                f"{a['proj_state'].shape[2]} at {fixed}, the later ones at their {len(a['key_request'])} "
+                f"committed and start positions, {len(a['start_ckpt'])} full checkpoints at request starts)")
 
 
 def _check_directory(directory: Path) -> None:
@@ -242,45 +454,71 @@ def _sha256(data: bytes) -> str:
 
 
 def requires_golden(cfg: Config) -> bool:
-    """A PR-gating preset as it gates (its own seed, its trajectory): golden data is mandatory."""
-    return cfg.name in GOLDEN_PRESETS and cfg.seed == preset(cfg.name).seed and _is_preset_config(cfg)
+    """A PR-gating preset as it gates (its own seed, its trajectory, a lifecycle it gates under): golden
+    data is mandatory."""
+    return (cfg.name in GOLDEN_PRESETS and cfg.lifecycle in GOLDEN_LIFECYCLES and cfg.seed == preset(cfg.name).seed
+            and _is_preset_config(cfg))
 
 
 def _is_preset_config(cfg: Config) -> bool:
-    return cfg.name in PRESETS and cfg.stream_hash() == preset(cfg.name).replace(seed=cfg.seed).stream_hash()
+    """``cfg`` runs its preset's trajectory (and, under a churning lifecycle, its preset's requests)."""
+    return cfg.name in PRESETS and cfg.stream_hash() == preset(cfg.name).replace(
+        seed=cfg.seed, lifecycle=cfg.lifecycle).stream_hash()
 
 
 def load_golden(cfg: Config, directory: Optional[Path] = None) -> tuple[Optional[Golden], str]:
     """The golden for ``cfg`` or None, with a sentence saying which and why.
 
     Raises GoldenError (naming the file and the regeneration command) when an entry exists
-    but its file is missing, truncated, corrupted or stale for the preset it claims.
+    but its file is missing, truncated, corrupted or stale for the preset it claims. Under a
+    churning lifecycle both entries are read: the fixed one (the lanes' first requests) and the
+    lifecycle's serving entry (every later request); a PR-gating preset needs both.
     """
     if cfg.trace:
         return _load_trace_golden(cfg, directory)
-    if cfg.serving.churn:
-        return None, (f"golden data covers the fixed batch (lifecycle 'fixed'); the {cfg.lifecycle} lifecycle's "
-                      "requests are checked against the float64 twin alone")
     directory = golden_dir() if directory is None else Path(directory)
     manifest = _read_manifest(directory)
-    entry = manifest["entries"].get(_entry_key(cfg.name, cfg.seed))
+    if not cfg.serving.churn:
+        return _load_preset_entry(cfg, directory, manifest)
+    fixed, note = _load_preset_entry(cfg.replace(lifecycle="fixed"), directory, manifest)
+    if fixed is None:
+        return None, note
+    serving, note = _load_preset_entry(cfg, directory, manifest)
+    if serving is None:
+        return None, note
+    for name in ("proj_u", "proj_w", "proj_wo"):
+        if not np.array_equal(fixed.arrays[name], serving.arrays[name]):
+            raise GoldenError(f"golden files {fixed.path} and {serving.path} hold different projection vectors "
+                              f"({name}): they were not made for the same config; regenerate both: "
+                              f"{REGEN_HINT.format(name=cfg.name)}")
+    g = Golden(cfg.name, cfg.seed, serving.steps, serving.path, {**fixed.arrays, **serving.arrays},
+               lifecycle=cfg.lifecycle, fixed_path=fixed.path)
+    return g, g.describe()
+
+
+def _load_preset_entry(cfg: Config, directory: Path, manifest: dict) -> tuple[Optional[Golden], str]:
+    """The entry of ``cfg``'s preset, seed and lifecycle in ``manifest`` (the fixed entry for the fixed
+    lifecycle, the serving entry for a churning one), or None and why."""
+    churn = cfg.serving.churn
+    entry = manifest["entries"].get(_entry_key(cfg.name, cfg.seed, cfg.lifecycle))
+    which = f" (lifecycle {cfg.lifecycle})" if churn else ""
     if entry is None:
         if requires_golden(cfg):
             raise GoldenError(f"{directory / 'manifest.json'} has no golden data for the PR-gating preset "
-                              f"{cfg.name} seed {cfg.seed}; a PR-gating run needs it: regenerate it with "
+                              f"{cfg.name} seed {cfg.seed}{which}; a PR-gating run needs it: regenerate it with "
                               f"`drift regen-golden --preset {cfg.name} --golden-dir {directory}`, or point "
                               "DRIFT_GOLDEN_DIR at the golden data drift ships")
-        return None, f"no golden for preset {cfg.name!r} seed {cfg.seed} in {directory}"
+        return None, f"no golden for preset {cfg.name!r} seed {cfg.seed}{which} in {directory}"
     hint = REGEN_HINT.format(name=cfg.name)
     if entry.get("config_hash") != cfg.stream_hash():
         if _is_preset_config(cfg):
-            raise GoldenError(f"golden for {cfg.name} seed {cfg.seed} was made from config hash "
+            raise GoldenError(f"golden for {cfg.name} seed {cfg.seed}{which} was made from config hash "
                               f"{entry.get('config_hash')}, but the preset now hashes to {cfg.stream_hash()}: "
                               f"the preset changed; regenerate: {hint}")
-        return None, (f"config differs from preset {cfg.name!r} in fields that shape the trajectory; "
-                      "golden does not apply")
+        return None, (f"config differs from preset {cfg.name!r} in fields that shape the trajectory"
+                      f"{' or the requests of its lifecycle' if churn else ''}; golden does not apply")
     g = _load_entry(cfg, directory, entry, hint)
-    return g, g.describe()
+    return g, "" if churn else g.describe()
 
 
 def _load_entry(cfg: Config, directory: Path, entry: dict, hint: str) -> Golden:
@@ -431,16 +669,42 @@ def write_trace_golden(cfg: Config, directory: Optional[Path] = None, force: boo
 
 def _check_shapes(cfg: Config, arrays: dict, path: Path, hint: str) -> None:
     L, R, HV, K, V = cfg.num_layers, cfg.num_requests, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
-    expect = {"proj_state": (L, R, HV), "state_norm": (L, R, HV), "proj_out": (L, R, HV),
-              "ckpt_state": (L, R, HV, V, K), "ckpt_out": (L, R, HV, V),
-              "ckpt_window": (L, R, cfg.conv_kernel - 1, cfg.conv_channels),
-              "proj_u": (L, HV, K), "proj_w": (L, HV, V), "proj_wo": (L, HV, V)}
+    win = (L, cfg.conv_kernel - 1, cfg.conv_channels)
+    if cfg.serving.churn:  # the serving entry: per (request, position) rows
+        expect = {"key_proj_state": (L, HV), "key_state_norm": (L, HV), "key_proj_out": (L, HV),
+                  "start_state": (L, HV, V, K), "start_window": win}
+        ints = {f"sched_{f}": np.int64 for f in SCHED_FIELDS}
+        ints.update(key_request=np.int32, key_position=np.int32, start_ckpt=np.int64)
+    else:
+        expect = {"proj_state": (L, R, HV), "state_norm": (L, R, HV), "proj_out": (L, R, HV),
+                  "ckpt_state": (L, R, HV, V, K), "ckpt_out": (L, R, HV, V),
+                  "ckpt_window": (L, R, cfg.conv_kernel - 1, cfg.conv_channels)}
+        ints = {}
+    expect.update({"proj_u": (L, HV, K), "proj_w": (L, HV, V), "proj_wo": (L, HV, V)})
     for name, tail in expect.items():
         arr = arrays.get(name)
         if arr is None or arr.dtype != np.float32 or tuple(arr.shape[-len(tail):]) != tail:
             raise GoldenError(f"golden file {path}: array {name!r} missing or shaped "
                               f"{None if arr is None else (arr.dtype, arr.shape)}, expected float32 [..., "
                               f"{', '.join(map(str, tail))}]; regenerate: {hint}")
+    for name, dtype in ints.items():
+        arr = arrays.get(name)
+        if arr is None or arr.dtype != dtype or arr.ndim != 1:
+            raise GoldenError(f"golden file {path}: array {name!r} missing or shaped "
+                              f"{None if arr is None else (arr.dtype, arr.shape)}, expected {np.dtype(dtype).name} [n]; "
+                              f"regenerate: {hint}")
+    if cfg.serving.churn:
+        n_sched, n_key, n_ck = len(arrays["sched_step"]), len(arrays["key_request"]), len(arrays["start_ckpt"])
+        bad = [f"sched_{f}" for f in SCHED_FIELDS if len(arrays[f"sched_{f}"]) != n_sched]
+        bad += [k for k in ("key_position", "key_proj_state", "key_state_norm", "key_proj_out") if len(arrays[k]) != n_key]
+        bad += [k for k in ("start_state", "start_window") if len(arrays[k]) != n_ck]
+        keys = arrays["key_request"].astype(np.int64) << 32 | arrays["key_position"].astype(np.int64)
+        if np.any(np.diff(keys) <= 0):
+            bad.append("key_request/key_position (not sorted by request, then position, without repeats)")
+        if n_ck and (arrays["start_ckpt"].min() < 0 or arrays["start_ckpt"].max() >= n_sched):
+            bad.append("start_ckpt (an index outside sched_*)")
+        if bad:
+            raise GoldenError(f"golden file {path}: inconsistent arrays {', '.join(bad)}; regenerate: {hint}")
 
 
 # -------------------------------------------------------------- regeneration
@@ -507,10 +771,18 @@ def _against_stored(directory: Path, entry: dict, key: str, data: bytes, arrays:
     return "differs", old_file
 
 
+def golden_lifecycles() -> tuple[str, ...]:
+    """The lifecycles golden data is made and required for (:data:`GOLDEN_LIFECYCLES`): the fixed entry,
+    then the serving entry. Another churning lifecycle (a test's, a user's) finds none and says so."""
+    return GOLDEN_LIFECYCLES
+
+
 def regenerate(names: Sequence[str], seed: Optional[int] = None, force: bool = False,
                directory: Optional[Path] = None, steps: Optional[int] = None,
-               out=None) -> int:
-    """Regenerate golden data for ``names``; returns 0, or 1 when a change was refused.
+               out=None, lifecycles: Optional[Sequence[str]] = None) -> int:
+    """Regenerate golden data for ``names``, each entry of ``lifecycles`` (default: every one golden
+    covers, :func:`golden_lifecycles`: the fixed entry and the serving entry); returns 0, or 1 when a
+    change was refused.
 
     Unchanged data leaves files and manifest untouched. Changed data is written only with
     ``force``: the new file under a content-addressed name, then the manifest swapped
@@ -526,44 +798,63 @@ def regenerate(names: Sequence[str], seed: Optional[int] = None, force: bool = F
     shipped_manifest = _read_manifest(shipped) if shipped.resolve() != directory.resolve() else {"entries": {}}
     refused = 0
     for name in names:
-        cfg = preset(name) if seed is None else preset(name, seed=seed)
-        key = _entry_key(name, cfg.seed)
-        print(f"{key}: generating {max_position(cfg, steps)} positions ...", file=out, flush=True)
-        arrays = generate(cfg, steps)
-        data = npz_bytes(arrays)
-        digest = _sha256(data)
-        old_entry = manifest["entries"].get(key)
-        old_file = None
-        if old_entry:
-            verdict, old_file = _against_stored(directory, old_entry, key, data, arrays, out)
-            if verdict != "differs":
-                continue
-            if not force:
-                print(f"{key}: refusing to overwrite without --force", file=out)
-                refused = 1
-                continue
-        elif key in shipped_manifest["entries"]:
-            ((ref_name, ref_meta),) = shipped_manifest["entries"][key]["files"].items()
-            if ref_meta["sha256"] == digest:
-                print(f"{key}: identical to the golden data drift ships ({shipped / ref_name})", file=out)
+        for lifecycle in (golden_lifecycles() if lifecycles is None else lifecycles):
+            base = preset(name) if seed is None else preset(name, seed=seed)
+            cfg = base.replace(lifecycle=lifecycle)
+            key = _entry_key(name, cfg.seed, lifecycle)
+            if cfg.serving.churn:
+                print(f"{key}: generating the requests of {cfg.steps if steps is None else steps} steps ...",
+                      file=out, flush=True)
+                arrays = generate_serving(cfg, steps)
+                stem = f"{name}-seed{cfg.seed}-{lifecycle}"
+                meta = {"lifecycle": lifecycle, "positions": int(len(arrays["key_request"])),
+                        "requests": int(len(np.unique(arrays["sched_request"]))),
+                        "checkpoints": int(len(arrays["start_ckpt"]))}
             else:
-                print(f"{key}: differs from the golden data drift ships ({shipped / ref_name}):", file=out)
-                ref_ok = _file_sha256(shipped / ref_name) == ref_meta.get("sha256")
-                for line in diff_summary(load_npz(shipped / ref_name) if ref_ok else {}, arrays):
-                    print(line, file=out)
-        fname = f"{name}-seed{cfg.seed}-{digest[:12]}.npz"
-        atomic_write_bytes(directory / fname, data)
-        manifest["entries"][key] = {
-            "preset": name, "seed": cfg.seed, "config_hash": cfg.stream_hash(),
-            "generator_version": GENERATOR_VERSION, "steps": cfg.steps if steps is None else steps,
-            "positions": int(arrays["proj_state"].shape[0] - 1), "checkpoint_every": CHECKPOINT_EVERY,
-            "torch": torch.__version__, "numpy": np.__version__,
-            "created": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
-            "files": {fname: {"sha256": digest, "size": len(data)}},
-        }
-        manifest["schema"], manifest["generator_version"] = SCHEMA, GENERATOR_VERSION
-        atomic_write_json(directory / "manifest.json", manifest)
-        if old_file is not None and old_file.exists() and old_file.name != fname:
-            old_file.unlink()
-        print(f"{key}: wrote {fname} ({len(data) / 2**20:.2f} MiB)", file=out)
+                print(f"{key}: generating {max_position(cfg, steps)} positions ...", file=out, flush=True)
+                arrays = generate(cfg, steps)
+                stem = f"{name}-seed{cfg.seed}"
+                meta = {"positions": int(arrays["proj_state"].shape[0] - 1), "checkpoint_every": CHECKPOINT_EVERY}
+            meta = {"preset": name, "seed": cfg.seed, "config_hash": cfg.stream_hash(),
+                    "generator_version": GENERATOR_VERSION, "steps": cfg.steps if steps is None else steps, **meta}
+            refused |= _write_entry(directory, manifest, shipped, shipped_manifest, key, stem, arrays, meta, force, out)
     return refused
+
+
+def _write_entry(directory: Path, manifest: dict, shipped: Path, shipped_manifest: dict, key: str, stem: str,
+                 arrays: dict, meta: dict, force: bool, out) -> int:
+    """One entry of :func:`regenerate`: compared with what is stored (or shipped), written when new or
+    changed with ``force``; returns 1 when a change was refused."""
+    data = npz_bytes(arrays)
+    digest = _sha256(data)
+    old_entry = manifest["entries"].get(key)
+    old_file = None
+    if old_entry:
+        verdict, old_file = _against_stored(directory, old_entry, key, data, arrays, out)
+        if verdict != "differs":
+            return 0
+        if not force:
+            print(f"{key}: refusing to overwrite without --force", file=out)
+            return 1
+    elif key in shipped_manifest["entries"]:
+        ((ref_name, ref_meta),) = shipped_manifest["entries"][key]["files"].items()
+        if ref_meta["sha256"] == digest:
+            print(f"{key}: identical to the golden data drift ships ({shipped / ref_name})", file=out)
+        else:
+            print(f"{key}: differs from the golden data drift ships ({shipped / ref_name}):", file=out)
+            ref_ok = _file_sha256(shipped / ref_name) == ref_meta.get("sha256")
+            for line in diff_summary(load_npz(shipped / ref_name) if ref_ok else {}, arrays):
+                print(line, file=out)
+    fname = f"{stem}-{digest[:12]}.npz"
+    atomic_write_bytes(directory / fname, data)
+    manifest["entries"][key] = {
+        **meta, "torch": torch.__version__, "numpy": np.__version__,
+        "created": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+        "files": {fname: {"sha256": digest, "size": len(data)}},
+    }
+    manifest["schema"], manifest["generator_version"] = SCHEMA, GENERATOR_VERSION
+    atomic_write_json(directory / "manifest.json", manifest)
+    if old_file is not None and old_file.exists() and old_file.name != fname:
+        old_file.unlink()
+    print(f"{key}: wrote {fname} ({len(data) / 2**20:.2f} MiB)", file=out)
+    return 0

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ..dtypes import store_dtype
+from .golden import SCHED_FIELDS
 from ..registry import Registry
 from ..sim import native
 from ..sim.twin import TwinSteps
@@ -301,11 +302,15 @@ MEASURES.register("tracked", Measure(
 
 
 # ----------------------------------------------------------------------- golden validation
-def _checkpoint(comp, i: int, pre: np.ndarray, mark: np.ndarray, state: torch.Tensor, window: torch.Tensor) -> None:
+def _checkpoint(comp, i: int, pre: np.ndarray, mark: np.ndarray, state: torch.Tensor, window: torch.Tensor,
+                request: Optional[np.ndarray] = None) -> None:
     """Full state and conv window of the twin (its mark_state, mark_window) against golden
-    checkpoints passed at step i."""
+    checkpoints passed at step i. Under a churning lifecycle (``request [R]``, each lane's request) only
+    a lane's first request has them: it is the fixed entry's row."""
     ga, buf, dev = comp.golden.arrays, comp.buf, comp.ref_device
     for r in np.nonzero(mark >= 0)[0]:
+        if request is not None and request[r] != r:
+            continue
         c = comp.golden_ckpt[int(pre[r] + mark[r] + 1)]
         ref = torch.from_numpy(ga["ckpt_state"][c][:, r]).to(dev, F64)
         d = torch.linalg.vector_norm(state[:, r] - ref) / torch.linalg.vector_norm(ref)
@@ -315,22 +320,115 @@ def _checkpoint(comp, i: int, pre: np.ndarray, mark: np.ndarray, state: torch.Te
         comp.golden_checkpoints += 1
 
 
+def _golden_start(comp) -> None:
+    """A serving golden (drift/check/golden.py): its per-request rows on the reference device, the key
+    lookup, the schedule it was made for and its start checkpoints (``comp.gold_serving``; None
+    otherwise)."""
+    g = comp.golden
+    comp.gold_serving = None
+    if g is None or not g.serving:
+        return
+    ga, dev = g.arrays, comp.ref_device
+    sched = {f: ga[f"sched_{f}"] for f in SCHED_FIELDS}
+    ck = ga["start_ckpt"]
+    comp.gold_serving = {
+        "keys": ga["key_request"].astype(np.int64) << 32 | ga["key_position"].astype(np.int64),
+        **{k: torch.from_numpy(ga[f"key_{k}"]).to(dev, F64) for k in ("proj_state", "state_norm", "proj_out")},
+        "steps": g.steps,
+        "sched": {(int(s), int(r)): i for i, (s, r) in enumerate(zip(sched["step"], sched["lane"]))},
+        "sched_rows": np.stack([sched[f] for f in ("request", "code", "source", "p0", "p1")], 1),
+        "ckpt": {(int(sched["request"][i]), int(sched["p1"][i])): c for c, i in enumerate(ck)},
+    }
+
+
+def _key_rows(gs: dict, request: np.ndarray, position: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The serving golden's rows of (request, position) pairs (any shape): (row index, found)."""
+    keys = gs["keys"]
+    if not len(keys):
+        return np.zeros(request.shape, np.int64), np.zeros(request.shape, bool)
+    want = request.astype(np.int64) << 32 | np.maximum(position, 0).astype(np.int64)
+    idx = np.minimum(np.searchsorted(keys, want), len(keys) - 1)
+    return idx, (keys[idx] == want) & (request >= 0)
+
+
+def _golden_starts(comp, view):
+    """At a step where requests start (a churning lifecycle), the twin's fresh lanes -- it has just
+    reset them: a prefill's truth, a prefix hit's restored and extended snapshot, a resume's own state
+    -- against the golden: the state projection at the start position (the fixed entry's for a lane's
+    first request), the full checkpoint where the data has one (state; window bit for bit), and the
+    run's start against the schedule the data was made for (within its horizon). Returns, per starting
+    lane, (lane, projection deviation ``[L, HV]`` or None, checkpoint deviation or None, window bits
+    that differ, schedule mismatch 0/1); None when there is nothing to compare."""
+    gs = getattr(comp, "gold_serving", None)
+    if gs is None or not view.starts:
+        return None
+    cfg, g, twin = comp.sim.cfg, comp.gold, comp.twin
+    scale_kv = math.sqrt(cfg.head_k_dim * cfg.head_v_dim)
+    found = []
+    for lane, (start, _, _) in sorted(view.starts.items()):
+        q, p = int(start.request), int(start.p1)
+        i = gs["sched"].get((view.step, lane))
+        ran = (q, int(start.code), int(start.source), int(start.p0), p)
+        mismatch = view.step < gs["steps"] and (i is None or tuple(gs["sched_rows"][i].tolist()) != ran)
+        state = twin.state[:, lane]  # [L, HV, V, K] float64: the lane's start, as the twin holds it
+        if q == lane and p <= comp.golden_limit:
+            p_gold, n_gold = g["proj_state"][p, :, lane], g["state_norm"][p, :, lane]
+        else:
+            k, ok = _key_rows(gs, np.array([q]), np.array([p]))
+            p_gold, n_gold = (gs["proj_state"][int(k[0])], gs["state_norm"][int(k[0])]) if ok[0] else (None, None)
+        dev_p = None
+        if p_gold is not None:
+            proj = torch.einsum("lhv,lhvk,lhk->lh", g["proj_w"], state, g["proj_u"])
+            dev_p = (proj - p_gold).abs() / (p_gold.abs() + n_gold / scale_kv + 1e-300)
+            comp.golden_positions += 1
+        ck_dev, ck_bad = None, 0.0
+        c = gs["ckpt"].get((q, p))
+        if c is not None:
+            ga = comp.golden.arrays
+            ref = torch.from_numpy(ga["start_state"][c]).to(state.device, F64)
+            ck_dev = torch.linalg.vector_norm(state - ref) / torch.linalg.vector_norm(ref)
+            wref = torch.from_numpy(ga["start_window"][c]).to(state.device, F64)
+            ck_bad = (twin.window[:, lane] != wref).sum().to(F64)
+            comp.golden_checkpoints += 1
+        found.append((lane, dev_p, ck_dev, ck_bad, float(mismatch)))
+    return found
+
+
+def _golden_snapshot(comp, view) -> tuple:
+    """What the golden measure takes at a step: (the step, :func:`_golden_starts`' findings)."""
+    return view.step, _golden_starts(comp, view)
+
+
 def _golden_batch(comp, batch: Batch) -> None:
     """Twin vs golden for a batch of steps ``[n]``: projections at every committed position and
-    accepted output. Positions past the golden horizon are NaN."""
+    accepted output. Positions past the golden horizon are NaN. Under a churning lifecycle each lane is
+    compared with its request's golden rows (a lane's first request: the fixed entry's, at every
+    accepted output; a later one: the serving entry's key at the committed position, the output of the
+    last accepted token), and the starts of the batch are added (:func:`_golden_starts`)."""
     if comp.golden is None:
         return
     cfg, buf, dev, g = comp.sim.cfg, comp.buf, comp.ref_device, comp.gold
+    gs = getattr(comp, "gold_serving", None)
+    request = getattr(batch, "request", None) if gs is not None else None
     for j, (mark_state, mark_window) in batch.twin.marks.items():
-        _checkpoint(comp, batch.idx[j], batch.pre[j], batch.marks[j], mark_state, mark_window)
+        _checkpoint(comp, batch.idx[j], batch.pre[j], batch.marks[j], mark_state, mark_window,
+                    None if request is None else request[j])
     # The projection of each step's state, one einsum per step (one over the batch copies all its
     # states into einsum's layout first, and is slower)
     p_twin = torch.stack([torch.einsum("lhv,lrhvk,lhk->lrh", g["proj_w"], state, g["proj_u"])
                           for state in batch.twin.state])
     pre, rows, m, tw_out = batch.pre, batch.rows, batch.m, batch.twin.out
     post = pre + batch.accept
-    inside = post <= comp.golden_limit  # [n, R]
-    comp.beyond_golden_steps += int((~inside.all(1)).sum())
+    if request is None:
+        inside = post <= comp.golden_limit  # [n, R]
+        comp.beyond_golden_steps += int((~inside.all(1)).sum())
+    else:
+        live = request >= 0
+        first = live & (request == np.arange(cfg.num_requests)[None, :])  # the fixed entry's rows
+        key, found = _key_rows(gs, request, post)
+        keyed = live & ~first & found
+        inside = (first & (post <= comp.golden_limit)) | keyed
+        comp.beyond_golden_steps += int((live & ~inside).any(1).sum())
     comp.golden_positions += int(inside.sum())
     R = cfg.num_requests
     r_idx = torch.arange(R, device=dev)
@@ -338,6 +436,12 @@ def _golden_batch(comp, batch: Batch) -> None:
     scale_kv = math.sqrt(cfg.head_k_dim * cfg.head_v_dim)
     p_gold = g["proj_state"][pos, :, r_idx[None, :]].permute(0, 2, 1, 3)  # [n, L, R, HV]
     n_gold = g["state_norm"][pos, :, r_idx[None, :]].permute(0, 2, 1, 3)
+    keyed_any = request is not None and bool(keyed.any())
+    if keyed_any:
+        k = torch.from_numpy(key).to(dev)
+        use = torch.from_numpy(keyed).to(dev)[:, None, :, None]
+        p_gold = torch.where(use, gs["proj_state"][k].permute(0, 2, 1, 3), p_gold)
+        n_gold = torch.where(use, gs["state_norm"][k].permute(0, 2, 1, 3), n_gold)
     dev_s = (p_twin - p_gold).abs() / (p_gold.abs() + n_gold / scale_kv + 1e-300)
     inside_t = torch.from_numpy(inside).to(dev)[:, None, :, None]
     buf["gold_dev"][rows] = torch.where(inside_t, dev_s, torch.full_like(dev_s, math.nan))
@@ -345,15 +449,48 @@ def _golden_batch(comp, batch: Batch) -> None:
     opos = torch.from_numpy(pre).to(dev)[:, :, None] + torch.arange(cfg.num_draft_tokens, device=dev)  # [n, R, D]
     ok = m & (opos < g["proj_out"].shape[0])
     o_gold = g["proj_out"][opos.clamp(max=g["proj_out"].shape[0] - 1), :, r_idx[None, :, None]]  # [n, R, D, L, HV]
+    if request is not None:  # a lane's first request at every accepted output (the fixed entry's rows) ...
+        ok = ok & torch.from_numpy(first).to(dev)[:, :, None]
+    if keyed_any:  # ... a later request at its last accepted token's (its key)
+        last = torch.arange(cfg.num_draft_tokens, device=dev) == torch.from_numpy(batch.accept - 1).to(dev)[:, :, None]
+        sel = last & torch.from_numpy(keyed).to(dev)[:, :, None]  # [n, R, D]
+        o_gold = torch.where(sel[..., None, None], gs["proj_out"][k][:, :, None], o_gold)
+        ok = ok | sel
     o_twin = torch.einsum("nlrdhv,lhv->nrdlh", tw_out, g["proj_wo"])
     o_norm = torch.linalg.vector_norm(tw_out, dim=-1).permute(0, 2, 3, 1, 4) / math.sqrt(cfg.head_v_dim)
     o_dev = (o_twin - o_gold).abs() / (o_gold.abs() + o_norm + 1e-300)
     o_dev = torch.where(ok[..., None, None], o_dev, torch.zeros_like(o_dev)).amax(2)  # [n, R, L, HV]
     buf["gold_out_dev"][rows] = torch.where(inside_t, o_dev.permute(0, 2, 1, 3), torch.full_like(dev_s, math.nan))
+    if request is not None:
+        _golden_serving_extras(comp, batch, live & ~first & ~found)
+
+
+def _golden_serving_extras(comp, batch: Batch, missing: np.ndarray) -> None:
+    """The starts of the batch (:func:`_golden_starts`' findings, folded into the step's rows) and the
+    schedule flag: a start that differs from the golden's schedule, or a later request's committed
+    position within the golden's horizon that has no key (``missing [n, R]``), counts in
+    ``gold_sched_bad``."""
+    buf, gs = comp.buf, comp.gold_serving
+    within = np.array([step < gs["steps"] for step, _ in batch.extra["golden"]])
+    sched_bad = torch.from_numpy((missing & within[:, None]).astype(np.float64)).to(comp.ref_device)
+    buf["gold_sched_bad"][batch.rows] = sched_bad
+    for j, (_, found) in enumerate(batch.extra["golden"]):
+        if not found:
+            continue
+        i = batch.idx[j]
+        for lane, dev_p, ck_dev, ck_bad, mismatch in found:
+            if dev_p is not None:  # a NaN (no committed row) gives way to the start's deviation
+                buf["gold_dev"][i, :, lane] = torch.fmax(buf["gold_dev"][i, :, lane], dev_p)
+            if ck_dev is not None:
+                buf["gold_ckpt_dev"][i, lane] = torch.fmax(buf["gold_ckpt_dev"][i, lane], ck_dev)
+                buf["gold_ckpt_bad"][i, lane] += ck_bad
+            buf["gold_sched_bad"][i, lane] += mismatch
 
 
 MEASURES.register("golden", Measure(
     "golden", "the float64 twin vs the golden trajectory (NaN past the golden horizon: not covered)",
     head=("gold_dev",       # |proj(twin) - golden proj| / (|golden proj| + ||h|| / sqrt(K V))
           "gold_out_dev"),  # the same for the outputs of the accepted tokens (max over them)
-    row=("gold_ckpt_bad", "gold_ckpt_dev"), states=True, on_batch=_golden_batch))
+    row=("gold_ckpt_bad", "gold_ckpt_dev",
+         "gold_sched_bad"),  # churn: a start, or a request's step, that is not in the schedule golden was made for
+    states=True, start=_golden_start, snapshot=_golden_snapshot, on_batch=_golden_batch))

@@ -15,9 +15,13 @@ import torch
 
 from drift.check import golden as gmod
 from drift.config import preset
-from drift.check.golden import (GOLDEN_PRESETS, GoldenError, golden_dir, load_golden, regenerate,
-                          _golden_step)
+from drift.check.golden import (GOLDEN_PRESETS, GoldenError, golden_dir, golden_lifecycles, load_golden,
+                                regenerate, serving_coverage, serving_schedule, _golden_step)
+from drift.check.checks import GOLDEN_TOL
+from drift.check.compare import Comparison
+from drift.fileio import load_npz
 from drift.runner import run_checked
+from drift.sim.serving import START_PREFILL, START_PREFIX, START_RESUME
 from drift.sim.stream import StreamParams, TrueTokens
 from drift.runspec import resolve
 
@@ -28,18 +32,39 @@ TINY_STEPS = 40  # a golden horizon of 40 decode steps: ~200 positions, generate
 def test_every_pr_gating_preset_has_golden_within_budget():
     manifest = json.loads((golden_dir() / "manifest.json").read_text())
     assert manifest["schema"] == gmod.SCHEMA and manifest["generator_version"] == gmod.GENERATOR_VERSION
+    assert golden_lifecycles() == ("fixed", "serving")
     for name in GOLDEN_PRESETS:
-        cfg = preset(name)
-        entry = manifest["entries"][f"{name}/seed{cfg.seed}"]
-        for key in ("preset", "seed", "config_hash", "generator_version", "torch", "numpy", "created", "files"):
-            assert key in entry, key
-        assert entry["config_hash"] == cfg.stream_hash()
-        g, note = load_golden(cfg)
-        assert g is not None, note
-        # Enough positions for the preset's horizon under any acceptance pattern (all accept D).
-        assert g.max_position >= cfg.prefill_len + 3 * (cfg.num_requests - 1) + cfg.steps * cfg.num_draft_tokens
+        for lifecycle in golden_lifecycles():
+            cfg = preset(name).replace(lifecycle=lifecycle)
+            entry = manifest["entries"][f"{name}/seed{cfg.seed}" + ("" if lifecycle == "fixed" else f"/{lifecycle}")]
+            for key in ("preset", "seed", "config_hash", "generator_version", "torch", "numpy", "created", "files"):
+                assert key in entry, key
+            assert entry["config_hash"] == cfg.stream_hash()
+            g, note = load_golden(cfg)
+            assert g is not None and g.serving == cfg.serving.churn, note
+            # Enough positions for the preset's horizon under any acceptance pattern (all accept D).
+            assert g.max_position >= cfg.prefill_len + 3 * (cfg.num_requests - 1) + cfg.steps * cfg.num_draft_tokens
     total = sum(p.stat().st_size for p in golden_dir().iterdir())
     assert total <= 16 * 2**20, f"golden/ is {total / 2**20:.1f} MiB; the budget is 16 MiB"
+
+
+@pytest.mark.parametrize("name", GOLDEN_PRESETS)
+def test_serving_golden_covers_every_request_the_gate_runs(name):
+    """Every request the PR gate's serving run has over the preset's horizon is in the golden data: its
+    start as scheduled, a lane's first request at every position (the fixed entry), each later request
+    at every committed position and its start; full checkpoints at starts of every kind the horizon has
+    after step 0 (prefill, prefix hit, resume)."""
+    cfg = preset(name).replace(lifecycle="serving")
+    g, note = load_golden(cfg)
+    assert g is not None and g.serving and g.steps == cfg.steps, note
+    assert serving_coverage(g, cfg) == []
+    sched = serving_schedule(cfg)
+    later = sched["sched_step"] > 0
+    ck = g.arrays["start_ckpt"]
+    assert set(g.arrays["sched_code"][ck].tolist()) == set(sched["sched_code"][later].tolist()) == {1, 2, 3}
+    # Negative control: past the horizon the data was made for, the later requests' positions are gaps.
+    gaps = serving_coverage(g, cfg, steps=cfg.steps + 64)
+    assert len(gaps) == 1 and "have no key" in gaps[0], gaps
 
 
 def test_golden_generator_matches_a_scalar_transcription():
@@ -98,14 +123,17 @@ def tiny_golden(tmp_path, monkeypatch):
     return d
 
 
-def _npz(d: Path) -> Path:
-    (p,) = d.glob("*.npz")
+def _npz(d: Path, serving: bool = False) -> Path:
+    """The fixed entry's file in ``d`` (the serving entry's with ``serving``)."""
+    (p,) = [p for p in d.glob("*.npz") if ("-serving-" in p.name) == serving]
     return p
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "schema", "hash"])
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "schema", "hash", "serving-flip", "serving-hash"])
 def test_broken_golden_fails_naming_file_and_fix(tiny_golden, damage):
-    npz, manifest = _npz(tiny_golden), tiny_golden / "manifest.json"
+    serving = damage.startswith("serving-")
+    damage = damage.removeprefix("serving-")
+    npz, manifest = _npz(tiny_golden, serving), tiny_golden / "manifest.json"
     if damage == "truncate":
         npz.write_bytes(npz.read_bytes()[:-100])
     elif damage == "flip":
@@ -119,9 +147,9 @@ def test_broken_golden_fails_naming_file_and_fix(tiny_golden, damage):
         if damage == "schema":
             m["schema"] = 99
         else:
-            m["entries"]["ci-small/seed0"]["config_hash"] = "0" * 16
+            m["entries"]["ci-small/seed0" + ("/serving" if serving else "")]["config_hash"] = "0" * 16
         manifest.write_text(json.dumps(m))
-    cfg = preset("ci-small", steps=5)
+    cfg = preset("ci-small", steps=5, lifecycle="serving" if serving else "fixed")
     with pytest.raises(GoldenError) as err:
         load_golden(cfg)
     msg = str(err.value)
@@ -143,7 +171,8 @@ def test_no_golden_falls_back_to_twin_and_says_so(tiny_golden):
 
 def test_a_pr_gating_preset_without_golden_is_an_error(tmp_path, monkeypatch, capsys):
     """ci-small at its own seed gates PRs: without its golden data drift run stops with exit 2,
-    naming the manifest it read and the command that makes the data -- never a quiet n/a."""
+    naming the manifest it read and the command that makes the data -- never a quiet n/a. Its serving
+    run (drift run's default) needs the serving entry too: without it, the same error, naming it."""
     from drift.cli import main
 
     empty = tmp_path / "empty"
@@ -155,25 +184,44 @@ def test_a_pr_gating_preset_without_golden_is_an_error(tmp_path, monkeypatch, ca
     assert f"drift regen-golden --preset ci-small --golden-dir {empty}" in err
     # Control: another seed is not what gates; it falls back to the twin and says so.
     assert main(["run", "--steps", "4", "--quiet", "--seed", "5"]) == 0
+    # The fixed entry alone: the fixed batch runs against it, the serving run stops naming its entry.
+    fixed_only = tmp_path / "fixed-only"
+    assert regenerate(["ci-small"], directory=fixed_only, steps=4, out=io.StringIO(), lifecycles=("fixed",)) == 0
+    monkeypatch.setenv("DRIFT_GOLDEN_DIR", str(fixed_only))
+    assert main(["run", "--steps", "4", "--quiet", "--lifecycle", "serving"]) == 2
+    err = capsys.readouterr().err
+    assert f"{fixed_only / 'manifest.json'} has no golden data for the PR-gating preset ci-small seed 0 " \
+           "(lifecycle serving)" in err, err
+    assert main(["run", "--steps", "4", "--quiet", "--lifecycle", "fixed"]) == 0
 
 
 def test_regeneration_into_a_fresh_directory_is_reviewed_against_the_shipped_data(tmp_path, monkeypatch):
     """From an install, `drift regen-golden --golden-dir DIR` writes DIR's own manifest and data
     and prints the diff against what drift ships. (The generator is replaced by the shipped arrays
     for the "identical" case: regenerating 16,000 positions is the nightly's business.)"""
-    shipped, _ = load_golden(preset("stagnation"))
-    monkeypatch.setattr(gmod, "generate", lambda cfg, steps=None: dict(shipped.arrays))
+    fixed, serving = (_stored_arrays(golden_dir(), key) for key in ("stagnation/seed0", "stagnation/seed0/serving"))
+    monkeypatch.setattr(gmod, "generate", lambda cfg, steps=None: dict(fixed))
+    monkeypatch.setattr(gmod, "generate_serving", lambda cfg, steps=None: dict(serving))
     out = io.StringIO()
     d = tmp_path / "mine"
     assert regenerate(["stagnation"], directory=d, out=out) == 0
-    assert "stagnation/seed0: identical to the golden data drift ships" in out.getvalue(), out.getvalue()
-    g, _ = load_golden(preset("stagnation"), d)
-    assert g is not None and g.path.parent == d
+    for key in ("stagnation/seed0", "stagnation/seed0/serving"):
+        assert f"{key}: identical to the golden data drift ships" in out.getvalue(), out.getvalue()
+    for lifecycle in golden_lifecycles():
+        g, _ = load_golden(preset("stagnation", lifecycle=lifecycle), d)
+        assert g is not None and g.path.parent == d
     monkeypatch.undo()
     # A shorter horizon differs from the shipped data: the diff is printed.
     out = io.StringIO()
     assert regenerate(["stagnation"], directory=tmp_path / "short", steps=64, out=out) == 0
     assert "differs from the golden data drift ships" in out.getvalue() and "proj_state: shape" in out.getvalue()
+    assert "stagnation/seed0/serving: differs" in out.getvalue() and "key_proj_state: shape" in out.getvalue()
+
+
+def _stored_arrays(d: Path, key: str) -> dict:
+    """The arrays of manifest entry ``key`` in golden directory ``d``."""
+    (name,) = json.loads((d / "manifest.json").read_text())["entries"][key]["files"]
+    return load_npz(d / name)
 
 
 def test_run_past_the_golden_horizon_says_so(tiny_golden):
@@ -210,15 +258,16 @@ def test_regeneration_refuses_without_force_and_is_reproducible(tmp_path):
     d2 = tmp_path / "g2"
     regenerate(["ci-small"], directory=d2, steps=TINY_STEPS, out=io.StringIO())
     assert _npz(d2).read_bytes() == _npz(d).read_bytes()
+    assert _npz(d2, serving=True).read_bytes() == _npz(d, serving=True).read_bytes()
     # Changed data (a longer horizon) is refused without --force, with a diff summary.
     out = io.StringIO()
     assert regenerate(["ci-small"], directory=d, steps=TINY_STEPS + 5, out=out) == 1
     assert "refusing to overwrite" in out.getvalue() and "proj_state: shape" in out.getvalue()
     assert {p.name: p.read_bytes() for p in d.iterdir()} == first
     assert regenerate(["ci-small"], directory=d, steps=TINY_STEPS + 5, force=True, out=out) == 0
-    old_npz = next(v for k, v in first.items() if k.endswith(".npz"))
+    old_npz = next(v for k, v in first.items() if k.endswith(".npz") and "-serving-" not in k)
     assert _npz(d).read_bytes() != old_npz
-    assert len(list(d.glob("*.npz"))) == 1  # the old file was removed after the manifest swap
+    assert len(list(d.glob("*.npz"))) == 2  # one per entry: the old files were removed after the manifest swap
 
 
 def test_interrupted_regeneration_leaves_old_golden_intact(tmp_path, monkeypatch):
@@ -258,3 +307,143 @@ def test_pytest_force_regen_option_regenerates_and_fails(tmp_path, monkeypatch):
     monkeypatch.setenv("DRIFT_GOLDEN_DIR", str(d))  # what the next run of that test loads (in-process)
     g, _ = load_golden(preset("stagnation"))
     assert g is not None and g.path.parent == d and g.max_position > 0
+
+
+# ----------------------------------------------------------------------- serving lifecycle
+# ci-small's serving schedule at this seed starts a request of every kind -- a prefill into a lane a
+# finished request left, a prefix hit, a resume -- within SERVING_STEPS (the fixture asserts it), so
+# a golden of that horizon is made in seconds; seed 0's first resume comes at step 771.
+SERVING_SEED, SERVING_STEPS = 26, 64
+
+
+@pytest.fixture
+def serving_golden(tmp_path, monkeypatch):
+    """Golden data (fixed and serving entries) for ci-small seed SERVING_SEED over SERVING_STEPS,
+    pointed to by DRIFT_GOLDEN_DIR: (the serving config, its schedule)."""
+    d = tmp_path / "golden"
+    assert regenerate(["ci-small"], seed=SERVING_SEED, directory=d, steps=SERVING_STEPS, out=io.StringIO()) == 0
+    monkeypatch.setenv("DRIFT_GOLDEN_DIR", str(d))
+    cfg = preset("ci-small", seed=SERVING_SEED, lifecycle="serving")
+    sched = serving_schedule(cfg, SERVING_STEPS)
+    kinds = set(sched["sched_code"][sched["sched_step"] > 0].tolist())
+    assert kinds == {START_PREFILL, START_PREFIX, START_RESUME}, (
+        f"seed {SERVING_SEED}'s schedule changed (starts after step 0: {kinds}); pick a seed whose first "
+        f"{SERVING_STEPS} steps start a request of every kind")
+    return cfg, sched
+
+
+def _first(sched: dict, code: int) -> tuple[int, int, int]:
+    """(step, lane, request) of the first start of kind ``code`` after step 0."""
+    i = np.nonzero((sched["sched_code"] == code) & (sched["sched_step"] > 0))[0][0]
+    return tuple(int(sched[f"sched_{f}"][i]) for f in ("step", "lane", "request"))
+
+
+def _golden_row(rep):
+    return next(c for c in rep.checks if c.key == "golden")
+
+
+def test_serving_golden_agrees_with_the_twin_lane_by_lane(serving_golden):
+    """Every lane's twin against its request's golden rows, the fresh lane at every start included:
+    within GOLDEN_TOL at every committed position and start, every start checkpoint compared."""
+    cfg, sched = serving_golden
+    rep = run_checked(resolve(cfg, "sglang-0.5.23"), steps=SERVING_STEPS, sync_scan=False)
+    row = _golden_row(rep)
+    assert row.passed and row.worst < GOLDEN_TOL, (row.worst, row.detail)
+    g, _ = load_golden(cfg)
+    live = int((sched["request"] >= 0).sum())  # every lane-step compared, and every start's position
+    assert row.detail == f"{live + len(sched['sched_step'])} positions, {len(g.arrays['start_ckpt'])} checkpoints"
+    assert "past golden" not in rep.reference
+
+
+@pytest.mark.parametrize("name,steps", [
+    ("ci-small", 512), ("ci-heads", 512),
+    pytest.param("ci-small", None, marks=pytest.mark.nightly), pytest.param("ci-heads", None, marks=pytest.mark.nightly)])
+def test_shipped_serving_golden_agrees_with_the_twin(name, steps):
+    """The PR gate's serving runs against the golden data drift ships (the gate's full horizon nightly)."""
+    cfg = preset(name, lifecycle="serving")
+    rep = run_checked(resolve(cfg, "sglang-0.5.23"), steps=steps, sync_scan=False)
+    row = _golden_row(rep)
+    assert row.passed and row.worst < GOLDEN_TOL, (row.worst, row.detail)
+    assert "past golden" not in rep.reference and "checkpoints" in row.detail
+
+
+def _perturb_starts(monkeypatch, before=None, after=None):
+    """The comparison's lane resets (Comparison._start_lanes) with ``before(comp, view)`` run ahead of
+    them and ``after(comp, view)`` after them: a twin whose lane reset is wrong."""
+    orig = Comparison._start_lanes
+
+    def start_lanes(comp, view):
+        if before is not None:
+            before(comp, view)
+        orig(comp, view)
+        if after is not None:
+            after(comp, view)
+
+    monkeypatch.setattr(Comparison, "_start_lanes", start_lanes)
+
+
+def _fails_at(rep, step: int, lane: int, request: int) -> str:
+    row = _golden_row(rep)
+    assert not row.passed
+    assert f"first over the limit at step {step}, layer " in row.detail, row.detail
+    assert f", row {lane}, head " in row.detail and f"(request {request})" in row.detail, row.detail
+    return row.detail
+
+
+def test_a_prefix_hit_restored_from_the_wrong_source_fails_golden(serving_golden, monkeypatch):
+    """Negative control: the twin starts a prefix hit from another request's snapshot (as a twin that
+    took the wrong source would): golden fails at that start, naming its step, lane and request."""
+    cfg, sched = serving_golden
+
+    def wrong_source(comp, view):
+        comp._process()  # the twin through the steps before (which may track the source once more)
+        for start, _, _ in view.starts.values():
+            if start.code == START_PREFIX:
+                other = next(q for q in reversed(comp._snapshot_truth) if q != start.source)
+                comp._snapshot_truth[start.source] = (start.p0, *comp._snapshot_truth[other][1:])
+
+    _perturb_starts(monkeypatch, before=wrong_source)
+    rep = run_checked(resolve(cfg, "sglang-0.5.23"), steps=SERVING_STEPS, sync_scan=False, diagnose=False)
+    step, lane, request = _first(sched, START_PREFIX)
+    detail = _fails_at(rep, step, lane, request)
+    assert f"checkpoint state/window differs (step {step}, row {lane} (request {request}))" in detail
+
+
+def test_a_resume_that_resets_the_lane_fails_golden(serving_golden, monkeypatch):
+    """Negative control: the twin restarts a resumed request from an empty state instead of keeping
+    its own: golden fails at the resume, naming its step, lane and request."""
+    cfg, sched = serving_golden
+
+    def reset_resumes(comp, view):
+        lanes = [lane for lane, (start, _, _) in view.starts.items() if start.code == START_RESUME]
+        if lanes:
+            state, window = comp.twin.state[:, lanes], comp.twin.window[:, lanes]
+            comp.twin.reset_lanes(np.array(lanes), torch.zeros_like(state), torch.zeros_like(window))
+
+    _perturb_starts(monkeypatch, after=reset_resumes)
+    rep = run_checked(resolve(cfg, "sglang-0.5.23"), steps=SERVING_STEPS, sync_scan=False, diagnose=False)
+    _fails_at(rep, *_first(sched, START_RESUME))
+
+
+def test_a_run_whose_requests_differ_from_the_goldens_fails_golden(serving_golden, monkeypatch):
+    """Negative control: a run whose schedule is not the one the golden data was made for (every prompt
+    one token longer; each request's truth is still its own, so its projections agree) fails golden on
+    the schedule, naming the first start."""
+    from drift.sim import serving
+
+    cfg, sched = serving_golden
+    orig = serving.prompt_length
+    monkeypatch.setattr(serving, "prompt_length", lambda c, q: orig(c, q) + 1)
+    rep = run_checked(resolve(cfg, "sglang-0.5.23"), steps=SERVING_STEPS, sync_scan=False, diagnose=False)
+    row = _golden_row(rep)
+    assert not row.passed and ("the run's requests differ from those the golden data was made for (step 0, row 0 "
+                               "(request 0))") in row.detail, row.detail
+
+
+def test_serving_run_past_the_golden_horizon_says_so(serving_golden):
+    """Requests past the steps a serving golden was made for are the twin's alone, and the report says
+    so (no false alarm: a start or a request after the horizon is not a schedule mismatch)."""
+    cfg, _ = serving_golden
+    rep = run_checked(resolve(cfg, "sglang-0.5.23"), steps=SERVING_STEPS + 40, sync_scan=False)
+    assert _golden_row(rep).verdict == "PASS"
+    assert f"past the {SERVING_STEPS} steps the golden data was made for" in rep.reference and "twin alone" in rep.reference
