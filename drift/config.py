@@ -159,7 +159,7 @@ class Config:
         (fixed lifecycle); under churn the graph bucket that holds every lane (the batch of a step is
         the bucket of its running requests, at most this)."""
         if self.serving.churn:
-            return self.serving.bucket(self.num_requests)
+            return self.serving.graph_bucket(self.num_requests)
         return self.num_requests + self.num_padded
 
     @property

@@ -54,7 +54,7 @@ class Lifecycle:
     preempt_idle: int = 0
     buckets: tuple[int, ...] = ()
 
-    def bucket(self, live: int) -> int:
+    def graph_bucket(self, live: int) -> int:
         """The graph batch size a batch of ``live`` running requests is padded to."""
         for b in self.buckets:
             if b >= live:

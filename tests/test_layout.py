@@ -16,6 +16,7 @@ ROOT = Path(drift.__file__).resolve().parent
 # The stages, bottom up; a module may import only from its own stage or the ones below it.
 STAGES = [
     {"drift.version", "drift._help", "drift.errors", "drift.registry", "drift.dtypes", "drift.layouts", "drift.compat",
+     "drift.lifecycles",
      "drift.config", "drift.devices", "drift.fileio", "drift.openmp",
      "drift.checkpoint"},
     {"drift.sim"},

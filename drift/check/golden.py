@@ -36,7 +36,7 @@ learnt by running :class:`drift.sim.serving.ServingSchedule` on the host with th
 lengths over the preset's horizon. Lane ``r``'s first request is request ``r`` with the fixed batch's
 prompt and tokens: requests ``0 .. R-1`` are the fixed entry's rows, at every position (the serving
 run reads the fixed entry for them). The serving entry, ``NAME/seed<S>/<lifecycle>``, holds for every
-later request what the gate compares (:func:`generate_serving`):
+later request what the gate compares (:func:`serving_entry`):
 
   sched_*        ``[NS]``             every start of the horizon (step, lane, request, START_* code,
                                       prefix source, shared positions, start position), in step order
@@ -260,20 +260,20 @@ def start_checkpoints(cfg: Config, sched: dict) -> np.ndarray:
     return np.array(sorted(picked[:n]), np.int64)
 
 
-def generate_serving(cfg: Config, steps: Optional[int] = None) -> dict[str, np.ndarray]:
+def serving_entry(cfg: Config, steps: Optional[int] = None) -> dict[str, np.ndarray]:
     """The serving entry's arrays for ``cfg`` (a churning lifecycle) over ``steps`` decode steps
     (default: the preset's); module docstring. One thread, as :func:`generate`."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _generate_serving(cfg, steps)
+        return _serving_entry_arrays(cfg, steps)
     finally:
         torch.set_num_threads(threads)
 
 
-def _generate_serving(cfg: Config, steps: Optional[int]) -> dict[str, np.ndarray]:
+def _serving_entry_arrays(cfg: Config, steps: Optional[int]) -> dict[str, np.ndarray]:
     if not cfg.serving.churn:
-        raise ValueError(f"generate_serving needs a churning lifecycle, not {cfg.lifecycle!r}")
+        raise ValueError(f"serving_entry needs a churning lifecycle, not {cfg.lifecycle!r}")
     L, R, HV, K, V = cfg.num_layers, cfg.num_requests, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
     Kc, C = cfg.conv_kernel, cfg.conv_channels
     sched = serving_schedule(cfg, steps)
@@ -805,7 +805,7 @@ def regenerate(names: Sequence[str], seed: Optional[int] = None, force: bool = F
             if cfg.serving.churn:
                 print(f"{key}: generating the requests of {cfg.steps if steps is None else steps} steps ...",
                       file=out, flush=True)
-                arrays = generate_serving(cfg, steps)
+                arrays = serving_entry(cfg, steps)
                 stem = f"{name}-seed{cfg.seed}-{lifecycle}"
                 meta = {"lifecycle": lifecycle, "positions": int(len(arrays["key_request"])),
                         "requests": int(len(np.unique(arrays["sched_request"]))),

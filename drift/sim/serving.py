@@ -141,6 +141,19 @@ class ScheduleChunk:
         return out
 
 
+def track_steps(pre: np.ndarray, accept: np.ndarray, interval: int) -> np.ndarray:
+    """SGLang's tracking index math: the draft step whose state lands on a multiple of
+    ``interval``, or -1. ``pre`` = seq_len before verify, ``post = pre + accept``;
+    track when ``pre // I != post // I``; step = ``post // I * I - pre - 1`` clamped to
+    ``[0, accept - 1]``."""
+    if interval <= 0:
+        return np.full_like(pre, -1)
+    post = pre + accept
+    crossing = (pre // interval) != (post // interval)
+    step = np.clip((post // interval) * interval - pre - 1, 0, accept - 1)
+    return np.where(crossing, step, -1)
+
+
 # ------------------------------------------------------------------------------ batch order
 def order_append(order: list[int], ended: list[int], started: list[int]) -> list[int]:
     """SGLang 0.5.23's running batch: finished requests leave and the rest keep their order
@@ -186,10 +199,7 @@ class ServingSchedule:
     cache in every flow: the requests, their prompts and their truths do not depend on the engine."""
 
     def __init__(self, cfg: Config, batch_order: str = "append"):
-        from .stream import track_steps  # the track rule (stream imports this module)
-
         self.cfg, self.life = cfg, cfg.serving
-        self.track_steps = track_steps
         self.order_fn = BATCH_ORDERS[batch_order]
         R = cfg.num_requests
         self.lanes = [_Lane() for _ in range(R)]
@@ -268,7 +278,7 @@ class ServingSchedule:
                 q = lane.request
                 out["request"][j, r] = q
                 pre, acc = lane.pos, int(accept[j, r])
-                trk = int(self.track_steps(np.array([pre]), np.array([acc]), cfg.track_interval)[0])
+                trk = int(track_steps(np.array([pre]), np.array([acc]), cfg.track_interval)[0])
                 out["pre"][j, r], out["accept"][j, r], out["track"][j, r] = pre, acc, trk
                 if trk >= 0:
                     lane.last_snapshot = pre + trk + 1
@@ -283,7 +293,7 @@ class ServingSchedule:
             for i, r in enumerate(self.order):
                 out["row"][j, r] = i
                 lanes_of_rows[j, i] = r
-            bucket[j] = self.life.bucket(len(self.order))
+            bucket[j] = self.life.graph_bucket(len(self.order))
             ended = []
             for r, lane in enumerate(self.lanes):  # after the step: who finishes or is preempted
                 if out["request"][j, r] < 0:

@@ -29,7 +29,7 @@ import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -37,9 +37,7 @@ import torch
 from ..config import PREFILL_STAGGER, Config
 from ..errors import ConfigError, DataError
 from .tracefile import Trace, read_trace, trace_paths
-
-if TYPE_CHECKING:
-    from .serving import ScheduleChunk
+from .serving import ScheduleChunk, track_steps
 
 TOKEN_BLOCK = 64  # positions generated per (row, block) draw
 SCHEDULE_BLOCK = 1024  # steps generated per acceptance draw
@@ -330,19 +328,6 @@ def _accept_lengths(cfg: Config, step0: int, count: int) -> np.ndarray:
     return out
 
 
-def track_steps(pre: np.ndarray, accept: np.ndarray, interval: int) -> np.ndarray:
-    """SGLang's tracking index math: the draft step whose state lands on a multiple of
-    ``interval``, or -1. ``pre`` = seq_len before verify, ``post = pre + accept``;
-    track when ``pre // I != post // I``; step = ``post // I * I - pre - 1`` clamped to
-    ``[0, accept - 1]``."""
-    if interval <= 0:
-        return np.full_like(pre, -1)
-    post = pre + accept
-    crossing = (pre // interval) != (post // interval)
-    step = np.clip((post // interval) * interval - pre - 1, 0, accept - 1)
-    return np.where(crossing, step, -1)
-
-
 # --------------------------------------------------------------------------- steps
 def prefill_lengths(cfg: Config) -> list[int]:
     """Prompt length of each request: staggered by 3 (PREFILL_STAGGER) so rows cross track
@@ -382,7 +367,7 @@ class StepChunk:
     accept: np.ndarray
     track_host: np.ndarray
     drafts_host: np.ndarray
-    schedule: Optional["ScheduleChunk"] = None  # the serving schedule of these steps (None: the fixed batch)
+    schedule: Optional[ScheduleChunk] = None  # the serving schedule of these steps (None: the fixed batch)
 
     def rows(self, s: int) -> int:
         """The batch rows passed at step ``s`` of the chunk: its graph bucket (every row when fixed)."""

@@ -201,7 +201,7 @@ def test_regeneration_into_a_fresh_directory_is_reviewed_against_the_shipped_dat
     for the "identical" case: regenerating 16,000 positions is the nightly's business.)"""
     fixed, serving = (_stored_arrays(golden_dir(), key) for key in ("stagnation/seed0", "stagnation/seed0/serving"))
     monkeypatch.setattr(gmod, "generate", lambda cfg, steps=None: dict(fixed))
-    monkeypatch.setattr(gmod, "generate_serving", lambda cfg, steps=None: dict(serving))
+    monkeypatch.setattr(gmod, "serving_entry", lambda cfg, steps=None: dict(serving))
     out = io.StringIO()
     d = tmp_path / "mine"
     assert regenerate(["stagnation"], directory=d, out=out) == 0

@@ -50,7 +50,7 @@ def test_every_event_kind_happens_and_lane_0_keeps_its_request():
         assert (s["end"] == code).any(), code
     live = (s["request"] >= 0).sum(1)
     assert len(np.unique(s["bucket"])) > 1 and (s["bucket"] >= live).all()
-    assert (s["bucket"] == [LIFECYCLES["serving"].bucket(n) for n in live]).all()
+    assert (s["bucket"] == [LIFECYCLES["serving"].graph_bucket(n) for n in live]).all()
 
 
 def test_rows_hold_the_live_lanes_and_padded_rows_follow_them():
