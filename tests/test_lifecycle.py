@@ -72,7 +72,7 @@ def test_the_serving_mutants_cover_the_issue_s_classes():
 
 
 def test_a_start_that_reads_another_start_names_the_slot_and_both_holders():
-    rep = run_checked(resolve(preset("ci-small", lifecycle="serving", steps=128), "mutant:slot_not_cleared"))
+    rep = run_checked(resolve(preset("ci-small", lifecycle="serving", steps=480), "mutant:slot_not_cleared"))
     res = find_result(rep.checks, "request_starts")
     assert res.failed
     assert "slot" in res.where and "previous holder: the slot of request" in res.detail, res.detail

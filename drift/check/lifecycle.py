@@ -21,13 +21,14 @@ def starts_result(ctx: RunContext) -> CheckResult:
         return CheckResult(name, True, 0.0, 0.0, "",
                            f"{checked} request starts: each first verify read its exact start "
                            f"({', '.join(f'{n} {k}' for k, n in sim.events.starts.items() if n)})")
-    f = found[0]
+    f = next((x for x in found if x["previous"]), found[0])  # a leak names both holders where it can
     src = f" from request {f['source']}'s snapshot" if f["source"] >= 0 else ""
     prev = f"; the slot's previous holder: {f['previous']}" if f["previous"] else ""
     return CheckResult(
         name, False, float(f["state_bits"] + f["window_values"]), 0.0,
         f"step {f['step']}, lane {f['lane']}, request {f['request']}, slot {f['slot']}",
-        f"{len(found)}{'+' if len(found) == 20 else ''} of {checked} request starts read another start: request "
+        f"{len(found)}{'+' if len(found) == 20 else ''} of {checked} request starts read another start (the first at "
+        f"step {found[0]['step']}); request "
         f"{f['request']} ({f['start']}{src}) found {f['state_bits']} state elements and {f['window_values']} conv "
         f"inputs other than its start in slot {f['slot']} ({f['holder']}){prev}. A new request must not inherit "
         "what the slot held (the engine clears it before the prefill, or restores the snapshot it matched).",
