@@ -505,6 +505,7 @@ class Simulation:
         starts handed to observers (StepView.starts): lane -> (Start, true state, true window), the
         truth given for prefill starts (a resume's is the twin's own; a prefix hit's its source's)."""
         plan = chunk.schedule
+        self._truths = {}
         for lane, request, end, kept in self._ended:
             self.flow.release(lane, request, finished=end == END_FINISH, keep_snapshot=kept)
         starts = {}
@@ -525,10 +526,10 @@ class Simulation:
     def _prefilled(self, start) -> tuple[torch.Tensor, torch.Tensor]:
         """The true state ``[L, HV, V, K]`` and window ``[L, Kc-1, C]`` (float64, CPU) after a prompt."""
         key = (start.request, start.p1)
-        if key not in self._truths:
+        if key not in self._truths:  # kept for the step's starts (the start, its extend, its check)
             state, window = extend(self.cfg, self.stream.tokens, self.stream.params, [start.request], [0], [start.p1],
                                    torch.device("cpu"))
-            self._truths = {key: (state[:, 0], window[:, 0])}
+            self._truths[key] = (state[:, 0], window[:, 0])
         return self._truths[key]
 
     def _true_start(self, start) -> tuple[torch.Tensor, torch.Tensor]:
