@@ -265,7 +265,8 @@ class MambaPoolFlow(FlowKind):
         return t
 
     # ------------------------------------------------------------ a churning lifecycle (docs/semantics.md §12)
-    SERVES = True
+    # A kind built on these slots declares SERVES = True itself once its own pool, rule and indices follow the
+    # batch its bookkeeping forms (a kind from outside that extends this class does not inherit the claim).
     SLOTS = MambaSlots  # the engine's bookkeeping: SGLang 0.5.23's request rows and mamba slots (drift/flows/slots.py)
 
     def start_serving(self, bookkeeping=None, extend=None) -> None:

@@ -26,6 +26,7 @@ class CopyCommitFlow(MambaPoolFlow):
 
     name = "copy-commit"
     RULE, POOL, HARNESS = NpuRule, StatePool, SGLangHarness
+    SERVES = True  # requests come and go through SGLang 0.5.23's bookkeeping (drift/flows/slots.py)
     SETTINGS = {"accept_counts": "pass the op the previous step's accept lengths (the npu-accepted flow), not ones"}
     naive_update = staticmethod(naive.update)
     naive = staticmethod(naive.verify)

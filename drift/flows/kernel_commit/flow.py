@@ -51,6 +51,7 @@ class KernelCommitFlow(MambaPoolFlow):
 
     name = "kernel-commit"
     RULE, POOL, HARNESS = RingRule, ReplayPool, ReplayHarness
+    SERVES = True  # requests come and go through SGLang 0.5.23's bookkeeping (drift/flows/slots.py)
     naive_update = staticmethod(naive.update)
     naive = staticmethod(naive.verify)
     STATE_BYTES = ("per active request and layer: read the checkpoint (the verify's start), write D records "
