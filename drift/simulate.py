@@ -577,14 +577,16 @@ class Simulation:
                 state, window = self._true_start(start)
             want = as_bits(state.to(pool.device).to(pool.temporal.dtype))
             bad = int((as_bits(got_states[:, start.lane]) != want).sum())
+            restore_bad = getattr(flow, "restored", {}).pop(start.lane, 0) if start.code == START_PREFIX else 0
             bad_window = int((got_windows[:, start.lane].to(torch.float64).cpu() != window).sum())
             self.starts_checked += 1
-            if (bad or bad_window) and len(self.start_findings) < 20:
+            if (bad or bad_window or restore_bad) and len(self.start_findings) < 20:
                 slot = flow.start_slot(start.lane)
                 self.start_findings.append({
                     "step": self.step, "lane": start.lane, "request": start.request, "start": START_NAMES[start.code],
                     "source": start.source, "slot": slot, "holder": pool.slot_role(slot),
-                    "previous": pool.previous.get(slot, ""), "state_bits": bad, "window_values": bad_window})
+                    "previous": pool.previous.get(slot, ""), "state_bits": bad, "window_values": bad_window,
+                    "restore_bits": restore_bad})
 
     def _flush_guard(self) -> None:
         """Read the slot guard's per-step flags for the steps of the current chunk run so far."""

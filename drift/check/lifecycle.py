@@ -23,9 +23,11 @@ def starts_result(ctx: RunContext) -> CheckResult:
                            f"({', '.join(f'{n} {k}' for k, n in sim.events.starts.items() if n)})")
     f = next((x for x in found if x["previous"]), found[0])  # a leak names both holders where it can
     src = f" from request {f['source']}'s snapshot" if f["source"] >= 0 else ""
+    if f.get("restore_bits"):
+        src += f", whose restore differs from the snapshot the cache keeps in {f['restore_bits']} bits"
     prev = f"; the slot's previous holder: {f['previous']}" if f["previous"] else ""
     return CheckResult(
-        name, False, float(f["state_bits"] + f["window_values"]), 0.0,
+        name, False, float(f["state_bits"] + f["window_values"] + f.get("restore_bits", 0)), 0.0,
         f"step {f['step']}, lane {f['lane']}, request {f['request']}, slot {f['slot']}",
         f"{len(found)}{'+' if len(found) == 20 else ''} of {checked} request starts read another start (the first at "
         f"step {found[0]['step']}); request "

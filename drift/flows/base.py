@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from ..config import Config
+from ..dtypes import as_bits
 from ..sim import kernels, naive
 from ..sim.kernels import VerifyArgs, VerifyRule
 from ..sim.pool import STALE
@@ -281,6 +282,7 @@ class MambaPoolFlow(FlowKind):
         self.lane_request = np.full(R, -1, np.int64)
         self.cache: dict[int, int] = {}  # request -> the slot holding its snapshot (the tree's), oldest first
         self.fresh: set[int] = set()  # lanes admitted since the last arrange
+        self.restored: dict[int, int] = {}  # lane -> bits of a prefix hit's restore that differ from the snapshot
 
     def store_start(self, slot: int, state: torch.Tensor, window: torch.Tensor) -> None:
         """The extend's store into ``slot``: the state in the state dtype (round to nearest), and the conv
@@ -304,6 +306,11 @@ class MambaPoolFlow(FlowKind):
         held = self.slots.alloc(prefix_hit=start.source >= 0)
         if start.source >= 0:
             self.slots.copy_from(self.slots.match(self.cache, start.source), held.work)
+            # The restore, bit for bit, against the snapshot the cache keeps for the source (the slot drift
+            # recorded when the source finished, untouched since: the slot guard holds it).
+            snap = self.cache[start.source]
+            self.restored[lane] = int((as_bits(pool.states[:, held.work]) != as_bits(pool.states[:, snap])).sum()
+                                      + (as_bits(pool.conv[:, held.work]) != as_bits(pool.conv[:, snap])).sum())
         elif held.needs_clear:
             self.slots.clear_slots([held.work])
         state0 = pool.states[:, held.work].to(torch.float64).cpu()
