@@ -59,6 +59,28 @@ class Consumer(Protocol):
     def finish(self) -> None: ...
 
 
+def restart_lanes(twin: Float64Twin, sim, starts: dict, snapshot_truth: dict) -> None:
+    """A float64 twin's lanes whose request starts at this step begin at its true start
+    (``starts``: lane -> (Start, true state, true window), StepView.starts): a prefill's (given), a
+    prefix hit's (its source's snapshot truth, ``snapshot_truth[source] = (position, state, window)``,
+    extended by the hit's own prompt tokens); a resumed request's truth is the twin's own."""
+    from ..sim.serving import START_PREFILL, START_PREFIX
+    from ..sim.twin import extend
+
+    lanes, states, windows = [], [], []
+    for lane, (start, state, window) in sorted(starts.items()):
+        if start.code == START_PREFILL:
+            lanes.append(lane), states.append(state), windows.append(window)
+        elif start.code == START_PREFIX:
+            P, s_truth, w_truth = snapshot_truth[start.source]
+            assert P == start.p0, (P, start)
+            st, wd = extend(sim.cfg, sim.stream.tokens, sim.stream.params, [start.request], [start.p0],
+                            [start.p1], torch.device("cpu"), s_truth[:, None], w_truth[:, None])
+            lanes.append(lane), states.append(st[:, 0]), windows.append(wd[:, 0])
+    if lanes:
+        twin.reset_lanes(np.asarray(lanes), torch.stack(states, 1), torch.stack(windows, 1))
+
+
 class Comparison:
     """Observer advancing a :class:`~drift.sim.twin.Float64Twin` with the run and computing, at
     every step, the measures its consumers declare (drift/check/measures.py) -- and only those.
@@ -154,26 +176,13 @@ class Comparison:
         """The twin's lanes whose request starts at this step begin at its true start: a prefill's (the
         simulation computed it), a prefix hit's (its source's snapshot truth, the twin's track state
         when the source was last tracked, extended by the hit's own prompt tokens); a resumed request's
-        truth is the twin's own (nothing changes)."""
-        from ..sim.serving import START_PREFILL, START_PREFIX
-        from ..sim.twin import extend
-
+        truth is the twin's own (nothing changes): :func:`restart_lanes`."""
         from .measures import key_columns, ulp_sq
 
         self._process()  # the twin at the end of the last step
-        lanes, states, windows = [], [], []
-        for lane, (start, state, window) in sorted(view.starts.items()):
-            if start.code == START_PREFILL:
-                lanes.append(lane), states.append(state), windows.append(window)
-            elif start.code == START_PREFIX:
-                P, s_truth, w_truth = self._snapshot_truth[start.source]
-                assert P == start.p0, (P, start)
-                st, wd = extend(self.sim.cfg, self.sim.stream.tokens, self.sim.stream.params, [start.request],
-                                [start.p0], [start.p1], torch.device("cpu"), s_truth[:, None], w_truth[:, None])
-                lanes.append(lane), states.append(st[:, 0]), windows.append(wd[:, 0])
+        restart_lanes(self.twin, self.sim, view.starts, self._snapshot_truth)
+        for lane in view.starts:
             self.age[lane] = 0
-        if lanes:
-            self.twin.reset_lanes(np.asarray(lanes), torch.stack(states, 1), torch.stack(windows, 1))
         # The size of the start's one rounding (the bound's starting envelope, as a run's first store) and the
         # key-column shares of the state the step starts from: the true start's ulps in the state dtype
         # (the stored start is the truth rounded once).

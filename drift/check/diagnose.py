@@ -42,6 +42,7 @@ from ..sim import kernels
 from ..sim.twin import F64, Float64Twin
 from ..simulate import ResumePoint, Simulation, StopRun
 from .checks import SEMANTIC_TOL
+from .compare import restart_lanes
 
 STATE_CHECKS = ("committed_state", "drift_bound")  # the checks whose first failure is a committed state
 _AT = re.compile(r"step (\d+), layer (\d+), row (\d+), head (\d+)")
@@ -207,6 +208,7 @@ class _Replay:
     def __init__(self, at: int, arm: Callable[[], None], disarm: Callable[[], None]):
         self.at, self.arm, self.disarm = at, arm, disarm
         self.candidates = None
+        self.snapshots: dict = {}  # request -> (position, state, window) of its last tracked snapshot's truth
 
     def on_start(self, sim) -> None:
         self.sim = sim
@@ -217,7 +219,9 @@ class _Replay:
 
     def on_step(self, view) -> None:
         cfg, R, D = self.sim.cfg, self.sim.cfg.num_requests, self.sim.cfg.num_draft_tokens
-        x, a, b = (t[:, :R].cpu() for t in (view.x, view.a, view.b))
+        x, a, b = (view.by_lane(t).cpu() for t in (view.x, view.a, view.b))
+        if view.starts:  # a churning lifecycle: the lanes whose request starts begin at its truth
+            restart_lanes(self.twin, self.sim, view.starts, self.snapshots)
         if view.step == self.at:
             self.disarm()
             after = []
@@ -229,6 +233,11 @@ class _Replay:
                                "accept": view.accept.copy()}
             raise StopRun("diagnosed")
         self.twin.advance(x, a, b, view.accept, view.track)
+        if view.schedule is not None:  # the truth of each tracked request's snapshot, for a later prefix hit
+            for lane in np.nonzero(view.track >= 0)[0]:
+                q = int(view.schedule.request[view.index, lane])
+                self.snapshots[q] = (int(view.pre[lane] + view.track[lane] + 1), self.twin.track_state[:, lane].clone(),
+                                     self.twin.track_window[:, lane].clone())
         if view.step + 1 == self.at:
             self.arm()
 
