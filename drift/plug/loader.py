@@ -165,6 +165,13 @@ class Update:
     # broken one, drift/plug/mutants.py); None: its flow kind's own (drift/flows/slots.py and the like).
     serving: Optional[type] = None
 
+    @property
+    def serving(self) -> Any:
+        """The engine's bookkeeping between steps under a churning lifecycle that the update carries
+        (its function's ``serving``, e.g. the vllm flow's :class:`drift.flows.in_place.updates.ServingParts`);
+        None: the flow kind's own."""
+        return getattr(self.fn, "serving", None)
+
     def __call__(self, backend, last_correct_step_indices, mamba_track_indices, mamba_steps_to_track):
         kwargs = {name: None for name in self.extra}
         me = backend if self.owner is None else self.instance(backend)
