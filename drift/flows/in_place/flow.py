@@ -7,6 +7,12 @@ there is no commit copy, and the conv window is read at offset ``n - 1`` (a lazy
 code under test is the per-step bookkeeping that sets ``num_accepted_tokens`` and the state
 indices, and prefix caching's align copy of the state after a block-boundary token into a
 destination block (:class:`~drift.flows.in_place.pool.BlockHarness`, drift/flows/in_place/updates.py).
+
+Under a churning lifecycle (docs/semantics.md §12, "vLLM's serving bookkeeping") the flow runs vLLM's
+engine between steps (drift/flows/in_place/engine.py: the block pool, each request's columns, the
+persistent batch) with the serving parts under test (``updates.ServingParts``): a request's blocks are
+columns of its block table, re-sliced at its running column every step, and its running state migrates
+when that column advances; padded rows of a graph bucket get the NULL block.
 """
 
 from __future__ import annotations
@@ -364,9 +370,10 @@ class InPlaceBlockFlow(FlowKind):
         table[num_reqs:] = NULL_BLOCK_ID  # _get_block_table: blk_table_tensor[num_reqs:num_reqs_padded].fill_(NULL_BLOCK_ID)
         window = self._call("the block-table re-slice", parts.reslice, table, torch.from_numpy(seq_lens),
                             self.block_size, D).to(torch.int64)
-        start = np.maximum((seq_lens - 1) // self.block_size, 0)
-        cols = np.minimum(np.maximum(start - 1, 0), batch.block_table.shape[1] - 1)
-        track = np.where((start >= 1) & (np.arange(N) < num_reqs), batch.block_table[np.arange(N), cols], NULL_BLOCK_ID)
+        running_column = np.maximum((seq_lens - 1) // self.block_size, 0)  # the re-slice's start
+        cols = np.minimum(np.maximum(running_column - 1, 0), batch.block_table.shape[1] - 1)
+        track = np.where((running_column >= 1) & (np.arange(N) < num_reqs), batch.block_table[np.arange(N), cols],
+                         NULL_BLOCK_ID)
         pool.block_table_host = window.numpy().copy()
         pool.block_table.copy_(window)
         pool.row_track_host = track

@@ -30,7 +30,14 @@ class BlockPool(StatePool):
     others so that the request and spare blocks are those of a pool without them. It stands for
     the block-table column ``aligned // block_size - 1`` that an align copy writes when that column
     is not the running one (vLLM writes a fresh column per boundary; drift compares only the
-    latest snapshot, so one block per request holds it). It starts NaN: a read before any copy shows."""
+    latest snapshot, so one block per request holds it). It starts NaN: a read before any copy shows.
+
+    Under a churning lifecycle (docs/semantics.md §12) the cache has :func:`serving_blocks` blocks, all
+    free at the start (a fixed finite pattern: vLLM never zeroes a block), handed out by vLLM's block pool
+    (drift/flows/in_place/engine.py); before each step the flow writes each row's re-sliced columns into
+    ``block_table`` / ``block_table_host`` (padded rows NULL), its running block into ``row_slots`` and its
+    align destination -- the column before the running one -- into ``row_track_slots`` /
+    ``row_track_host``; ``held`` are the blocks running requests hold and ``owners`` names every block."""
 
     def __init__(self, cfg: Config, device: torch.device):
         self.cfg, self.device = cfg, device
@@ -124,8 +131,10 @@ class BlockHarness(Harness):
       on (``GDNAttentionMetadataBuilder.build``: padded rows 1);
     * ``spec_state_indices_tensor`` int32 ``[N, D]``: the builder's persistent buffer
       (``block_table[:, :num_spec + 1]``, padded rows ``NULL_BLOCK_ID``);
-    * ``block_table`` int32 ``[N, D]``: each row's blocks (padded rows NULL);
-    * ``num_spec_decodes``: the rows that decode speculatively (host int; padded rows follow them);
+    * ``block_table`` int32 ``[N, D]``: each row's blocks (padded rows NULL); under a churning lifecycle the
+      columns ``mamba_get_block_table_tensor`` re-slices from the row's block table at its running column;
+    * ``num_spec_decodes``: the rows that decode speculatively (host int; padded rows follow them; under
+      a churning lifecycle the step's running requests);
     * ``num_draft_tokens`` int32 ``[N]``: the drafts each row verifies besides its root token
       (``mamba_utils.stage_postprocess_inputs_to_gpu``'s ``num_draft_tokens_buf``), staged by the
       flow before each verify;

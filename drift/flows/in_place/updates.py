@@ -20,6 +20,14 @@ mamba_steps_to_track)``, ``self`` a :class:`drift.flows.registry.BlockHarness`):
   the running one, resets the row's accept count to 1 (:func:`align_copy`; docs/semantics.md §6).
 
 No host sync: every step is device tensors and host ints the harness fixes.
+
+Under a churning lifecycle (docs/semantics.md §12, "vLLM's serving bookkeeping") the engine's
+bookkeeping between steps is code under test too: :class:`ServingParts`, which the update carries as
+``update.serving`` -- vLLM 0.33.0's V1 model runner (MRV1) with prefix caching's align mode:
+``InputBatch.add_request`` and ``condense`` (the rows and their accept counts), the runner's per-row
+accept counts, ``preprocess_mamba``'s migration of the running state, the block-table re-slice and
+the GDN builder (the update's ``indices``). They are host bookkeeping in vLLM too (numpy arrays and
+Python loops over the batch), run by the flow between steps over drift/flows/in_place/engine.py.
 """
 
 from __future__ import annotations
