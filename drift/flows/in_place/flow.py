@@ -390,7 +390,8 @@ class InPlaceBlockFlow(FlowKind):
         self._own()
 
     def _own(self) -> None:
-        """Who holds each block, for the slot guard's unowned set and its messages (``pool.owners``)."""
+        """Who holds each block, for the slot guard's unowned set and its messages (``pool.owners``; a block
+        whose holder changed keeps the last one in ``pool.previous``, so a leak names both)."""
         pool, owners, held = self.pool, {}, set()
         for lane in self.running:
             q = self.runner.requests[lane].request
@@ -399,12 +400,92 @@ class InPlaceBlockFlow(FlowKind):
                     held.add(b)
                     owners[b] = f"column {j} of request {q} (lane {lane})"
         for q, position, b in self.latest.values():
-            owners.setdefault(b, f"the prefix cache: request {q}'s snapshot at position {position}")
+            owners.setdefault(b, f"the prefix cache's snapshot of request {q} (position {position})")
         for q, (position, b) in self.cache.items():
-            owners.setdefault(b, f"the prefix cache: request {q}'s snapshot at position {position}")
-        for b in np.nonzero(self.allocator.cached)[0].tolist():
-            owners.setdefault(b, "a free block (cached)")
+            owners.setdefault(b, f"the prefix cache's snapshot of request {q} (position {position})")
+        for b, who in pool.owners.items():
+            if owners.get(b) != who:
+                pool.previous[b] = who
         pool.owners, pool.held = owners, held
+
+    def cached_snapshot(self, request: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block the prefix cache keeps for finished request ``request``: its state ``[L, HV, V, K]``
+        (state dtype) and the first Kc-1 columns of its conv cache ``[L, Kc-1, C]`` (the align copy's)."""
+        block = self.cache[request][1]
+        return self.pool.states[:, block], self.pool.conv[:, block, :self.cfg.conv_kernel - 1]
+
+    def start_slot(self, lane: int) -> int:
+        """The block ``lane``'s request's next verify starts from, ``spec_state_indices[row, n - 1]`` (for
+        messages: a device read)."""
+        h, row = self.harness, int(self.lane_rows_host[lane])
+        n = max(int(h.num_accepted_tokens[row]), 1)
+        return int(h.spec_state_indices_tensor[row, n - 1])
+
+    # ------------------------------------------------------------ checkpoints of a churning lifecycle
+    def _serving_buffers(self) -> dict[str, torch.Tensor]:
+        pool, h = self.pool, self.harness
+        return {"block_table": pool.block_table, "row_slots": pool.row_slots, "row_track_slots": pool.row_track_slots,
+                "accept": h.num_accepted_tokens, "spec": h.spec_state_indices_tensor, "window": h.block_table,
+                "num_draft": h.num_draft_tokens, "own_num_draft": self._num_draft, "lane_rows": self._lane_rows}
+
+    def serving_state_dict(self) -> dict:
+        """The engine state between chunks (drift.checkpoint): the block pool, each request's columns and
+        block ids, the persistent batch, the runner's state, the prefix cache's blocks, the index buffers."""
+        pool, mb, batch, runner = self.pool, self.blocks, self.batch, self.runner
+
+        def pairs(d: dict) -> list:
+            return [[int(k), v] for k, v in d.items()]
+
+        return {
+            "free": np.asarray(self.allocator.free, np.int64), "ref": self.allocator.ref, "cached": self.allocator.cached,
+            "req_to_blocks": pairs(mb.req_to_blocks), "block_ids": pairs(mb.block_ids), "allocated": sorted(mb.allocated),
+            "last_state": pairs(mb.last_state_block_idx), "retired": pairs(mb.retired), "num_cached": pairs(mb.num_cached),
+            "req_ids": [-1 if lane is None else lane for lane in batch.req_ids], "removed": list(batch.removed),
+            "accept_cpu": batch.num_accepted_tokens_cpu, "batch_table": batch.block_table, "num_blocks": batch.num_blocks,
+            "requests": [[lane, r.request, r.num_computed_tokens] for lane, r in runner.requests.items()],
+            "mamba_state_idx": pairs(runner.mamba_state_idx), "scheduled": pairs(runner.num_scheduled_tokens),
+            "accept_np": runner.accept_np, "running": list(self.running),
+            "latest": [[lane, *v] for lane, v in self.latest.items()], "cache": [[q, *v] for q, v in self.cache.items()],
+            "step_lanes": list(self._step_lanes), "accepted": self._accepted, "lane_request": self.lane_request,
+            "lane_rows": self.lane_rows_host, "rows": self.rows, "num_spec_decodes": self.harness.num_spec_decodes,
+            "owners": pairs(pool.owners), "previous": pairs(pool.previous), "held": sorted(pool.held),
+            "table_host": pool.block_table_host, "track_host": pool.row_track_host,
+            "buffers": self._serving_buffers()}
+
+    def load_serving_state_dict(self, st: dict) -> None:
+        from collections import deque
+
+        pool, mb, batch, runner = self.pool, self.blocks, self.batch, self.runner
+
+        def unpair(rows: list) -> dict:
+            return {int(k): v for k, v in rows}
+
+        self.allocator.free = deque(int(b) for b in st["free"])
+        self.allocator.ref, self.allocator.cached = st["ref"], st["cached"]
+        mb.req_to_blocks = {k: [int(b) for b in v] for k, v in unpair(st["req_to_blocks"]).items()}
+        mb.block_ids = {k: [int(b) for b in v] for k, v in unpair(st["block_ids"]).items()}
+        mb.allocated = set(int(x) for x in st["allocated"])
+        mb.last_state_block_idx, mb.retired, mb.num_cached = (
+            {k: int(v) for k, v in unpair(st[name]).items()} for name in ("last_state", "retired", "num_cached"))
+        batch.req_ids = [None if lane < 0 else int(lane) for lane in st["req_ids"]]
+        batch.removed = [int(x) for x in st["removed"]]
+        batch.num_accepted_tokens_cpu, batch.block_table, batch.num_blocks = st["accept_cpu"], st["batch_table"], st["num_blocks"]
+        runner.requests = {int(lane): RequestState(int(q), int(c), mb.block_ids[int(lane)]) for lane, q, c in st["requests"]}
+        runner.mamba_state_idx = {k: int(v) for k, v in unpair(st["mamba_state_idx"]).items()}
+        runner.num_scheduled_tokens = {k: int(v) for k, v in unpair(st["scheduled"]).items()}
+        runner.accept_np = st["accept_np"]
+        self.running = [int(x) for x in st["running"]]
+        self.latest = {int(lane): (int(q), int(p), int(b)) for lane, q, p, b in st["latest"]}
+        self.cache = {int(q): (int(p), int(b)) for q, p, b in st["cache"]}
+        self._step_lanes = [int(x) for x in st["step_lanes"]]
+        self._accepted = st["accepted"]
+        self.lane_request, self.lane_rows_host, self.rows = st["lane_request"], st["lane_rows"], int(st["rows"])
+        self.harness.num_spec_decodes = int(st["num_spec_decodes"])
+        pool.owners, pool.previous = unpair(st["owners"]), unpair(st["previous"])
+        pool.held = set(int(b) for b in st["held"])
+        pool.block_table_host, pool.row_track_host = st["table_host"], st["track_host"]
+        for name, t in self._serving_buffers().items():
+            t.copy_(st["buffers"][name])
 
     def buffers(self) -> list[torch.Tensor]:
         h = self.harness

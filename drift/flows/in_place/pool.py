@@ -57,6 +57,7 @@ class BlockPool(StatePool):
         self.conv = layout.conv((L, nblocks), cfg.conv_window, cfg.conv_channels, cfg.torch_conv_dtype, device)
         self.num_blocks = nblocks
         self.owners: dict[int, str] = {}  # under churn: who holds each block, for messages (the flow keeps it)
+        self.previous: dict[int, str] = {}  # and who held it before (a leak names both)
         if cfg.serving.churn:
             # Every block but the NULL one starts free, holding a fixed finite pattern (vLLM never zeroes a
             # mamba block); the serving bookkeeping hands them out (drift/flows/in_place/engine.py) and

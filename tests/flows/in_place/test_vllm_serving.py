@@ -112,3 +112,34 @@ def test_the_fixed_batch_runs_none_of_the_serving_parts():
                               U.bookkeeping(serving=count.parts(), name="counted")), sync_scan=False)
     assert rep.passed, [c.key for c in rep.checks if c.failed]
     assert (count.migrations, count.moves, count.adds) == (0, 0, 0)
+
+
+def _figures(rep) -> dict:
+    return {c.key: (c.passed, c.worst, c.where) for c in rep.checks if c.key not in ("host_syncs", "graph_capture")}
+
+
+def test_a_serving_run_resumed_from_a_checkpoint_gives_the_same_figures(tmp_path):
+    """The engine state (block pool, columns, persistent batch, runner, prefix cache, index buffers) comes
+    back from a checkpoint file (no pickle), so a resumed run's figures and events equal an uninterrupted
+    run's. The negative control: a resume that loses the accept counts the last step left (all 1) differs."""
+    from drift import checkpoint
+    from drift.runner import CheckedRun
+
+    cfg = preset("ci-small", flow="vllm", lifecycle="serving", steps=384, num_layers=1)
+    whole = CheckedRun(resolve(cfg))
+    whole_rep = whole.report(whole.run(), sync_scan=False)
+    path = tmp_path / "ckpt.pt"
+    first = CheckedRun(resolve(cfg))
+    first.run(checkpoint=lambda done, snap: checkpoint.save(path, snap) if not path.exists() else None,
+              checkpoint_every=192)
+    resumed = CheckedRun(resolve(cfg))
+    rep = resumed.report(resumed.run(resume_state=checkpoint.load(path)), sync_scan=False)
+    assert _figures(rep) == _figures(whole_rep)
+    assert rep.info.meta["events"] == whole_rep.info.meta["events"]
+    state = checkpoint.load(path)
+    accept = state["sim"]["serving"]["flow"]["buffers"]["accept"]
+    assert (accept > 1).any()  # the control can tell: some row accepted more than one token
+    accept.fill_(1)
+    lost = CheckedRun(resolve(cfg))
+    lost_rep = lost.report(lost.run(resume_state=state), sync_scan=False)
+    assert _figures(lost_rep) != _figures(whole_rep)
