@@ -306,11 +306,8 @@ def builder_keeps_padded_tail(self) -> None:
 
 
 def _serving(name: str, **part) -> Callable:
+    """The vllm flow's released update carrying serving parts with one replaced (``update.serving``)."""
     return bookkeeping(serving=ServingParts(**part), name=f"mutant:{name}")
-
-
-# The bug shows only when requests come and go (a serving lifecycle).
-SERVING = {"lifecycle": "serving"}
 
 
 # ------------------------------------------------------- the sglang-replayssm flow's commit parts
