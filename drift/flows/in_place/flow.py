@@ -219,6 +219,7 @@ class InPlaceBlockFlow(FlowKind):
         self._step_lanes: list[int] = []  # the lane in each live row of the last step
         self._accepted: Optional[np.ndarray] = None  # tokens each row accepted at the last step (after_verify)
         self._all_rows = torch.arange(N, dtype=torch.int64, device=pool.device)
+        self.restored: dict[int, int] = {}  # lane -> bits of a prefix hit's restore that differ from the snapshot
         h.num_spec_decodes = 0
         h.num_accepted_tokens.fill_(1)
         h.spec_state_indices_tensor.fill_(NULL_BLOCK_ID)
@@ -307,6 +308,10 @@ class InPlaceBlockFlow(FlowKind):
         self._call("preprocess_mamba", parts.preprocess_mamba, self.runner, [row])
         run = req.block_ids[self.runner.mamba_state_idx[lane]]
         if hit:
+            # The restore, bit for bit, against the block the prefix cache keeps for the source (untouched
+            # since: the slot guard holds it); preprocess_mamba copied it whole (bias 0).
+            self.restored[lane] = int((as_bits(pool.states[:, run]) != as_bits(pool.states[:, block])).sum()
+                                      + (as_bits(pool.conv[:, run]) != as_bits(pool.conv[:, block])).sum())
             state0 = pool.states[:, run].to(torch.float64).cpu()
             window0 = pool.conv[:, run, :cfg.conv_kernel - 1].to(torch.float64).cpu()
         else:

@@ -80,6 +80,9 @@ def test_each_serving_mutant_is_caught(mutant):
     if mutant == "vllm_stale_padded_rows":  # the slot guard names the block by the request that held it
         guard = next(c for c in rep.checks if c.key == "untouched_slots")
         assert guard.failed and "request" in guard.detail
+    if mutant in ("vllm_add_inherits_accept", "vllm_hit_wrong_column"):  # a prefix hit's restore, bit for bit
+        starts = next(c for c in rep.checks if c.key == "request_starts")
+        assert starts.failed and "whose restore differs from the snapshot the cache keeps" in starts.detail
 
 
 def test_the_serving_mutants_pass_the_fixed_batch():
