@@ -514,7 +514,7 @@ class Simulation:
             truth = self._prefilled(start) if start.code == START_PREFILL else (None, None)
             starts[start.lane] = (start, *truth)
             self.flow.admit(start.lane, start.request, start)
-        self.flow.arrange(plan.lanes[s, :chunk.rows(s)])
+        self.flow.arrange(plan.lanes[s, :chunk.rows(s)], scheduled=chunk.drafts_host[s])
         if self.guard is not None:
             self.guard.own(self.pool.unowned_slots)
         self._check_starts(begun)

@@ -197,9 +197,10 @@ class FlowKind(abc.ABC):
         the lifecycle's ``prefix_cache`` newest, freeing the oldest)."""
         raise NotImplementedError
 
-    def arrange(self, lanes_of_rows: np.ndarray) -> None:
+    def arrange(self, lanes_of_rows: np.ndarray, scheduled: Optional[np.ndarray] = None) -> None:
         """The batch of the next step: ``lanes_of_rows [B]`` the lane in each row (-1 padded), ``B`` the
-        graph bucket; the engine's builder fills the step's index buffers from it."""
+        graph bucket; ``scheduled [R]`` the tokens each lane's request runs in it (the root token and its
+        drafts; None: D); the engine's builder fills the step's index buffers from it."""
         raise NotImplementedError
 
     def cached_snapshot(self, request: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -386,7 +387,7 @@ class MambaPoolFlow(FlowKind):
         """The slot ``lane``'s request's next verify reads (for messages)."""
         return int(self.lane_slot[lane])
 
-    def arrange(self, lanes_of_rows: np.ndarray) -> None:
+    def arrange(self, lanes_of_rows: np.ndarray, scheduled: Optional[np.ndarray] = None) -> None:
         cfg, pool = self.cfg, self.pool
         B, N = len(lanes_of_rows), cfg.num_rows
         live = lanes_of_rows >= 0

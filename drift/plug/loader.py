@@ -162,8 +162,10 @@ class Update:
     factory: Optional[Callable[[Any], Any]] = None  # make(harness) -> the owner's instance (--update-factory)
     factory_spec: str = ""
     # The engine's serving bookkeeping the update runs with under a churning lifecycle (a serving mutant's
-    # broken one, drift/plug/mutants.py); None: its flow kind's own (drift/flows/slots.py and the like).
-    serving: Optional[type] = None
+    # broken one, drift/plug/mutants.py, or what the update's function carries as ``serving``: the vllm
+    # flow's drift.flows.in_place.updates.ServingParts); None: its flow kind's own (drift/flows/slots.py
+    # and the like).
+    serving: Any = None
 
     def __call__(self, backend, last_correct_step_indices, mamba_track_indices, mamba_steps_to_track):
         kwargs = {name: None for name in self.extra}
@@ -351,7 +353,7 @@ def load_update(spec: "str | Callable | Update", factory: Optional[str] = None,
     resolved = isinstance(spec, str) and not spec.startswith(MUTANT_PREFIX) and spec not in UPDATES
     owner = _owner(fn, spec if resolved else None) if resolved or callable(spec) else None
     return Update(name=name, spec=text, fn=fn, extra=extra, source=source, owner=owner, kinds=kinds, flow=flow,
-                  serving=serving)
+                  serving=serving if serving is not None else getattr(fn, "serving", None))
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import torch
 
 from ..config import find_profile
 from ..flows.copy_commit.updates import SGLANG_0523, Batch, commit_all, commit_unless_all_step0, rollback_rows
-from ..flows.in_place.updates import align_copy, bookkeeping, kept_tokens
+from ..flows.in_place.updates import ServingParts, align_copy, bookkeeping, kept_tokens
 from ..flows.kernel_commit import updates as replay_parts
 from ..flows.kernel_commit.pool import ReplaySlots
 from ..flows.slots import Held, MambaSlots
@@ -282,6 +282,34 @@ def builder_counts_rows_on_host(self) -> None:
 VLLM = "vllm"  # the flow whose bookkeeping these mutants break (drift/flows/in_place)
 
 
+# ------------------------------------------- the vllm flow's serving bookkeeping (MRV1, align mode)
+def accept_left_behind(batch, src, dst) -> None:
+    pass  # condense moves the row but not num_accepted_tokens_cpu: it keeps the hole's stale count
+
+
+def accept_inherited(batch, row) -> None:
+    pass  # add_request leaves num_accepted_tokens_cpu[row] as the row's previous occupant left it
+
+
+def accept_kept_after_copy(batch, row) -> None:
+    pass  # preprocess_mamba copies the state to column 0 of the new running block but keeps the count
+
+
+def hit_one_column_early(runner, lane) -> int:
+    prev = runner.mamba_state_idx.get(lane)  # a new request restores the snapshot of one block fewer
+    return (runner.requests[lane].num_computed_tokens - 1) // runner.block_size - 1 if prev is None else prev
+
+
+def builder_keeps_padded_tail(self) -> None:
+    R = self.num_spec_decodes  # the padded rows' indices not refilled with NULL_BLOCK_ID (gdn_attn.py L623)
+    self.spec_state_indices_tensor[:R].copy_(self.block_table[:R])
+
+
+def _serving(name: str, **part) -> Callable:
+    """The vllm flow's released update carrying serving parts with one replaced (``update.serving``)."""
+    return bookkeeping(serving=ServingParts(**part), name=f"mutant:{name}")
+
+
 # ------------------------------------------------------- the sglang-replayssm flow's commit parts
 def ring_not_restarted(c) -> None:
     pass  # the finish launch dropped: write_pos keeps the folded records, the next verify folds them again
@@ -429,6 +457,25 @@ for _m in (
     Mutant("vllm_align_wrong_block", "semantics", "update", "vllm flow: the prefix-cache align copy takes the "
            "last accepted token's block (n - 1), not the boundary token's", "vllm mamba_utils.py align-mode class",
            bookkeeping(align=align_from_last_accepted, name="mutant:vllm_align_wrong_block"), flow=VLLM),
+    Mutant("vllm_condense_accept", "semantics", "update", "vllm flow, serving: InputBatch.condense moves a row "
+           "without its num_accepted_tokens_cpu, so the moved request starts from a finished one's accept count",
+           "vllm-ascend #13863 class", _serving("vllm_condense_accept", move_accept=accept_left_behind), SERVING, VLLM),
+    Mutant("vllm_add_inherits_accept", "semantics", "update", "vllm flow, serving: add_request does not reset "
+           "num_accepted_tokens_cpu, so a new request inherits its row's previous occupant's accept count "
+           "(a prefix hit restores from the wrong column)", "vllm #48132 class",
+           _serving("vllm_add_inherits_accept", reset_accept=accept_inherited), SERVING, VLLM),
+    Mutant("vllm_migrate_keeps_accept", "semantics", "update", "vllm flow, serving: preprocess_mamba migrates the "
+           "running state to a new block but keeps the accept count, so the next verify starts from a stale "
+           "speculative block", "vllm mamba_utils.py align-mode class",
+           _serving("vllm_migrate_keeps_accept", reset_after_copy=accept_kept_after_copy), SERVING, VLLM),
+    Mutant("vllm_hit_wrong_column", "semantics", "update", "vllm flow, serving: preprocess_mamba takes a prefix "
+           "hit's state one column early (num_computed // block_size - 2), restoring another prefix's snapshot",
+           "vllm mamba_utils.py align-mode class",
+           _serving("vllm_hit_wrong_column", prev_state_idx=hit_one_column_early), SERVING, VLLM),
+    Mutant("vllm_stale_padded_rows", "semantics", "update", "vllm flow, serving: the GDN builder does not refill "
+           "the padded rows' state indices with NULL_BLOCK_ID, so after the batch shrinks a padded row writes "
+           "the blocks a request held there before", "vllm gdn_attn.py NULL padding",
+           bookkeeping(indices=builder_keeps_padded_tail, name="mutant:vllm_stale_padded_rows"), SERVING, VLLM),
     Mutant("replay_no_restart", "semantics", "update", "sglang-replayssm flow: the ring is not restarted after "
            "a fold (the finish launch dropped), so the next verify folds the same records again", "",
            _replay("replay_no_restart", finish=ring_not_restarted), flow=REPLAY),

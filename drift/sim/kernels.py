@@ -158,7 +158,8 @@ def conv_verify(conv_states: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
 
 
 def conv_verify_at(conv_states: torch.Tensor, slots: torch.Tensor, offset: torch.Tensor, x: torch.Tensor,
-                   weight: torch.Tensor, rows: torch.Tensor, lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   weight: torch.Tensor, rows: torch.Tensor, lengths: Optional[torch.Tensor] = None,
+                   live: Optional[torch.Tensor] = None) -> torch.Tensor:
     """vLLM 0.33.0's speculative conv update (``causal_conv1d_update`` with ``num_accepted_tokens``,
     model_executor/layers/mamba/ops/causal_conv1d.py), for the batch rows ``rows`` (the others,
     on the NULL block, are skipped: their output is zero). Row b reads the ``Kc-1`` inputs at
@@ -168,7 +169,9 @@ def conv_verify_at(conv_states: torch.Tensor, slots: torch.Tensor, offset: torch
     accept count (a lazy rollback: nothing is rolled back after the step). slots / offset int64
     ``[N]``; rows int64 ``[n]``, fixed by the pool (no device read). lengths ``[N]``: tokens each row
     verifies (varlen: the kernel's state_len shrinks by ``D - length``, so only the first
-    ``Kc-2 + length`` columns are written); None: all D."""
+    ``Kc-2 + length`` columns are written); None: all D. live bool ``[N]`` (a device mask; None: every
+    row of ``rows``): a row not live is skipped on the device (its slot neither read into the output nor
+    written), for rows whose NULL block only the device knows."""
     L, S, W, C = conv_states.shape
     N, D, Kc = x.shape[1], x.shape[2], weight.shape[-1]
     slot = slots.index_select(0, rows)
@@ -178,12 +181,18 @@ def conv_verify_at(conv_states: torch.Tensor, slots: torch.Tensor, offset: torch
     src = cols.clamp(max=W - 1)[None, :, :, None].expand(L, -1, -1, C)
     shifted = buf.gather(2, src)  # [L, n, W, C]: column j holds old[off + j]
     out = torch.zeros(L, N, D, C, dtype=BF16, device=x.device)
-    out.index_copy_(1, rows, conv_mix(shifted[:, :, :Kc - 1], x.index_select(1, rows), weight))
+    mix = conv_mix(shifted[:, :, :Kc - 1], x.index_select(1, rows), weight)
+    if live is not None:
+        on = live.index_select(0, rows)[None, :, None, None]
+        mix = torch.where(on, mix, torch.zeros_like(mix))
+    out.index_copy_(1, rows, mix)
     kept = shifted[:, :, 1:Kc - 1]  # old[off + 1 .. off + Kc - 2]
     new = torch.cat([kept, x.index_select(1, rows).to(conv_states.dtype)], dim=2)
     if lengths is not None:  # columns past Kc-2 + length keep what they held
         written = torch.arange(W, device=off.device)[None, :] < (Kc - 2) + lengths.index_select(0, rows).to(torch.int64)[:, None]
         new = torch.where(written[None, :, :, None], new, buf)
+    if live is not None:  # a skipped row writes back what its slot held
+        new = torch.where(on, new, buf)
     conv_states.index_copy_(1, slot, new)
     return out
 

@@ -17,7 +17,12 @@ FLOWS.register("vllm", Flow(
      "vllm/v1/worker/gpu_model_runner.py: _update_states_after_model_execute",
      "vllm/third_party/flash_linear_attention/ops/fused_recurrent.py",
      "vllm/model_executor/layers/mamba/ops/causal_conv1d.py: causal_conv1d_update",
-     "vllm/v1/worker/mamba_utils.py: postprocess_mamba_fused_kernel (prefix caching, align mode)"),
+     "vllm/v1/worker/mamba_utils.py: postprocess_mamba_fused_kernel (prefix caching, align mode)",
+     "vllm/v1/worker/mamba_utils.py: preprocess_mamba (serving lifecycle: the running state's migration)",
+     "vllm/v1/worker/gpu_input_batch.py: InputBatch.add_request, condense (serving lifecycle)",
+     "vllm/v1/attention/backends/utils.py: mamba_get_block_table_tensor (serving lifecycle)",
+     "vllm/v1/core/single_type_kv_cache_manager.py: MambaManager, align mode (serving lifecycle)",
+     "vllm/v1/core/block_pool.py: BlockPool (serving lifecycle)"),
     kind=InPlaceBlockFlow.name, ragged=True))
 
 UPDATES.register("vllm-0.33.0", BuiltinUpdate(
