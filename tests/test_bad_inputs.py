@@ -412,7 +412,7 @@ def fp32(**kw):
 
 @pytest.mark.parametrize("op, words", [
     ("none", "layer 0: the op returned NoneType, not a bfloat16 tensor"),
-    ("short", "layer 0: the op returned shape (1, 4, 64), expected (20, 4, 64)"),  # T = 5 rows x 4 tokens
+    ("short", "layer 0: the op returned shape (1, 4, 64), expected (16, 4, 64)"),  # T = 4 rows x 4 tokens (serving)
     ("fp32", "layer 0: the op returned a torch.float32 tensor, expected bfloat16"),  # never cast
 ])
 def test_a_stand_in_op_is_judged_by_what_it_returned(tmp_path, capsys, op, words):
