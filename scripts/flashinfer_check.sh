@@ -24,8 +24,9 @@
 #   stand-in  the same run over the stand-in: the adapter on CUDA, its step captured in a CUDA graph;
 #   tests     tests/plug/test_flashinfer_replayssm.py -m cuda --drift-device cuda (graph capture
 #             bit-identical to eager; the real kernels' test, skipped naming what is missing).
-# OUTDIR/summary.txt holds one RESULT line per step; the README's sentence on the last real run
-# quotes the first.
+# OUTDIR holds six files (a device call brings back eight at most): summary.txt (one RESULT line per
+# step; the README's sentence on the last real run quotes the first), env.txt, install.log and each
+# step's log (drift's table).
 set -u
 MODE=${1:?usage: flashinfer_check.sh prepare | run OUTDIR}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -94,18 +95,17 @@ RUN=(-m drift run --device cuda --flow sglang-replayssm --preset qwen3-next-80b-
 step() {  # step NAME TIMEOUT_S ARGS...: python3 ARGS under a timeout, its output in OUTDIR/NAME.log; sets RC
     local name=$1 limit=$2
     shift 2
-    echo "=== $name: python3 $*" | tee -a "$OUT/commands.txt"
+    echo "=== $name: python3 $*" | tee -a "$SUMMARY"
     timeout "$limit" python3 "$@" >"$OUT/$name.log" 2>&1
     RC=$?
     tail -n 3 "$OUT/$name.log"
 }
 result() { echo "RESULT $*" | tee -a "$SUMMARY"; }
 
-step real 240 "${RUN[@]}" --kernel flashinfer-replayssm --update drift.plug.flashinfer_replayssm:commit \
-    --report "$OUT/real-report"
+step real 240 "${RUN[@]}" --kernel flashinfer-replayssm --update drift.plug.flashinfer_replayssm:commit
 refusal=$(grep -m1 'drift run: error:' "$OUT/real.log" | sed 's/^drift run: error: //')
 case $RC in
-    0) result "real: RAN, every check passed (512 steps, qwen3-next-80b-tp16, fp32; $OUT/real-report)" ;;
+    0) result "real: RAN, every check passed (512 steps, qwen3-next-80b-tp16, fp32; the table in real.log)" ;;
     1) result "real: RAN, a check failed: $(grep -m1 'drift run:' "$OUT/real.log")" ;;
     2) if echo "$refusal" | grep -q 'compute capability 10.x'; then
            gpu=$(echo "$refusal" | grep -o 'cuda:0 is [^;]*(SM[0-9]*)')
@@ -117,9 +117,8 @@ case $RC in
     *) result "real: exit $RC (see real.log)" ;;
 esac
 
-step stand-in 240 "${RUN[@]}" --kernel "flashinfer-replayssm-op:$FIXTURE:api" --update "$FIXTURE:commit" \
-    --report "$OUT/stand-in-report"
-graph=$(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(next((c.get('detail','') for c in r.get('checks', []) if c.get('key')=='graph_capture'), '?'))" "$OUT/stand-in-report/report.json" 2>/dev/null)
+step stand-in 240 "${RUN[@]}" --kernel "flashinfer-replayssm-op:$FIXTURE:api" --update "$FIXTURE:commit"
+graph=$(grep -m1 '^graph capture' "$OUT/stand-in.log" | sed 's/  */ /g')
 case $RC in
     0) result "stand-in: RAN, every check passed on CUDA; graph capture: ${graph:-?}" ;;
     *) result "stand-in: exit $RC: $(grep -m1 'drift run:' "$OUT/stand-in.log")" ;;

@@ -23,7 +23,7 @@ from drift.config import preset
 from drift.errors import LoadError
 from drift.flows.registry import FLOWS, state_flow
 from drift.plug import flashinfer_replayssm as fr
-from drift.plug.loader import load_kernel, load_update
+from drift.plug.loader import KERNELS, load_kernel, load_update
 from drift.runner import run_checked
 from drift.runspec import resolve
 from drift.sim import kernels
@@ -49,18 +49,18 @@ def update_spec(name: str = "commit") -> str:
     return f"{FIXTURE}:{name}"
 
 
-def _flows(cfg=CFG):
+def _flows(cfg=CFG, device=CPU):
     """The ring flow the adapter runs in and the copy-commit flow whose portable verify stores every
-    token's fp32 state, over the same seeded fp32 checkpoint."""
-    ring, copy = state_flow(cfg, CPU), state_flow(cfg.replace(flow="sglang"), CPU)
+    token's fp32 state, over the same seeded fp32 checkpoint (made on the CPU, then moved)."""
+    ring, copy = state_flow(cfg, device), state_flow(cfg.replace(flow="sglang"), device)
     gen = torch.Generator().manual_seed(7)
-    start = 0.1 * torch.randn(copy.pool.states[:, copy.pool.active_slots].shape, generator=gen)
+    start = (0.1 * torch.randn(copy.pool.states[:, copy.pool.active_slots].shape, generator=gen)).to(device)
     for f in (ring, copy):
         f.pool.states[:, f.pool.active_slots] = start
     return ring, copy, start
 
 
-def _step_inputs(cfg=CFG, seed=3):
+def _step_inputs(cfg=CFG, seed=3, device=CPU):
     """mix bf16 [L, N, D, C], beta logits bf16 and the gate inputs (a on the bf16 grid, A_log, dt_bias)."""
     gen = torch.Generator().manual_seed(seed)
     L, N, D, HV = cfg.num_layers, cfg.num_rows, cfg.num_draft_tokens, cfg.num_v_heads
@@ -68,14 +68,14 @@ def _step_inputs(cfg=CFG, seed=3):
     blogit = torch.randn(L, N, D, HV, generator=gen).to(BF16)
     a = torch.randn(L, N, D, HV, generator=gen).to(BF16).float()
     A_log, dt_bias = torch.randn(L, HV, generator=gen) * 0.5 - 1, torch.randn(L, HV, generator=gen)
-    return mix, blogit, (a, A_log, dt_bias)
+    return tuple(t.to(device) for t in (mix, blogit)) + (tuple(t.to(device) for t in (a, A_log, dt_bias)),)
 
 
-def _verify_both(name: str = "api"):
-    ring, copy, start = _flows()
-    mix, blogit, gate = _step_inputs()
+def _verify_both(spec: str = kernel_spec(), device=CPU):
+    ring, copy, start = _flows(device=device)
+    mix, blogit, gate = _step_inputs(device=device)
     g = kernels.gdn_gating(*gate)
-    out = load_kernel(kernel_spec(name))(ring.verify_args(mix, blogit, g, "rne", 0, None, gate))
+    out = load_kernel(spec)(ring.verify_args(mix, blogit, g, "rne", 0, None, gate))
     args = copy.verify_args(mix, blogit, g, "rne", 0, None, gate)
     ref = kernels.recurrent_gated_delta_rule(args)
     return ring, copy, start, (mix, blogit, g), out, args, ref
@@ -106,7 +106,7 @@ def test_one_verify_is_drifts_fp32_recurrence_and_writes_the_raw_windows_at_each
     others[slots] = False
     assert not win.rawv[:, others].any() and not win.g[:, others].any()  # the dummy and unowned slots
     # Negative control: a verify that stores its windows one position late does not hold v in place.
-    ring2, *_ = _verify_both("wrong_position")
+    ring2, *_ = _verify_both(kernel_spec("wrong_position"))
     assert not torch.equal(fr.windows(ring2.pool.temporal, HK, D).rawv[:, slots], v)
 
 
@@ -116,7 +116,7 @@ def _commit_errors(name: str = "api", commit: str = "commit"):
     slot's against the tracked token's) over twice the fp32 bound of that many tokens (both
     computations are within the bound of the exact state: tests/helpers.py gdn_state_bound), and the
     same for the next token's state (which a right commit must not be near)."""
-    ring, copy, start, (mix, *_), out, args, ref = _verify_both(name)
+    ring, copy, start, (mix, *_), out, args, ref = _verify_both(kernel_spec(name))
     cfg = CFG
     L, N, D, HV, HK, K, V, R = (cfg.num_layers, cfg.num_rows, cfg.num_draft_tokens, cfg.num_v_heads, cfg.num_k_heads,
                                 cfg.head_k_dim, cfg.head_v_dim, cfg.num_requests)
@@ -362,6 +362,18 @@ def test_the_adapter_is_captured_in_a_cuda_graph_over_the_stand_in(drift_device)
         if graph:
             assert sim.graph_status.captured, sim.graph_status
     assert torch.equal(*finals)
+
+
+@pytest.mark.cuda
+def test_the_real_verify_meets_its_declared_conformance(drift_device):
+    """One verify of FlashInfer's own kernel against drift's fp32 recurrence from the same checkpoint:
+    the outputs within the entry's conformance (its tcgen05 path takes the dots in TF32: 2^-11
+    relative operands, a few bf16 ulps at most), the checkpoint not written."""
+    _real_or_skip()
+    ring, copy, start, _, out, args, ref = _verify_both(fr.KERNEL, torch.device(drift_device))
+    c, R = KERNELS[fr.KERNEL].conformance, CFG.num_requests
+    torch.testing.assert_close(out[:, :R].float(), ref[:, :R].float(), rtol=c.output_rtol, atol=c.output_atol)
+    assert torch.equal(ring.pool.states[:, ring.pool.active_slots], start)
 
 
 @pytest.mark.cuda
