@@ -276,7 +276,7 @@ class FlashInferVerify(LayerOpAdapter):
 
     def call_layer(self, args: VerifyArgs, layer: int, ctx) -> torch.Tensor:
         L, B, S, HV, V, K = args.dims
-        w, lay = ctx["win"], layer
+        w, lay = ctx["win"], layer  # layer's contiguous per-layer views
         res = self.op(q=_own(ctx["q"][lay], BF16), k=_own(ctx["k"][lay], BF16), v=_own(ctx["v"][lay], BF16),
                       initial_state=ctx["state"][lay], initial_state_indices=ctx["idx"], A_log=_own(ctx["A_log"][lay], F32),
                       a=_own(ctx["a"][lay], BF16), dt_bias=_own(ctx["dt_bias"][lay], F32), b=_own(ctx["b"][lay], BF16),

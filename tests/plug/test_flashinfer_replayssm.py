@@ -218,15 +218,18 @@ def test_each_broken_clause_of_the_contract_fails_a_check(runs, control, fails):
     assert fails <= failed, failed
 
 
-def test_a_contract_violation_is_the_kernels_failure_exit_1(capsys):
-    """A verify returning [B, T, HV * V] (the contract's [B, T, HV, V] flattened) fails the run naming
-    the kernel, the step, the layer and the shape: exit 1, no traceback."""
+@pytest.mark.parametrize("control,says", [
+    ("wrong_shape", "the op returned shape (5, 4, 256), expected (5, 4, 2, 128)"),
+    ("output_only", "the op returned Tensor, not (output, initial_state)"),
+])
+def test_a_contract_violation_is_the_kernels_failure_exit_1(capsys, control, says):
+    """A verify returning [B, T, HV * V] (the contract's [B, T, HV, V] flattened), or its output alone,
+    fails the run naming the kernel, the step, the layer and what it returned: exit 1, no traceback."""
     code = main(["run", "--flow", FLOW, "--preset", "qwen3-next-80b-tp16", "--profile", "fp32", "--steps", "2",
-                 "--kernel", kernel_spec("wrong_shape"), "--update", update_spec()])
+                 "--kernel", kernel_spec(control), "--update", update_spec()])
     err = capsys.readouterr().err
     assert code == 1, err
-    assert "failed at decode step 0, layer 0: the op returned shape (5, 4, 256), expected (5, 4, 2, 128)" in err
-    assert "Traceback" not in err
+    assert f"failed at decode step 0, layer 0: {says}" in err and "Traceback" not in err, err
 
 
 @pytest.mark.parametrize("argv,says", [
