@@ -36,6 +36,7 @@ from ..sim.shim import sgl_kernels
 from .specs import MUTANT_PREFIX, resolve_spec
 from .triton_kernel import TritonAdapter
 from .replayssm_engine import ReplayVerifyAdapter
+from .flashinfer_replayssm import FlashInferVerify, stand_in_kernel as flashinfer_stand_in
 from .vllm_ascend_op import OP_KEYWORDS as VLLM_ASCEND_KEYWORDS, vllm_ascend_adapter, vllm_ascend_op
 from .vllm_kernel import VllmQwenAdapter, VllmTritonAdapter
 
@@ -137,6 +138,17 @@ for _k in (
                 lambda arg: ReplayVerifyAdapter.load(),
                 # the chunked UT form with bf16 tensor-core dots against drift's fp32 recurrence
                 Conformance(2 ** -6, 1e-2, 2 ** -6, 1e-2, "chunked form, bf16 dot operands"), rules=("ring",)),
+    KernelEntry("flashinfer-replayssm", "FlashInfer 0.7.2.post1's ReplaySSM GDN MTP verify gated_delta_rule_mtp("
+                "cache_replayssm=True) (SM100/SM103; flashinfer/gdn_decode.py), under --flow sglang-replayssm with "
+                "--update drift.plug.flashinfer_replayssm:commit",
+                lambda arg: FlashInferVerify.load(),
+                # its tcgen05 path takes the state-key and state-query dots in TF32 (10-bit operand mantissas,
+                # 2^-11 relative each) against drift's fp32 recurrence; the verify stores no state
+                Conformance(0.0, 0.0, 2 ** -6, 1e-2, "TF32 dot operands; no state stored"), rules=("ring",)),
+    KernelEntry("flashinfer-replayssm-op", "any object holding gated_delta_rule_mtp and "
+                "gated_delta_rule_replayssm_commit through the same adapter (a stand-in or a new build): "
+                "flashinfer-replayssm-op:<module|file.py>:<qualname>", flashinfer_stand_in, REORDERED_FP32,
+                takes_arg=True, rules=("ring",)),
 ):
     KERNELS.register(_k.name, _k)
 

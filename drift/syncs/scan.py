@@ -168,7 +168,9 @@ def scan_update(run: Resolved, steps: int = 4, device: Optional[str] = "auto", s
     """Run the update of ``run`` for :func:`representative_steps` (and ``sample`` more
     :func:`sampled_steps` of the run's horizon) on the virtual device and, when there is an
     accelerator (:func:`_device_pass`), again on it with its sync debug mode armed; padded rows and
-    tracking as configured (``track_interval = 0`` passes ``None`` as the simulation does)."""
+    tracking as configured (``track_interval = 0`` passes ``None`` as the simulation does). An update
+    declaring ``DEVICE_ONLY`` (it launches an engine's device kernels, which take no virtual tensor:
+    drift/plug/flashinfer_replayssm.py) runs on the accelerator alone when there is one."""
     cfg, upd = run.cfg, run.update
     chosen, last, trk = representative_steps(cfg, steps)
     more, last2, trk2 = sampled_steps(cfg, sample, chosen)
@@ -181,6 +183,8 @@ def scan_update(run: Resolved, steps: int = 4, device: Optional[str] = "auto", s
     accel = _device_pass(cfg, device)
     if accel is not None:
         targets.append((accel, resolve_device(accel)))
+        if getattr(upd.fn, "DEVICE_ONLY", False):  # it launches device kernels that take no virtual tensor
+            targets = targets[1:]
     for name, dev in targets:
         if dev is None:
             harness, wrap = virtual_harness(cfg), to_virtual
