@@ -366,6 +366,12 @@ def op_raises(mix_qkv, recurrent_state, *, beta, scale, actual_seq_lengths, ssm_
 
 def op_positional(mix_qkv, recurrent_state, beta):
     return None
+
+class Takes:
+    def __call__(self, args, other):
+        return None
+
+an_object = Takes()
 '''
 
 
@@ -377,6 +383,8 @@ def op_positional(mix_qkv, recurrent_state, beta):
     ("two_args", EXIT_USAGE, "cannot take one VerifyArgs"),
     ("npu-op:op_raises", EXIT_FAIL, "failed at decode step 0, layer 0: the op raised ValueError('op bug')"),
     ("npu-op:op_positional", EXIT_USAGE, "cannot take SGLang's call"),
+    ("an_object", EXIT_USAGE, "has signature Takes.__call__(args, other), which cannot take one VerifyArgs"),
+    ("npu-op:no_such_op", EXIT_USAGE, "kernel spec 'npu-op:"),  # the spec as given, prefix and all
 ])
 def test_a_misbehaving_verify_kernel_fails_as_code_under_test(tmp_path, capsys, kernel, code, words):
     f = tmp_path / "kern.py"
