@@ -73,6 +73,11 @@ class InPlaceBlockFlow(FlowKind):
     def after_verify(self, last: torch.Tensor) -> None:
         pass  # the accept count is the update's business here
 
+    def kernel_slots(self) -> np.ndarray:
+        """The verify writes each token's state in place into the rows' own blocks (``block_table``):
+        every block a request owns, and no other (not the NULL, spare or align blocks)."""
+        return np.asarray(self.pool.request_slots, np.int64)
+
     def conv_verify(self, x: torch.Tensor, weight: torch.Tensor, drafts=None) -> torch.Tensor:
         """vLLM's causal_conv1d_update with num_accepted_tokens (docs/semantics.md §6): read at offset
         ``n - 1`` of the conv cache of each row's first block; rows on the NULL block are skipped;
