@@ -168,16 +168,22 @@ def no_process_exit():
         os._exit, posix._exit = before
 
 
-def raised_at(exc: BaseException) -> str:
+def raised_at(exc: BaseException, within: str = "") -> str:
     """``file:line`` where ``exc`` was raised (its traceback's innermost frame; for an ``os._exit``
-    the caller's); '' without one."""
+    the caller's); '' without one. ``within``: a file whose innermost frame is named instead when
+    the exception passed through it (an extension's line, not the registry's that refused it)."""
     where = getattr(exc, "where", None)
-    if isinstance(where, str) and where:
+    if isinstance(where, str) and where and not within:
         return where
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
+    tb, found = exc.__traceback__, ""
+    while tb is not None:
+        here = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
+        if within and os.path.abspath(tb.tb_frame.f_code.co_filename) == os.path.abspath(within):
+            found = here
+        if tb.tb_next is None:
+            return found or (where if isinstance(where, str) and where else here)
         tb = tb.tb_next
-    return f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else ""
+    return found
 
 
 def code_frames(start: Optional[types.FrameType], internal: Callable[[str], bool],

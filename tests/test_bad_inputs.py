@@ -751,7 +751,8 @@ if which in ("str", "none"):
 elif which == "build-none":
     CHECKS.add(CheckSpec("says", "says", 74, "a toy", "consumer", build=lambda ctx: None))
 else:  # a run-level check may have nothing to report (None), not something else
-    CHECKS.add(CheckSpec("says", "says", 74, "a toy", "run", result=lambda ctx: {"run-int": 42, "run-none": None}[which]))
+    CHECKS.add(CheckSpec("says", "says", 74, "a toy", "run",
+                         result=lambda ctx: {"run-int": 42, "run-none": None}[which]))
 '''
 
 

@@ -87,6 +87,11 @@ def builds_none():
     CHECKS.add(CheckSpec("nothing", "nothing", 68, "a toy whose build returns None", "consumer", build=lambda ctx: None))
 
 
+def unknown_kind():
+    from drift.flows.registry import FLOWS, Flow
+    FLOWS.register("weird", Flow("weird", "a flow of no kind", "none", (), "no-such-kind"))
+
+
 def factory_raises():
     def make(arg):
         raise RuntimeError("factory bug")
@@ -130,6 +135,9 @@ def cases(tmp: Path) -> list[tuple]:
         ("factory-wrong-signature", ["--kernel", "noargs-kernel"], {**ext, "TOY_EXTENSION": "factory_no_args"}, 2,
          "its factory returned a kernel that has signature"),
         ("check-build-raises", [], {**ext, "TOY_EXTENSION": "fails_build"}, 2, "in its build"),
+        # the extension's line, not the registry's that refused it (it crashed the parser once)
+        ("flow-of-unknown-kind", [], {**ext, "TOY_EXTENSION": "unknown_kind"}, 2, f"is not a registered flow kind; "
+         f"kinds: copy-commit, in-place, kernel-commit\") at {code}:"),
         ("check-builds-none", [], {**ext, "TOY_EXTENSION": "builds_none"}, 2, "its build returned NoneType"),
         ("check-consume-raises", [], {**ext, "TOY_EXTENSION": "fails_consume"}, 2, "in its consume"),
         ("extension-exits", [], {"DRIFT_EXTENSIONS": str(bye)}, 2, f"raised SystemExit(0) at {bye}:2"),

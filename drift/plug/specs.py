@@ -53,7 +53,8 @@ def module_from_file(path: str, spec: str, what: str) -> types.ModuleType:
         if not isinstance(exc, Exception) and not ended_by_code(exc):
             raise  # a signal
         fix = "; fix the module or remove it from DRIFT_EXTENSIONS" if what == "extension" else ""
-        raise LoadError(f"{what} spec {spec!r}: importing {full} raised {exc!r} at {raised_at(exc)}{fix}") from exc
+        raise LoadError(f"{what} spec {spec!r}: importing {full} raised {exc!r} at "
+                        f"{raised_at(exc, full)}{fix}") from exc
     finally:
         if sys.path and sys.path[0] == here:
             del sys.path[0]
