@@ -31,7 +31,7 @@ from typing import Callable, Optional, Sequence
 from .config import Config, preset
 from .devices import resolve_device
 from .errors import (EXIT_FAIL, EXIT_PASS, ConfigError, DriftError, Terminated, UpdateRaised, clear_interrupt, ended_by_code,
-                     interrupt, raise_if_interrupted, what_raised)
+                     interrupt, no_process_exit, raise_if_interrupted, what_raised)
 from .fileio import locked, output_file, output_files, refuse_overwriting, writable_dir
 from .options import CONFIG_OPTIONS, RUN_OPTIONS, add_options, dest, positive_int
 from .plug.mutants import MUTANTS
@@ -290,8 +290,12 @@ def cmd_nightly(args: argparse.Namespace) -> int:
                            flow=args.flow or "", lifecycle=args.lifecycle)
     from .sim.pool import check_fits
 
+    from .jobs.identity import checks_identity
+
     for e in entries:  # a bad trace, option, steps past a trace's end, states too large, an update of
-        check_fits(e.resolve(args.device).cfg)  # another flow: an error now, not after hours
+        run = e.resolve(args.device)  # another flow, an extension's check that cannot be built: an error
+        check_fits(run.cfg)  # now, not after hours
+        checks_identity(run.cfg, run.mode)
     for e in build_matrix(args.preset or presets, [(args.seed or [0])[0]], updates, ["rne"], steps, layers,
                           trace=args.trace or "", loop=args.loop, graph=not args.no_graph, flow=args.flow or "",
                           lifecycle=args.lifecycle):
@@ -637,7 +641,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .plug.extensions import load_extensions
 
     try:
-        load_extensions()  # $DRIFT_EXTENSIONS: entries they register become choices of the options
+        with no_process_exit():  # an extension's os._exit at import: refused, not the process ended
+            load_extensions()  # $DRIFT_EXTENSIONS: entries they register become choices of the options
     except DriftError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -653,7 +658,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # the handler would then never run and a SIGTERM would be lost. Unblock it while drift runs.
         blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     try:
-        code = args.func(args)
+        with no_process_exit():  # code drift runs that calls os._exit fails, it does not end drift
+            code = args.func(args)
         raise_if_interrupted()  # one whose exception a callback swallowed: the command still ends so
         return code
     except UpdateRaised as exc:

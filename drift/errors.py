@@ -9,9 +9,12 @@ that reads something drift's harness does not provide). Every
 
 from __future__ import annotations
 
+import contextlib
 import dis
 import os
+import posix
 import signal
+import sys
 import types
 from typing import Callable, Optional
 
@@ -126,12 +129,61 @@ def ended_by_code(exc: BaseException) -> bool:
     return 0 <= tb.tb_lasti < len(code) and code[tb.tb_lasti] == _RAISE
 
 
-def raised_at(exc: BaseException) -> str:
-    """``file:line`` where ``exc`` was raised (its traceback's innermost frame); '' without one."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
+class ProcessExit(SystemExit):
+    """``os._exit(status)`` called by code drift runs while :func:`no_process_exit` holds, raised in
+    its place. ``os._exit`` ends the interpreter at once -- no handler, no output -- with the code's
+    status: ``os._exit(0)`` from an update read as a passed run (measured). Raised instead, it fails
+    the run naming the line, as ``sys.exit`` does. ``where``: the caller's ``file:line``."""
+
+    def __init__(self, status, where: str):
+        super().__init__(status)
+        self.where = where
+
+    def __repr__(self) -> str:
+        return f"os._exit({self.code!r})"
+
+
+_REAL_EXIT = os._exit
+
+
+@contextlib.contextmanager
+def no_process_exit():
+    """While it holds, ``os._exit`` (and ``posix._exit``) called in this process raises
+    :class:`ProcessExit` instead of ending it; a forked child's exits as it would (multiprocessing's
+    fork start method ends its children that way). Nests; the previous functions come back after.
+    Code that bound the function before (``from os import _exit``) is out of its reach."""
+    pid = os.getpid()
+
+    def _exit(status):
+        if os.getpid() != pid:
+            _REAL_EXIT(status)
+        caller = sys._getframe(1)
+        raise ProcessExit(status, f"{caller.f_code.co_filename}:{caller.f_lineno}")
+
+    before = os._exit, posix._exit
+    os._exit = posix._exit = _exit
+    try:
+        yield
+    finally:
+        os._exit, posix._exit = before
+
+
+def raised_at(exc: BaseException, within: str = "") -> str:
+    """``file:line`` where ``exc`` was raised (its traceback's innermost frame; for an ``os._exit``
+    the caller's); '' without one. ``within``: a file whose innermost frame is named instead when
+    the exception passed through it (an extension's line, not the registry's that refused it)."""
+    where = getattr(exc, "where", None)
+    if isinstance(where, str) and where and not within:
+        return where
+    tb, found = exc.__traceback__, ""
+    while tb is not None:
+        here = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
+        if within and os.path.abspath(tb.tb_frame.f_code.co_filename) == os.path.abspath(within):
+            found = here
+        if tb.tb_next is None:
+            return found or (where if isinstance(where, str) and where else here)
         tb = tb.tb_next
-    return f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else ""
+    return found
 
 
 def code_frames(start: Optional[types.FrameType], internal: Callable[[str], bool],

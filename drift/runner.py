@@ -94,7 +94,7 @@ class CheckedRun:
                     raise ValueError(f"check {spec.key!r} needs {missing}, which is not in this run")
                 origin = extension_of(spec)
                 if origin:
-                    built = self.ctx.checks[spec.key] = guarded(spec, origin, "build", spec.build)(self.ctx)
+                    built = self.ctx.checks[spec.key] = build_extension_check(spec, origin, self.ctx)
                     for hook in ("start", "consume", "finish", "result"):
                         if callable(getattr(built, hook, None)):
                             setattr(built, hook, guarded(spec, origin, hook, getattr(built, hook)))
@@ -163,11 +163,13 @@ def extension_of(spec) -> str:
 def guarded(spec, origin: str, hook: str, fn: Callable) -> Callable:
     """``fn`` (hook ``hook`` of an extension's check ``spec``) with what it raises -- or a
     ``sys.exit`` -- turned into one LoadError (exit 2) naming the check, the extension and the line:
-    drift could not run that check, which is not a regression it measured."""
+    drift could not run that check, which is not a regression it measured. A ``result`` hook must
+    return a CheckResult (a ``run`` check's may return None: nothing to report); anything else is
+    refused the same way, not dropped from the report or left to crash it."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
         except DriftError:
             raise
         except (Exception, *ENDS_PROCESS) as exc:
@@ -176,7 +178,29 @@ def guarded(spec, origin: str, hook: str, fn: Callable) -> Callable:
             raise LoadError(f"check {spec.key!r} of the extension {origin} raised {exc!r} at {raised_at(exc)} in its "
                             f"{hook}, so drift could not run it (not a regression); fix it or remove it from "
                             "DRIFT_EXTENSIONS") from exc
+        if hook == "result" and not (isinstance(out, CheckResult) or (out is None and spec.shape == "run")):
+            raise LoadError(f"check {spec.key!r} of the extension {origin}: its result returned "
+                            f"{type(out).__name__}, not a drift.check.result.CheckResult, so drift has no verdict "
+                            "of it (not a regression); return one (docs/extending.md: A check) or remove it from "
+                            "DRIFT_EXTENSIONS")
+        return out
     return call
+
+
+def build_extension_check(spec, origin: str, ctx: RunContext):
+    """An extension's check ``spec`` built for ``ctx`` (its build :func:`guarded`), refused (exit 2)
+    unless it has the hooks its shape is read through: ``consume`` and ``result`` for a consumer,
+    ``result`` otherwise."""
+    built = guarded(spec, origin, "build", spec.build)(ctx)
+    needs = ("consume", "result") if spec.shape == "consumer" else ("result",)
+    missing = [h for h in needs if not callable(getattr(built, h, None))]
+    if missing:
+        raise LoadError(f"check {spec.key!r} of the extension {origin}: its build returned {type(built).__name__}, "
+                        f"which has no {' or '.join(f'{h}()' for h in missing)}, so drift cannot run it (not a "
+                        f"regression); a {spec.shape} check's build returns "
+                        f"{'a drift.check.checks.Check' if spec.shape == 'consumer' else 'an object with result()'} "
+                        "(docs/extending.md: A check), or remove it from DRIFT_EXTENSIONS")
+    return built
 
 
 def preflight(run: Resolved) -> Resolved:

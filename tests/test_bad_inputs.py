@@ -368,6 +368,12 @@ def op_raises(mix_qkv, recurrent_state, *, beta, scale, actual_seq_lengths, ssm_
 
 def op_positional(mix_qkv, recurrent_state, beta):
     return None
+
+class Takes:
+    def __call__(self, args, other):
+        return None
+
+an_object = Takes()
 '''
 
 
@@ -380,6 +386,8 @@ def op_positional(mix_qkv, recurrent_state, beta):
     ("two_args", EXIT_USAGE, "cannot take one VerifyArgs"),
     ("npu-op:op_raises", EXIT_FAIL, "failed at decode step 0, layer 0: the op raised ValueError('op bug')"),
     ("npu-op:op_positional", EXIT_USAGE, "cannot take SGLang's call"),
+    ("an_object", EXIT_USAGE, "has signature Takes.__call__(args, other), which cannot take one VerifyArgs"),
+    ("npu-op:no_such_op", EXIT_USAGE, "kernel spec 'npu-op:"),  # the spec as given, prefix and all
 ])
 def test_a_misbehaving_verify_kernel_fails_as_code_under_test(tmp_path, capsys, kernel, code, words):
     f = tmp_path / "kern.py"
@@ -694,3 +702,97 @@ def test_any_base_exception_code_raises_fails_the_run_naming_its_line(tmp_path, 
     err = capsys.readouterr().err
     assert rc == 1, err
     assert f"{path}:{line}" in err and "which would end the process" in err and "Traceback" not in err, err
+
+
+def test_os_exit_raises_only_while_drift_runs_code(tmp_path):
+    """``os._exit`` ends the interpreter at once with the code's status -- an update calling
+    ``os._exit(0)`` made ``drift run`` exit 0 with no output, a pass. While drift runs code it raises
+    ProcessExit at the caller's line instead (drift/errors.py: no_process_exit; the battery in
+    tests/test_front_ends.py runs it through both front ends); outside it, and in a forked child
+    (multiprocessing's fork start method ends children that way), it ends the process as before."""
+    code = ("import os\nfrom drift.errors import ProcessExit, no_process_exit, raised_at\n"
+            "with no_process_exit():\n"
+            "    try:\n"
+            "        os._exit(3)\n"
+            "    except ProcessExit as exc:\n"
+            "        print('caught', repr(exc), raised_at(exc), flush=True)\n"
+            "    pid = os.fork()\n"
+            "    if pid == 0:\n"
+            "        try:\n"
+            "            os._exit(7)\n"
+            "        finally:\n"
+            "            __import__('drift.errors').errors._REAL_EXIT(9)\n"
+            "    print('child', os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)\n"
+            "os._exit(5)\n"
+            "print('not reached')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    # the guard's os._exit(3) raised at its line; the child exited 7 itself; after the guard, 5 ends it
+    assert res.stdout.splitlines() == ["caught os._exit(3) <string>:5", "child 7"], res.stdout + res.stderr
+    assert res.returncode == 5, res.stderr
+
+
+CHECKS_WITHOUT_A_VERDICT = '''
+from drift.check.checks import Check
+from drift.check.registry import CHECKS, CheckSpec
+import os
+
+class Says(Check):
+    key = "says"
+    measures = ("state",)
+
+    def consume(self, chunk):
+        pass
+
+    def result(self):
+        return {"str": "fine", "none": None}[os.environ["SAYS"]]
+
+which = os.environ["SAYS"]
+if which in ("str", "none"):
+    CHECKS.add(CheckSpec("says", "says", 74, "a toy", "consumer", build=lambda ctx: Says(0.1)))
+elif which == "build-none":
+    CHECKS.add(CheckSpec("says", "says", 74, "a toy", "consumer", build=lambda ctx: None))
+else:  # a run-level check may have nothing to report (None), not something else
+    CHECKS.add(CheckSpec("says", "says", 74, "a toy", "run",
+                         result=lambda ctx: {"run-int": 42, "run-none": None}[which]))
+'''
+
+
+@pytest.fixture
+def says(tmp_path, monkeypatch):
+    from drift.check.registry import CHECKS
+    from helpers import loaded_for_one_test
+
+    path = tmp_path / "says.py"
+    path.write_text(CHECKS_WITHOUT_A_VERDICT)
+    yield from loaded_for_one_test(monkeypatch, path, (CHECKS,))
+
+
+@pytest.mark.parametrize("which, words", [("str", "its result returned str, not a drift.check.result.CheckResult"),
+                                          ("none", "its result returned NoneType, not a"),
+                                          ("run-int", "its result returned int, not a"),
+                                          ("build-none", "its build returned NoneType, which has no consume() or "
+                                                         "result()")])
+def test_an_extension_check_that_gives_no_verdict_is_refused(monkeypatch, capsys, says, which, words):
+    """A check whose build or result gives no verdict is drift unable to run it (exit 2 naming it): it
+    crashed the report with a traceback, or a consumer's None dropped its row from a PASS."""
+    monkeypatch.setenv("SAYS", which)  # read as main() imports the extension
+    assert main(RUN) == EXIT_USAGE
+    err = err_of(capsys)
+    assert "check 'says' of the extension" in err and words in err, err
+
+
+def test_a_run_check_with_nothing_to_report_passes(monkeypatch, capsys, says):
+    """The control: a run-level check's None is 'nothing to report', as drift's own checks' is."""
+    monkeypatch.setenv("SAYS", "run-none")
+    assert main(RUN) == EXIT_PASS, capsys.readouterr().err
+
+
+def test_a_nightly_refuses_an_extension_check_that_cannot_be_built(tmp_path, monkeypatch, capsys, says):
+    """The nightly builds every check for a result's identity before the first entry: an extension's
+    build that raises or builds nothing is exit 2 there too (it was a traceback)."""
+    monkeypatch.setenv("SAYS", "build-none")
+    assert main(NIGHTLY + ["--steps", "16", "--report", str(tmp_path / "n")]) == EXIT_USAGE
+    assert "its build returned NoneType" in err_of(capsys)
+    assert not (tmp_path / "n" / "report.json").exists()

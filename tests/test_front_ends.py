@@ -1,7 +1,7 @@
 """The project's own battery of bad inputs and misbehaving code under test, run through both front
 ends: ``drift run`` and ``pytest --pyargs drift`` with the plugin's options. Every case ``drift run``
 refuses (exit 2) is a usage error under pytest (exit 4) before a test measures anything; a measured
-regression (code under test that fails, ``sys.exit`` included) is exit 1 in both; neither prints a
+regression (code under test that fails, ``sys.exit`` and ``os._exit`` included) is exit 1 in both; neither prints a
 traceback, and both print drift's one line. A passing run is the control (0 and 0).
 
 Each front end runs every case in one interpreter of its own (tests/front_end_driver.py, which
@@ -44,6 +44,14 @@ def interrupts(self, last, track, steps):
     raise KeyboardInterrupt
 
 
+def os_exits(self, last, track, steps):
+    __import__("os")._exit(0)
+
+
+def kernel_os_exits(args):
+    __import__("os")._exit(0)
+
+
 def two_args(args, other):
     return None
 
@@ -70,6 +78,20 @@ def factory_none():
     KERNELS.register("none-kernel", KernelEntry("none-kernel", "yields no kernel", lambda arg: None, REORDERED_FP32))
 
 
+def factory_no_args():
+    KERNELS.register("noargs-kernel", KernelEntry("noargs-kernel", "yields a kernel of no arguments",
+                                                  lambda arg: (lambda: None), REORDERED_FP32))
+
+
+def builds_none():
+    CHECKS.add(CheckSpec("nothing", "nothing", 68, "a toy whose build returns None", "consumer", build=lambda ctx: None))
+
+
+def unknown_kind():
+    from drift.flows.registry import FLOWS, Flow
+    FLOWS.register("weird", Flow("weird", "a flow of no kind", "none", (), "no-such-kind"))
+
+
 def factory_raises():
     def make(arg):
         raise RuntimeError("factory bug")
@@ -80,6 +102,7 @@ if __import__("os").environ.get("TOY_EXTENSION"):
     globals()[__import__("os").environ["TOY_EXTENSION"]]()
 '''
 EXIT_AT_IMPORT = "import sys\nsys.exit(0)\n"
+OS_EXIT_AT_IMPORT = "import os\nos._exit(0)\n"
 
 
 def cases(tmp: Path) -> list[tuple]:
@@ -92,6 +115,9 @@ def cases(tmp: Path) -> list[tuple]:
         ("regression-of-another-flow", ["--update", "mutant:vllm_start_plus1"], {}, 1, ""),  # runs in its own flow
         ("update-exits", ["--update", f"{code}:exits"], {}, 1, "SystemExit(0) (which would end the process"),
         ("update-interrupts", ["--update", f"{code}:interrupts"], {}, 1, "KeyboardInterrupt() (which would end"),
+        # os._exit ends the interpreter at once with the code's status: 0 read as a pass (it was)
+        ("update-os-exits", ["--update", f"{code}:os_exits"], {}, 1, "os._exit(0) (which would end the process"),
+        ("kernel-os-exits", ["--kernel", f"{code}:kernel_os_exits"], {}, 1, "os._exit(0) (which would end"),
         ("update-not-found", ["--update", "nosuch.py:f"], {}, 2, "file 'nosuch.py' not found"),
         ("sequential-update-not-found", ["--mode", "sequential", "--update", "nosuch.py:f"], {}, 2, "not found"),
         ("harness-lacks", ["--flow", "vllm", "--update", METHOD], {}, 2, "read self.linear_attn_backend"),
@@ -106,9 +132,17 @@ def cases(tmp: Path) -> list[tuple]:
          "its factory returned NoneType"),
         ("factory-raises", ["--kernel", "boom-kernel"], {**ext, "TOY_EXTENSION": "factory_raises"}, 2,
          f"raised RuntimeError('factory bug') at {code}:"),
+        ("factory-wrong-signature", ["--kernel", "noargs-kernel"], {**ext, "TOY_EXTENSION": "factory_no_args"}, 2,
+         "its factory returned a kernel that has signature"),
         ("check-build-raises", [], {**ext, "TOY_EXTENSION": "fails_build"}, 2, "in its build"),
+        # the extension's line, not the registry's that refused it (it crashed the parser once)
+        ("flow-of-unknown-kind", [], {**ext, "TOY_EXTENSION": "unknown_kind"}, 2, f"is not a registered flow kind; "
+         f"kinds: copy-commit, in-place, kernel-commit\") at {code}:"),
+        ("check-builds-none", [], {**ext, "TOY_EXTENSION": "builds_none"}, 2, "its build returned NoneType"),
         ("check-consume-raises", [], {**ext, "TOY_EXTENSION": "fails_consume"}, 2, "in its consume"),
         ("extension-exits", [], {"DRIFT_EXTENSIONS": str(bye)}, 2, f"raised SystemExit(0) at {bye}:2"),
+        ("extension-os-exits", [], {"DRIFT_EXTENSIONS": str(tmp / "os_bye.py")}, 2,
+         f"raised os._exit(0) at {tmp / 'os_bye.py'}:2"),
         ("extension-is-a-directory", [], {"DRIFT_EXTENSIONS": str(tmp)}, 2, "is a directory, not a file"),
     ]
     if not npu_available():
@@ -139,6 +173,7 @@ def battery(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("front_ends")
     (tmp / "code.py").write_text(CODE)
     (tmp / "bye.py").write_text(EXIT_AT_IMPORT)
+    (tmp / "os_bye.py").write_text(OS_EXIT_AT_IMPORT)
     todo = cases(tmp)
     run = [(["run", "--preset", "ci-small", "--steps", str(STEPS), "--quiet", *opts], env) for _, opts, env, _, _ in todo]
     gate = [(["-q", "-x", "-p", "no:cacheprovider", "-p", "no:xdist", "--pyargs", "drift", "--drift-steps", str(STEPS),

@@ -181,18 +181,24 @@ def _kernel_writing(slot_of):
 
 @pytest.mark.parametrize("flow", ["sglang", "vllm"])
 def test_slot_guard_covers_the_verify_kernel(flow):
-    """The guard compares the slots no row owns across the verify kernel's call, naming the kernel; a
-    kernel that writes only what its rule lets it (the portable op) passes, and a kernel's write to an
-    owned slot (row 0's) is not the guard's to judge (the state checks see it)."""
+    """The guard compares every slot the kernel's flow does not let it store to across its call, naming
+    the kernel: the slots no row owns, and the track (align) slots, which a verify never writes --
+    a kernel writing one passed every check, the update overwriting it before a boundary read it. Under
+    the copy-commit flow the kernel stores to the scratch only, so a row's own committed slot is
+    guarded too; under vLLM's in-place flow the kernel stores each token into the row's blocks, so
+    those are not (the portable op, the control, writes them and passes)."""
     cfg = small_cfg(6).replace(flow=flow)
     probe = Simulation(resolve(cfg))
-    spare = int(probe.pool.spare_slots[0])
-    for slot, role in ((0, probe.pool.slot_role(0)), (spare, probe.pool.slot_role(spare))):
+    pool = probe.pool
+    spare, track, owned = int(pool.spare_slots[0]), int(pool.track_slots[0]), int(pool.active_slots[0])
+    guarded = [0, spare, track] + ([owned] if flow == "sglang" else [])
+    for slot in guarded:
         sim = run_sim(cfg, None, kernel=_kernel_writing(lambda args, s=slot: s))
-        assert sim.info.untouched_violation == {"step": 0, "slot": slot, "role": role, "call": "verify kernel"}
+        assert sim.info.untouched_violation == {"step": 0, "slot": slot, "role": pool.slot_role(slot),
+                                                "call": "verify kernel"}
     assert run_sim(cfg, None).info.untouched_violation is None  # control: the portable op
-    owned = int(probe.pool.active_slots[0])
-    assert run_sim(cfg, None, kernel=_kernel_writing(lambda args: owned)).info.untouched_violation is None
+    if flow == "vllm":  # the row's first block is the kernel's to write: not the guard's to judge
+        assert run_sim(cfg, None, kernel=_kernel_writing(lambda args: owned)).info.untouched_violation is None
 
 
 def test_slot_guard_records_a_captured_steps_index_as_a_host_one():

@@ -296,7 +296,7 @@ def untouched_result(violation: Optional[dict], steps: int) -> CheckResult:
     if violation is None:
         return CheckResult(name, True, None, None, "",
                            "every slot neither committed nor tracked stayed bit-identical across the update, "
-                           "and every slot no row owns across the verify kernel too")
+                           "and every slot the verify kernel does not store to across its call too")
     call = violation.get("call", "update")  # a checkpoint written before the guard covered the kernel: the update
     return CheckResult(name, False, None, None, f"step {violation['step']}",
                        f"the {call} wrote {violation['role']} (slot {violation['slot']}) "
@@ -332,7 +332,8 @@ for _spec in (
     CheckSpec("tracked_snapshots", "tracked snapshots", 60, "a prefix-cache snapshot that is not bit-identical to "
               "the state at its boundary", "consumer", build=lambda ctx: TrackCheck()),
     CheckSpec("untouched_slots", "untouched slots", 110, "the update wrote a slot it neither commits nor tracks "
-              "(the dummy slot included), or the verify kernel a slot no row owns", "run", applies=_mtp,
+              "(the dummy slot included), or the verify kernel a slot its flow's verify does not store to (any, "
+              "where it stores to a scratch or a ring)", "run", applies=_mtp,
               result=lambda ctx: untouched_result(ctx.info.untouched_violation, ctx.info.steps)),
     CheckSpec("run_completed", "run completed", 140, "the run stopped before its last step (reported only then)",
               "run", result=_stopped_early),

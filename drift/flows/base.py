@@ -149,6 +149,13 @@ class FlowKind(abc.ABC):
     def after_verify(self, last: torch.Tensor) -> None:
         """What the kind keeps of this step's accepted steps (int64 ``[N]``, -1 padded) before the update."""
 
+    def kernel_slots(self) -> np.ndarray:
+        """int64 ``[n]``: the slots whose committed state the verify kernel writes by the kind's rule.
+        The slot guard (drift/simulate.py: SlotGuard) holds every other slot's state, and every slot's
+        conv window (the conv verify runs before the kernel), bit-identical across the kernel's call.
+        None here: a kind whose verify stores its results elsewhere (a scratch, a ring) overrides nothing."""
+        return np.zeros(0, np.int64)
+
     @abc.abstractmethod
     def conv_verify(self, x: torch.Tensor, weight: torch.Tensor, drafts=None) -> torch.Tensor:
         """The verify conv of x ``[L, N, D, C]`` over the kind's conv state: mix_qkv bf16 ``[L, N, D, C]``."""

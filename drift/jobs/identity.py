@@ -30,6 +30,7 @@ from ..check.checks import Check
 from ..check.registry import CHECKS, RunContext
 from ..plug import extensions
 from ..plug.specs import MUTANT_PREFIX
+from ..runner import build_extension_check, extension_of
 
 HASH_CHARS = 16
 FILE_MODULE = "<file>"  # the label of a module loaded from a spec's file path (its name derives from the path)
@@ -166,7 +167,8 @@ def checks_identity(cfg, mode: str) -> dict:
             continue
         settings = {}
         if spec.shape != "run":
-            ctx.checks[spec.key] = built = spec.build(ctx)
+            origin = extension_of(spec)  # an extension's that raises or builds no check: refused naming it
+            ctx.checks[spec.key] = built = build_extension_check(spec, origin, ctx) if origin else spec.build(ctx)
             settings = {k: v for k, v in sorted(getattr(built, "__dict__", {}).items()) if _setting(k, v)}
         out[spec.key] = settings
     return out

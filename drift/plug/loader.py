@@ -33,7 +33,7 @@ from ..sim.kernels import VerifyKernel
 from .mutants import MUTANTS, Mutant
 from .npu_op import check_op_signature, legacy_adapter, npu_op_adapter, sgl_kernel_npu_op, torch_npu_legacy_op
 from ..sim.shim import sgl_kernels
-from .specs import MUTANT_PREFIX, resolve_spec
+from .specs import MUTANT_PREFIX, callable_name, resolve_spec
 from .triton_kernel import TritonAdapter
 from .replayssm_engine import ReplayVerifyAdapter
 from .flashinfer_replayssm import FlashInferVerify, stand_in_kernel as flashinfer_stand_in
@@ -82,7 +82,7 @@ class KernelEntry:
 
 
 def _npu_op(arg: Optional[str]) -> VerifyKernel:
-    op = resolve_spec(arg or "", "kernel")
+    op = resolve_spec(arg or "", "kernel", shown=f"npu-op:{arg}")
     if not callable(op):
         raise LoadError(f"kernel spec 'npu-op:{arg}' resolves to a {type(op).__name__}, not the op")
     check_op_signature(op, f"npu-op:{arg}")
@@ -90,7 +90,7 @@ def _npu_op(arg: Optional[str]) -> VerifyKernel:
 
 
 def _vllm_ascend_op(arg: Optional[str]) -> VerifyKernel:
-    op = resolve_spec(arg or "", "kernel")
+    op = resolve_spec(arg or "", "kernel", shown=f"vllm-ascend-op:{arg}")
     if not callable(op):
         raise LoadError(f"kernel spec 'vllm-ascend-op:{arg}' resolves to a {type(op).__name__}, not the op")
     check_op_signature(op, f"vllm-ascend-op:{arg}", positional=0, keywords=VLLM_ASCEND_KEYWORDS,
@@ -213,8 +213,13 @@ class Update:
         something that is not an :attr:`owner`."""
         try:
             inst = self.factory(harness)
-        except Exception as exc:
-            raise LoadError(f"--update-factory {self.factory_spec}: make(harness) raised {exc!r}; it must return "
+        except DriftError:
+            raise
+        except (Exception, *ENDS_PROCESS) as exc:  # sys.exit in the CI's glue: refused as a raise is, not a FAIL
+            if not isinstance(exc, Exception) and not ended_by_code(exc):
+                raise  # a signal
+            raise LoadError(f"--update-factory {self.factory_spec}: make(harness) raised {exc!r} at {raised_at(exc)}; "
+                            "it must return "
                             f"the {self.owner.__qualname__} the update {self.spec} runs on") from exc
         if not isinstance(inst, self.owner):
             raise LoadError(f"--update-factory {self.factory_spec}: make(harness) returned a "
@@ -429,6 +434,8 @@ def load_kernel(spec: "str | VerifyKernel | Kernel | None") -> Kernel:
         if not callable(fn):
             raise LoadError(f"kernel {spec!r}: its factory returned {type(fn).__name__}, not a kernel; the entry "
                             f"{name!r} must return kernel(args) -> bf16 out or raise LoadError saying what is missing")
+        _check_kernel_signature(fn, f"kernel {spec!r}: its factory returned a kernel that", f"the entry {name!r} "
+                                "must return kernel(args: VerifyArgs) -> bfloat16 out")
         return Kernel(spec, fn, entry.rules, portable=fn is kernels.recurrent_gated_delta_rule)
     if spec.startswith(MUTANT_PREFIX):
         fn = mutant(spec, "kernel").fn
@@ -439,16 +446,23 @@ def load_kernel(spec: "str | VerifyKernel | Kernel | None") -> Kernel:
     fn = resolve_spec(spec, "kernel")
     if not callable(fn):
         raise LoadError(f"kernel spec {spec!r} resolves to a {type(fn).__name__}, not a function")
-    try:
-        inspect.signature(fn).bind(None)
-    except TypeError as exc:
-        raise LoadError(f"kernel spec {spec!r} has signature {getattr(fn, '__name__', fn)}"
-                        f"{inspect.signature(fn)}, which cannot take one VerifyArgs ({exc}); expected "
-                        "kernel(args: VerifyArgs) -> bfloat16 out, or npu-op:<spec> for a callable with the NPU "
-                        "op's signature") from None
-    except ValueError:  # a signature that cannot be read (a builtin): taken on trust
-        pass
+    _check_kernel_signature(fn, f"kernel spec {spec!r}", "expected kernel(args: VerifyArgs) -> bfloat16 out, or "
+                            "npu-op:<spec> for a callable with the NPU op's signature")
     return Kernel(spec, fn, getattr(fn, "RULES", None))
+
+
+def _check_kernel_signature(fn: Callable, what: str, fix: str) -> None:
+    """LoadError (exit 2) unless ``fn`` can be called with one VerifyArgs, as the simulation calls a
+    kernel: a plugging error found at load, not a regression at the first step."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a signature that cannot be read (a builtin): taken on trust
+        return
+    try:
+        sig.bind(None)
+    except TypeError as exc:
+        raise LoadError(f"{what} has signature {callable_name(fn)}{sig}, which cannot take one VerifyArgs ({exc}); "
+                        f"{fix}") from None
 
 
 def mutant_config(spec: Optional[str]) -> dict:

@@ -41,6 +41,7 @@ from ..errors import LoadError
 from ..sim.kernels import VerifyArgs, VerifyKernel
 from ..sim.pool import raw_state
 from .adapter import LayerOpAdapter
+from .specs import callable_name
 
 BF16, F32, I32 = torch.bfloat16, torch.float32, torch.int32
 
@@ -82,7 +83,7 @@ def check_op_signature(op: Callable, spec: str, positional: int = 2, keywords: t
         sig.bind(*[None] * positional, **{k: None for k in keywords})
     except TypeError as exc:
         first = "mix_qkv, recurrent_state, *, " if positional else "*, "
-        raise LoadError(f"kernel spec {spec!r} has signature {getattr(op, '__name__', op)}{sig}, which cannot take "
+        raise LoadError(f"kernel spec {spec!r} has signature {callable_name(op)}{sig}, which cannot take "
                         f"{caller} ({exc}); expected op({first}{', '.join(keywords)})") from None
 
 

@@ -52,7 +52,9 @@ def module_from_file(path: str, spec: str, what: str) -> types.ModuleType:
         del sys.modules[name]
         if not isinstance(exc, Exception) and not ended_by_code(exc):
             raise  # a signal
-        raise LoadError(f"{what} spec {spec!r}: importing {full} raised {exc!r} at {raised_at(exc)}") from exc
+        fix = "; fix the module or remove it from DRIFT_EXTENSIONS" if what == "extension" else ""
+        raise LoadError(f"{what} spec {spec!r}: importing {full} raised {exc!r} at "
+                        f"{raised_at(exc, full)}{fix}") from exc
     finally:
         if sys.path and sys.path[0] == here:
             del sys.path[0]
@@ -61,28 +63,36 @@ def module_from_file(path: str, spec: str, what: str) -> types.ModuleType:
     return module
 
 
-def resolve_spec(spec: str, what: str = "update") -> Any:
+def callable_name(fn: Any) -> str:
+    """How a message names a callable: its qualname, or for an object with ``__call__`` its class's."""
+    name = getattr(fn, "__qualname__", None)
+    return name if isinstance(name, str) else f"{type(fn).__qualname__}.__call__"
+
+
+def resolve_spec(spec: str, what: str = "update", shown: str = "") -> Any:
     """``package.module:qualname`` or ``path/to/file.py:qualname`` -> the object it names.
 
     Installs the sgl_kernel_npu shim first (code under test imports its kernels at import
-    time). Raises LoadError naming the spec and what was expected.
+    time). Raises LoadError naming the spec (as ``shown`` when given: ``npu-op:`` + the spec) and
+    what was expected.
     """
+    shown = shown or spec
     sgl_kernels()
     if ":" not in spec:
-        raise LoadError(f"{what} spec {spec!r} has no ':'; expected package.module:qualname or "
+        raise LoadError(f"{what} spec {shown!r} has no ':'; expected package.module:qualname or "
                         "path/to/file.py:qualname")
     target, qualname = spec.rsplit(":", 1)
     if not target or not qualname:
-        raise LoadError(f"{what} spec {spec!r}: expected module:qualname or file.py:qualname")
+        raise LoadError(f"{what} spec {shown!r}: expected module:qualname or file.py:qualname")
     if target.endswith(".py") or os.sep in target or "/" in target:
-        module = module_from_file(target, spec, what)
+        module = module_from_file(target, shown, what)
     else:
         try:
             module = importlib.import_module(target)
         except (Exception, *ENDS_PROCESS) as exc:
             if not isinstance(exc, Exception) and not ended_by_code(exc):
                 raise  # a signal
-            raise LoadError(f"{what} spec {spec!r}: importing module {target!r} raised {exc!r} at "
+            raise LoadError(f"{what} spec {shown!r}: importing module {target!r} raised {exc!r} at "
                             f"{raised_at(exc)}") from exc
     obj = module
     for part in qualname.split("."):
@@ -90,6 +100,6 @@ def resolve_spec(spec: str, what: str = "update") -> Any:
             obj = getattr(obj, part)
         except AttributeError:
             have = sorted(n for n in dir(obj) if not n.startswith("_"))
-            raise LoadError(f"{what} spec {spec!r}: {getattr(obj, '__name__', obj)!s} has no attribute "
+            raise LoadError(f"{what} spec {shown!r}: {getattr(obj, '__name__', obj)!s} has no attribute "
                             f"{part!r}; it has: {', '.join(have[:30]) or '(nothing public)'}") from None
     return obj

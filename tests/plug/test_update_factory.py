@@ -45,7 +45,11 @@ def test_a_wrong_build_is_a_regression_not_a_refusal(capsys):
 
 
 @pytest.mark.parametrize("name, needle", [("make_not_a_backend", "returned a object, not a InitBackend"),
-                                          ("make_raises", "make(harness) raised RuntimeError")])
+                                          ("make_raises", "make(harness) raised RuntimeError"),
+                                          # ending the process is the glue failing as a raise is: exit 2 at its
+                                          # line (it was exit 1, blamed on the update)
+                                          ("make_exits", "make(harness) raised SystemExit(0) at "),
+                                          ("make_os_exits", "make(harness) raised os._exit(0) at ")])
 def test_a_factory_that_cannot_build_it_is_exit_2_naming_it(capsys, name, needle):
     rc, out = _run(capsys, "--update-factory", factory(name))
     assert rc == EXIT_USAGE and needle in out.err and "Traceback" not in out.err, out.err

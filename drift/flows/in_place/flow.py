@@ -101,6 +101,15 @@ class InPlaceBlockFlow(FlowKind):
         if self.cfg.serving.churn:
             self._accepted = last.cpu().numpy().astype(np.int64) + 1
 
+    def kernel_slots(self) -> np.ndarray:
+        """The verify writes each token's state in place into the rows' own blocks (``block_table``):
+        every block a request owns, and no other (not the NULL, spare or align blocks). Under a churning
+        lifecycle: the blocks of this step's spec columns (the re-sliced block table of the batch's rows)."""
+        if self.cfg.serving.churn:
+            blocks = np.unique(self.pool.block_table_host[: self.rows])
+            return blocks[blocks != NULL_BLOCK_ID].astype(np.int64)
+        return np.asarray(self.pool.request_slots, np.int64)
+
     def conv_verify(self, x: torch.Tensor, weight: torch.Tensor, drafts=None) -> torch.Tensor:
         """vLLM's causal_conv1d_update with num_accepted_tokens (docs/semantics.md §6): read at offset
         ``n - 1`` of the conv cache of each row's first block; rows on the NULL block are skipped;

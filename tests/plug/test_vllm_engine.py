@@ -1,0 +1,100 @@
+"""vLLM 0.33.0's own bookkeeping under test in the ``vllm`` flow (drift/plug/vllm_engine.py; issue 32
+item 5): ``GPUModelRunner._update_states_after_model_execute`` (on vLLM's CPUModelRunner) and
+``GDNAttentionMetadataBuilder.build``, built through their own ``__init__`` from vLLM configs made
+from the preset, pass every check of a 64-step ci-small run; a one-line mutation of each, made from
+vLLM's own source, fails it.
+
+Those tests need vLLM importable with its CPU-side dependencies: scripts/vllm_env.sh makes that
+environment (CI runs it) and there they must run (DRIFT_REQUIRE_VLLM=1 fails a skip); elsewhere they
+skip naming what failed to import. The
+refusals below run everywhere: they are decided before vLLM is imported.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import textwrap
+
+import pytest
+
+from drift.cli import main
+from drift.errors import EXIT_USAGE, LoadError
+from drift.plug import vllm_engine
+from drift.runner import run_checked
+from drift.runspec import RunSpec
+
+STEPS = 64  # the machinery, not the horizon: a wrong accept count or start block shows at step 0-1
+
+
+def _vllm_or_skip():
+    try:
+        return vllm_engine._vllm()
+    except LoadError as exc:
+        if os.environ.get("DRIFT_REQUIRE_VLLM"):  # scripts/vllm_env.sh: the environment made for them
+            pytest.fail(f"vLLM does not import in the environment made for it: {exc}")
+        pytest.skip(f"vLLM does not import here: {exc}")
+
+
+def _run(update):
+    run = RunSpec(preset="ci-small", flow="vllm", steps=STEPS, update=update).resolve().replace(track_interval=0)
+    return run_checked(run, sync_scan=False)  # the scan's virtual device cannot hold vLLM's buffers (refused below)
+
+
+def _mutant(cls: type, method: str, line: str, mutated: str) -> type:
+    """A subclass of ``cls`` whose ``method`` is vLLM's own source with ``line`` replaced by
+    ``mutated`` (exactly one occurrence), compiled in the module vLLM defines it in."""
+    source = textwrap.dedent(inspect.getsource(getattr(cls, method)))
+    assert source.count(line) == 1, f"{cls.__qualname__}.{method} no longer has {line!r}: vLLM changed"
+    module = inspect.getmodule(getattr(cls, method))
+    scope = dict(vars(module))
+    exec(compile(source.replace(line, mutated), module.__file__, "exec"), scope)
+    return type(f"Mutated{cls.__name__}", (cls,), {method: scope[method]})
+
+
+@pytest.fixture(scope="module")
+def vllm():
+    return _vllm_or_skip()
+
+
+def test_vllms_own_builder_and_runner_pass_the_vllm_flow(vllm):
+    rep = _run(vllm_engine.bookkeeping)
+    assert rep.passed, [(c.name, c.detail) for c in rep.checks if c.failed]
+
+
+def test_a_one_line_mutation_of_the_runner_fails(vllm):
+    """The accept count off by one (the root token not counted): the next verify starts a block early."""
+    runner = _mutant(vllm["runner_cls"], "_update_states_after_model_execute",  # GPUModelRunner's, inherited
+                     "(output_token_ids != -1).sum(dim=1)", "(output_token_ids[:, 1:] != -1).sum(dim=1)")
+    rep = _run(vllm_engine.with_classes(runner_cls=runner, name="runner_mutant"))
+    failed = {c.name for c in rep.checks if c.failed}
+    assert "committed state" in failed, failed
+
+
+def test_a_one_line_mutation_of_the_builder_fails(vllm):
+    """Padded rows given block 1 instead of the NULL block: the verify writes a block a row owns, or a spare."""
+    builder = _mutant(vllm["GDNAttentionMetadataBuilder"], "build",
+                      "spec_state_indices_tensor[num_spec_decodes:].fill_(NULL_BLOCK_ID)",
+                      "spec_state_indices_tensor[num_spec_decodes:].fill_(NULL_BLOCK_ID + 1)")
+    rep = _run(vllm_engine.with_classes(builder_cls=builder, name="builder_mutant"))
+    assert not rep.passed, [(c.name, c.detail) for c in rep.checks]
+
+
+@pytest.mark.parametrize("extra, words", [
+    ([], "the host-sync scan's virtual device cannot run them"),  # drift run scans first
+])
+def test_what_it_cannot_run_is_refused_before_vllm_is_imported(capsys, extra, words):
+    rc = main(["run", "--flow", "vllm", "--steps", "8", "--quiet", "--update", vllm_engine.SPEC, *extra])
+    err = capsys.readouterr().err
+    assert rc == EXIT_USAGE and words in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("change, words", [(dict(track_interval=16), "without prefix caching"),
+                                           (dict(drafts="ragged"), "reads each row's draft count on the host")])
+def test_prefix_caching_and_ragged_drafts_are_refused(change, words):
+    """The control of the refusals: with tracking off and full drafts the same run reaches vLLM (it
+    passes above, or skips naming what did not import)."""
+    run = RunSpec(preset="ci-small", flow="vllm", steps=4, update=vllm_engine.bookkeeping).resolve()
+    run = run.replace(**{"track_interval": 0, **change})
+    with pytest.raises(LoadError, match=words):
+        run_checked(run, sync_scan=False)
