@@ -173,6 +173,26 @@ def gate_presets(getoption) -> tuple[str, ...]:
     return (DEFAULT_PRESET,) if getoption(dest(PREFIX, "trace"), None) else GATE_PRESETS
 
 
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
+    """The gate's tests one preset (and update) at a time -- its sync tests, then its precision test --
+    not every preset's sync tests first: with ``-x`` a regression of the first shape stops the gate
+    before the next shape is scanned. Other tests keep their place (a stable sort of the gate's)."""
+    gate = [i for i, it in enumerate(items) if getattr(it, "callspec", None) is not None
+            and "drift_preset" in it.callspec.params and it.module is not None
+            and it.module.__name__ == "drift.test_gate"]
+    if len(gate) < 2:
+        return
+
+    def key(i: int):
+        p = items[i].callspec.params
+        return (str(p.get("drift_preset")), str(p.get("drift_update")))
+
+    first_seen = list(dict.fromkeys(key(i) for i in gate))
+    moved = [items[i] for i in sorted(gate, key=lambda i: first_seen.index(key(i)))]  # stable within a key
+    for slot, item in zip(gate, moved):
+        items[slot] = item
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "drift_spec" in metafunc.fixturenames:
         metafunc.parametrize("drift_preset", gate_presets(metafunc.config.getoption))

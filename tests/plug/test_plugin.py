@@ -298,3 +298,19 @@ def test_kernel_specs_fail_clearly(cpu_only):
         load_kernel("portabel")
     assert load_kernel(None).fn is kernels.recurrent_gated_delta_rule
     assert load_kernel("portable").fn is kernels.recurrent_gated_delta_rule
+
+
+def test_the_gate_runs_one_shape_at_a_time():
+    """With -x a regression of the first preset stops the gate before the next preset is scanned: the
+    gate's tests run preset by preset (its sync tests, then its precision test), where pytest alone
+    would run every preset's sync tests first (the negative control: the order the module defines)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "drift", "--collect-only", "-q",
+                          "-p", "no:cacheprovider"], capture_output=True, text=True, timeout=300).stdout
+    ids = [ln for ln in out.splitlines() if ln.startswith("test_gate.py::") and "cuda" not in ln and "npu" not in ln]
+    presets = [ln.split("[")[1].split("-the-")[0] for ln in ids]
+    assert presets == sorted(presets, key=presets.index) and presets[:3] == ["ci-small"] * 3, ids
+    by_function = sorted(ids, key=lambda ln: ("keeps_precision" in ln))
+    assert [ln.split("[")[1].split("-the-")[0] for ln in by_function][:3] != ["ci-small"] * 3
