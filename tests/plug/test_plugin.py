@@ -300,15 +300,19 @@ def test_kernel_specs_fail_clearly(cpu_only):
     assert load_kernel("portable").fn is kernels.recurrent_gated_delta_rule
 
 
-def test_the_gate_runs_one_shape_at_a_time():
+def test_the_gate_runs_one_shape_at_a_time(tmp_path):
     """With -x a regression of the first preset stops the gate before the next preset is scanned: the
     gate's tests run preset by preset (its sync tests, then its precision test), where pytest alone
     would run every preset's sync tests first (the negative control: the order the module defines)."""
     import subprocess
     import sys
 
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}  # as an engine's CI runs it
     out = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "drift", "--collect-only", "-q",
-                          "-p", "no:cacheprovider"], capture_output=True, text=True, timeout=300).stdout
+                          "-p", "no:cacheprovider"], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env=env).stdout
     ids = [ln for ln in out.splitlines() if ln.startswith("test_gate.py::") and "cuda" not in ln and "npu" not in ln]
     presets = [ln.split("[")[1].split("-the-")[0] for ln in ids]
     assert presets == sorted(presets, key=presets.index) and presets[:3] == ["ci-small"] * 3, ids
