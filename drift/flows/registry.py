@@ -140,13 +140,15 @@ def default_update(kind: str) -> str:
 def check(cfg: Config) -> type:
     """The flow kind of ``cfg.flow`` (its :class:`drift.flows.base.FlowKind` subclass), after the
     flow's and the kind's rules for ``cfg``: the flow is registered, ragged drafts only where the
-    engine verifies varlen, and the kind's own ``validate``. ConfigError names what to change."""
+    engine verifies varlen, the flow options the kind reads (``FlowKind.OPTIONS``) and the kind's own
+    ``validate``. ConfigError names what to change."""
     flow = FLOWS[cfg.flow]
     if cfg.drafts == "ragged" and not flow.ragged:
         raise ConfigError(f"drafts='ragged' under flow={cfg.flow!r}: that flow verifies every row's D draft tokens "
                           f"(modelled on: {flow.engine}); allowed with ragged drafts: "
                           f"{', '.join(f for f in FLOWS if FLOWS[f].ragged)}")
     kind = FLOW_KINDS[flow.kind]
+    kind.validate_options(cfg)
     kind.validate(cfg)
     return kind
 

@@ -211,19 +211,24 @@ def test_a_flow_of_its_own_runs_its_engines_update_and_names_the_flow_in_its_key
     assert nightly.Entry("ci-small", 0, "sglang-0.5.23", "rne", 64).key == "ci-small.seed0.sglang-0.5.23.rne"
 
 
-def test_the_kernel_commit_flow_runs_the_variants_that_apply_and_names_the_one_left_out(tmp_path, capsys):
-    """Its verify stores no state, so the stochastic variant does not apply: left out of the default
-    matrix with a line saying why, and refused (exit 2) when asked for by name."""
+def test_the_kernel_commit_flow_runs_every_variant_and_its_design_options(tmp_path, capsys):
+    """Its verify stores no state and its fold stores the checkpoint, so the stochastic variant is the
+    declared stochastic fold store: every variant runs. A design option (--ring-records) reaches
+    every MTP entry and its key, not the sequential one (no MTP state). A design whose bound is not
+    derived is refused (exit 2) before any work."""
     flow = next(f for f in FLOWS if FLOWS[f].kind == "kernel-commit")
     out = tmp_path / "ring"
     assert main(["nightly", "--preset", "ci-small", "--flow", flow, "--steps", "16", "--quiet",
-                 "--report", str(out)]) == 0
-    err = capsys.readouterr().err
-    assert "the stochastic variant does not apply here" in err
-    variants = {key.rsplit(".", 1)[1] for key in json.loads((out / "report.json").read_text())["entries"]}
-    assert variants == set(nightly.VARIANTS) - {"stochastic"}
-    # Negative control: named, it is an error before any work.
-    assert main(["nightly", "--preset", "ci-small", "--flow", flow, "--variant", "stochastic", "--steps", "16",
+                 "--ring-records", "fp32", "--report", str(out)]) == 0
+    entries = json.loads((out / "report.json").read_text())["entries"]
+    variants = {key.rsplit(".", 1)[1] for key in entries}
+    assert variants == set(nightly.VARIANTS)
+    for key, e in entries.items():
+        mtp = not key.endswith(".sequential")
+        assert (["ring-records", "fp32"] in e["config"].get("flow_options", [])) == mtp, key
+        assert ("ring-records-fp32" in key) == mtp
+    # Negative control: a cadence that would overflow the ring, an error before any work.
+    assert main(["nightly", "--preset", "ci-small", "--flow", flow, "--fold-cadence", "every:8", "--steps", "16",
                  "--report", str(tmp_path / "asked")]) == 2
     assert not (tmp_path / "asked" / "report.json").exists()
 

@@ -33,11 +33,10 @@ import torch
 
 from ...config import Config
 from ...dtypes import as_bits
-from ...errors import ConfigError
 from ...sim import kernels
 from ..base import MambaPoolFlow
-from ..registry import FLOW_KINDS, FLOWS
-from . import naive
+from ..fold_model import FoldRounding
+from . import design, naive
 from .pool import ReplayHarness, ReplayPool, effective_states
 from .rule import RingRule
 
@@ -53,15 +52,21 @@ class KernelCommitFlow(MambaPoolFlow):
     RULE, POOL, HARNESS = RingRule, ReplayPool, ReplayHarness
     naive_update = staticmethod(naive.update)
     naive = staticmethod(naive.verify)
+    OPTIONS = design.OPTIONS
+    OPTION_TITLES = design.OPTION_TITLES
+    TRADEOFF_DESIGNS = design.TRADEOFF_DESIGNS
+    NIGHTLY_DESIGNS = design.NIGHTLY_DESIGNS
     STATE_BYTES = ("per active request and layer: read the checkpoint (the verify's start), write D records "
-                   "(delta and key, each a bf16 high and low part, and the fp32 log-decay), then the fold: "
-                   "read the D records and the checkpoint, write the checkpoint, in the state dtype")
+                   "(delta and key in the design's record dtype -- SGLang's: a bf16 high and low part each -- "
+                   "and the fp32 log-decay), then the fold: read the D records and the checkpoint, write the "
+                   "checkpoint, in the state dtype")
 
     @classmethod
     def bench_state_bytes(cls, cfg) -> dict[str, int]:
         rows, D = cfg.num_requests * cfg.num_layers, cfg.num_draft_tokens
         state = rows * cfg.num_v_heads * cfg.head_k_dim * cfg.head_v_dim * cfg.torch_ssm_dtype.itemsize
-        record = rows * (2 * 2 * (cfg.num_v_heads * cfg.head_v_dim + cfg.num_k_heads * cfg.head_k_dim) + 4 * cfg.num_v_heads)
+        per = design.CommitDesign.of(cfg).records.record_bytes
+        record = rows * (per * (cfg.num_v_heads * cfg.head_v_dim + cfg.num_k_heads * cfg.head_k_dim) + 4 * cfg.num_v_heads)
         return {"checkpoint_read": state, "records_write": D * record, "fold": D * record + 2 * state}
 
     def __init__(self, cfg: Config, device: torch.device):
@@ -77,16 +82,18 @@ class KernelCommitFlow(MambaPoolFlow):
 
     @classmethod
     def validate(cls, cfg: Config) -> None:
-        """The verify stores no state, so a store rounding other than SGLang's kernel's is not drift's
-        to choose here (the fold rounds to nearest)."""
-        if cfg.store_rounding != "rne":
-            raise ConfigError(f"store_rounding={cfg.store_rounding!r} under flow={cfg.flow!r}: its verify stores no "
-                              "state; the commit's fold rounds to nearest as the engine's kernel does "
-                              "(store_rounding='rne'), or pick a flow whose verify stores states: "
-                              + ", ".join(f for f in FLOWS if FLOW_KINDS[FLOWS[f].kind].RULE.per_token_states))
+        """The design's rules (:meth:`drift.flows.kernel_commit.design.CommitDesign.of`): its verify
+        stores no state, so the store rounding is the fold's -- to nearest, or stochastic declared for
+        a bf16 checkpoint -- and a cadence must leave the ring room for the verify's records."""
+        design.CommitDesign.of(cfg)
+
+    @classmethod
+    def fold_rounding(cls, cfg: Config) -> FoldRounding:
+        return design.CommitDesign.of(cfg).fold_rounding()
 
     def verify_args(self, mix, beta, g, rounding: str, key: int, drafts=None, gate=None) -> kernels.VerifyArgs:
         cfg, pool = self.cfg, self.pool
+        self.harness.fold_key = key  # the step's key: a declared stochastic fold store draws its noise from it
         return kernels.VerifyArgs(mix, beta, g, pool.temporal, pool.intermediate_ssm, *self._indices, cfg.num_k_heads,
                                   cfg.num_v_heads, cfg.head_k_dim ** -0.5, rounding, key, rule=self.rule,
                                   gate_inputs=gate)
