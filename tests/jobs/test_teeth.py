@@ -64,6 +64,35 @@ def test_skipping_step0_is_caught_by_the_state_check_and_the_bound(results):
     assert {"committed_state", "drift_bound"} <= set(results["skip_step0"]["caught_by"]), results["skip_step0"]
 
 
+def _replay_run(overrides: dict, update=None):
+    """A checked run of the sglang-replayssm flow on the catalogue's config under a mutant's overrides."""
+    overrides = dict(overrides)
+    profile = overrides.pop("profile", None)
+    cfg = CFG.replace(flow=next(f for f in FLOWS if FLOWS[f].kind == "kernel-commit"), **overrides)
+    return run_checked(resolve(cfg.with_profile(profile) if profile else cfg, update), diagnose=False)
+
+
+def test_the_fold_mutants_fail_where_the_design_they_break_passes():
+    """Each fold mutant's negative control (docs/teeth.md): under the mutant's own configuration the
+    released commit passes -- the declared fp32 fold, SGLang's bf16-split ring at the same tiny writes
+    (fp32's range), the fold store as declared -- so what the catalogue catches is the mutant's part."""
+    from drift.flows.kernel_commit.design import RING_RECORDS_OPTION
+    from drift.plug.mutants import FP16_RING_TINY_WRITES, FP32_FOLD
+
+    assert _replay_run(FP32_FOLD).passed
+    default_ring = {**FP16_RING_TINY_WRITES, "flow_options": tuple(
+        (n, v) for n, v in FP16_RING_TINY_WRITES["flow_options"] if n != RING_RECORDS_OPTION)}
+    assert _replay_run(default_ring).passed
+
+
+def test_a_declared_stochastic_fold_store_passes():
+    """--rounding stochastic under the kernel-commit flow is the declared stochastic fold store (its
+    bound counts 1/6 ulp^2 a store): the released commit passes, and so does the
+    replay_stochastic_fold mutant's code once the run declares what it does."""
+    assert _replay_run({"store_rounding": "stochastic"}).passed
+    assert _replay_run({"store_rounding": "stochastic"}, "mutant:replay_stochastic_fold").passed
+
+
 # The PR suite runs the catalogue's horizon; the nightly twins run the same assertions twice
 # (the catalogue) and eight times (the correct updates) as long: a slow precision loss and a false
 # alarm both grow with the horizon.

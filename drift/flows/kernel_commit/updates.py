@@ -121,13 +121,13 @@ def compensated_fold(old, d, kh, kl, g, length, parts: torch.dtype = BF16):
     return old * torch.exp(total)[..., None] + delta
 
 
-def rounded_fold(design, old, d, kh, kl, g, length):
+def rounded_fold(operand: Callable, old, d, kh, kl, g, length):
     """A fold whose contraction rounds both operands -- the decayed update and the key as the ring
-    holds it -- to the design's mantissa bits (``design.operand``: TF32, bf16, or fp32 as they are),
-    one product accumulated in fp32."""
+    holds it -- with ``operand`` (the design's: TF32, bf16, or fp32 as they are), one product
+    accumulated in fp32."""
     total, decay = decay_weights(g, length)
     key = kh if kl is None else kh + kl
-    delta = _contract(design.operand(d * decay[..., None]), design.operand(key))
+    delta = _contract(operand(d * decay[..., None]), operand(key))
     return old * torch.exp(total)[..., None] + delta
 
 
@@ -136,7 +136,7 @@ def design_fold(design) -> Callable:
     record dtype, or the rounded-operand one."""
     if design.contraction.split:
         return lambda old, d, kh, kl, g, length: compensated_fold(old, d, kh, kl, g, length, design.records.dtype)
-    return lambda old, d, kh, kl, g, length: rounded_fold(design, old, d, kh, kl, g, length)
+    return lambda old, d, kh, kl, g, length: rounded_fold(design.operand, old, d, kh, kl, g, length)
 
 
 def store_fold(new: torch.Tensor, dtype: torch.dtype, rounding: str, key: int) -> torch.Tensor:
