@@ -378,21 +378,37 @@ def _teeth_config(args: argparse.Namespace) -> Config:
 
 
 def add_tradeoff(p: argparse.ArgumentParser) -> None:
-    from .jobs.teeth import TEETH_STEPS
+    from .jobs.teeth import DESIGN_STEPS, TEETH_STEPS
 
-    add_options(p.add_argument, ("preset", "steps"), defaults={"steps": TEETH_STEPS})
+    add_options(p.add_argument, ("preset", "steps"), defaults={"steps": None},
+                default_text={"steps": f"{TEETH_STEPS}; with --designs {DESIGN_STEPS}"})
     add_options(p.add_argument, ("flow",), default_text={"flow": "every flow"})
     p.add_argument("--update", action="append", default=[], metavar="SPEC",
                    help="also a row for this implementation (a spec as drift run --update takes it: "
                         "package.module:qualname, path/to/file.py:qualname, mutant:<name>), in the flows "
                         "of the kinds it is written for, else in --flow (default: the preset's) (repeatable)")
+    p.add_argument("--designs", action="store_true",
+                   help="instead, each flow kind's design configurations (the ReplaySSM design's ring "
+                        "records, fold contraction, cadence and checkpoint: docs/teeth.md), with the bytes per "
+                        "step their kernels move; --steps defaults to 4096 (the PR gate's horizon)")
     _output_format(p)
 
 
 def cmd_tradeoff(args: argparse.Namespace) -> int:
     from .flows.registry import UPDATES
-    from .jobs.teeth import tradeoff, tradeoff_markdown
+    from .jobs.teeth import DESIGN_STEPS, design_markdown, design_record, design_tradeoff, tradeoff, tradeoff_markdown
 
+    if args.designs:
+        if args.update or args.flow:
+            raise ConfigError("--designs runs each flow kind's design configurations in its own flow: drop --update "
+                              "and --flow")
+        import datetime
+
+        cfg = preset(args.preset, steps=args.steps or DESIGN_STEPS)
+        record = design_record(design_tradeoff(cfg, progress=_item_progress(args, f"drift tradeoff --designs {cfg.name}")),
+                               cfg, datetime.date.today().isoformat())
+        print(json.dumps(record, indent=2) if args.json else design_markdown(record, None))
+        return EXIT_PASS
     cfg = _teeth_config(args)
     if args.flow:
         cfg = cfg.replace(flow=args.flow)

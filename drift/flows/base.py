@@ -241,6 +241,16 @@ class FlowKind(abc.ABC):
         does; mix_qkv float64 holding bf16 values ``[L, N, D, C]`` (drift bench's naive step)."""
         raise NotImplementedError(f"flow kind {self.name!r} has no naive conv (drift bench does not time it)")
 
+    # The bytes a design moves per decode step, modelled from the kernels' own storage (the trade-off
+    # table of a kind with TRADEOFF_DESIGNS): :meth:`design_traffic`, described by DESIGN_TRAFFIC.
+    DESIGN_TRAFFIC: ClassVar[str] = ""
+
+    @classmethod
+    def design_traffic(cls, cfg: Config, accept: np.ndarray) -> dict[str, float]:
+        """Bytes per decode step (summed over layers and active requests) of ``cfg``'s design, by part,
+        over the accept lengths ``accept`` (host int ``[steps, R]``, the bonus token included)."""
+        raise NotImplementedError(f"flow kind {cls.name!r} has no design traffic model")
+
     @classmethod
     def bench_state_bytes(cls, cfg: Config) -> dict[str, int]:
         """The fewest bytes of states (and records) one decode step of ``cfg`` must read and write,

@@ -295,3 +295,56 @@ def test_no_lock_is_left_after_a_failure_or_an_interrupt(tmp_path, monkeypatch):
     monkeypatch.setattr(nightly, "run_entry", interrupted)
     assert run_nightly(tmp_path / "int", "--variant", "rne", "--steps", "16") == 143
     assert not (tmp_path / "int" / ".lock").exists()
+
+
+def test_the_default_matrix_runs_each_kinds_nightly_designs(tmp_path):
+    """Without --preset, --flow, --update, --variant or a flow option the matrix holds the released
+    update's variants and each flow kind's NIGHTLY_DESIGNS (SGLang's ReplaySSM default, the TF32
+    fold, the fp16 ring), in their kind's flow with their options in the key; an empty shard lists them
+    without running any. Negative control: a --preset narrows the matrix to the released update's."""
+    from drift.flows.registry import FLOW_KINDS
+
+    designs = [d for k in FLOW_KINDS.values() for d in k.NIGHTLY_DESIGNS]
+    out = tmp_path / "default"
+    n = len(nightly.VARIANTS) + len(designs)
+    assert main(["nightly", "--steps", "8", "--shard", f"{n + 1}/{n + 1}", "--quiet", "--report", str(out)]) == 0
+    matrix = [nightly.Entry(**m) for m in json.loads((out / "report.json").read_text())["matrix"]]
+    assert len(matrix) == n
+    kinds = [e for e in matrix if e.flow]
+    assert len(kinds) == len(designs) and {e.variant for e in kinds} <= {"rne", "fp32"}
+    assert any(dict(e.flow_options).get("fold-contraction") == "tf32" for e in kinds)
+    assert any(dict(e.flow_options).get("ring-records") == "fp16" for e in kinds)
+    narrowed = tmp_path / "narrowed"
+    assert main(["nightly", "--preset", "ci-small", "--steps", "8", "--shard", f"{n + 1}/{n + 1}", "--quiet",
+                 "--report", str(narrowed)]) == 0
+    assert all(not m.get("flow") for m in json.loads((narrowed / "report.json").read_text())["matrix"])
+
+
+def test_the_design_table_shards_merge_into_the_tables_nightly_column(tmp_path):
+    """`drift nightly --design-table`, sharded and merged, gives one entry per design configuration
+    under the keys the design table reads, summarised into its nightly column; --design-table refuses
+    an --update (each design runs its kind's released update)."""
+    from drift.flows.registry import FLOW_KINDS
+    from drift.jobs.teeth import DESIGN_STEPS, design_markdown, nightly_summary
+
+    count = sum(len(k.TRADEOFF_DESIGNS) for k in FLOW_KINDS.values())
+    shards = 2
+    dirs = []
+    for k in range(1, shards + 1):
+        d = tmp_path / f"shard{k}"
+        assert main(["nightly", "--design-table", "--preset", "ci-small", "--steps", "8", "--layers", "1",
+                     "--shard", f"{k}/{shards}", "--quiet", "--report", str(d)]) == 0
+        dirs.append(str(d))
+    merged = tmp_path / "merged"
+    assert main(["report", "merge", *dirs, "-o", str(merged)]) == 0
+    report = json.loads((merged / "report.json").read_text())
+    assert len(report["entries"]) == count
+    summary = nightly_summary(report, "this test's machine", "2026-01-01")
+    rows = [{"label": key, "note": "", "flow": "", "options": {}, "checkpoint": "x", "store_rounding": "rne",
+             "traffic": {"ring": 1.0, "checkpoint": 1.0, "fold": 1.0}, "worst_bound_ratio": 0.5,
+             "worst_state_error": 0.1, "passed": True, "nightly_key": key} for key in report["entries"]]
+    text = design_markdown({"preset": "ci-small", "seed": 0, "steps": DESIGN_STEPS, "machine": "m", "date": "d",
+                            "traffic_model": {"f": "model"}, "rows": rows}, summary)
+    assert "not run |" not in text and "8 steps" in text and "this test's machine" in text
+    assert main(["nightly", "--design-table", "--update", "sglang-0.5.23", "--preset", "ci-small", "--steps", "8",
+                 "--report", str(tmp_path / "refused")]) == 2

@@ -35,7 +35,7 @@ from ...config import Config
 from ...dtypes import as_bits
 from ...sim import kernels
 from ..base import MambaPoolFlow
-from ..fold_model import FoldRounding
+from ..fold_model import FoldRounding, FoldSchedule
 from . import design, naive
 from .pool import ReplayHarness, ReplayPool, effective_states
 from .rule import RingRule
@@ -68,6 +68,31 @@ class KernelCommitFlow(MambaPoolFlow):
         per = design.CommitDesign.of(cfg).records.record_bytes
         record = rows * (per * (cfg.num_v_heads * cfg.head_v_dim + cfg.num_k_heads * cfg.head_k_dim) + 4 * cfg.num_v_heads)
         return {"checkpoint_read": state, "records_write": D * record, "fold": D * record + 2 * state}
+
+    DESIGN_TRAFFIC = ("per step, summed over layers and active requests, in the design's storage dtypes: ring -- "
+                      "the verify writes D records (delta HV x V, key HK x K in the record dtype, both parts "
+                      "where it keeps a low part; g HV fp32) and reads the records still in the ring; "
+                      "checkpoint -- the verify reads it; fold -- a folding row's commit reads its records "
+                      "and its checkpoint and writes the checkpoint (tracked rows' extra folds not counted)")
+
+    @classmethod
+    def design_traffic(cls, cfg: Config, accept: np.ndarray) -> dict[str, float]:
+        d = design.CommitDesign.of(cfg)
+        rec = d.records.record_bytes
+        record = rec * (cfg.num_v_heads * cfg.head_v_dim + cfg.num_k_heads * cfg.head_k_dim) + 4 * cfg.num_v_heads
+        state = cfg.num_v_heads * cfg.head_v_dim * cfg.head_k_dim * cfg.torch_ssm_dtype.itemsize
+        schedule = FoldSchedule(d.fold_rounding(), accept.shape[1])
+        pending = folded = folds = 0
+        for a in np.asarray(accept, np.int64):
+            pending += int(schedule.records.sum())  # what each verify reads back, before this step's
+            before = schedule.records + a
+            f = schedule.step(a)
+            folded += int(before[f].sum())
+            folds += int(f.sum())
+        steps, layers = max(len(accept), 1), cfg.num_layers
+        ring = layers * (cfg.num_requests * cfg.num_draft_tokens * record + pending * record / steps)
+        return {"ring": ring, "checkpoint": layers * cfg.num_requests * state,
+                "fold": layers * (folded * record + folds * 2 * state) / steps}
 
     def __init__(self, cfg: Config, device: torch.device):
         super().__init__(cfg, device)
