@@ -19,6 +19,9 @@ advancing past it. Read from the wheel:
 * ``sglang/srt/mem_cache/memory_pool.py: MambaPool`` (ring shapes and dtypes; no
   ``intermediate_ssm``: "the verify kernel never writes per-draft snapshots").
 
+That is SGLang 0.5.23's design; the kind's options (``OPTIONS``: ring records, fold contraction,
+fold cadence; drift/flows/kernel_commit/design.py) choose others, each judged by its own bound.
+
 drift: :class:`~drift.flows.kernel_commit.pool.ReplayPool` (checkpoint, conv, ring, cursors; the ring
 starts empty: prefill leaves no records), :class:`~drift.flows.kernel_commit.pool.ReplayHarness` (what
 the commit path reads), :class:`~drift.flows.kernel_commit.rule.RingRule` (the verify's reads and

@@ -8,21 +8,24 @@ when ``mamba_pool.replayssm_cache_base`` exists) runs, after each verify:
    ``gdn_replayssm_spec_decode.py``): per ring slot, with n the accept length (the bonus token
    included; 0 for a padded row): ``new_wp = n if is_flush else write_pos + n``, ``cache_base``
    moved past the history when a flush row commits, ``is_flush = new_wp > 0`` under
-   ``fold_every_commit`` (``temporal.dtype != float32``) else ``new_wp + 2 D > RL``;
+   ``fold_every_commit`` (``temporal.dtype != float32``) else ``new_wp + 2 D > RL`` -- or, under a
+   declared ``every:N`` cadence, once N commits have passed since the row's last fold;
 2. **fold** (``commit_gdn_replayssm_circular`` / ``gdn_replayssm_compact_commit_kernel``): a row
    whose ``is_flush`` is set gets ``temporal = old * e^{G} + sum_t k_t (d_t e^{G - G_t})^T`` over
    its ``write_pos`` records (d = high + low part; the decayed update split into bf16 high and low
-   parts again, each multiplied by the key's high and low parts in fp32), stored in the checkpoint
-   dtype; a tracked row's track slot gets the same fold over ``write_pos - n + step + 1``
-   records, from the same old checkpoint;
+   parts again, each multiplied by the key's high and low parts in fp32 -- or, in another declared
+   design, the contraction that design names), stored in the checkpoint dtype (to nearest, or by a
+   declared stochastic rounding); a tracked row's track slot gets the same fold over
+   ``write_pos - n + step + 1`` records, from the same old checkpoint;
 3. **finish** (``_finish_gdn_replayssm_circular_fold_kernel``): a folded row's ring restarts past
    its history: ``cache_base += write_pos (mod RL)``, ``write_pos = is_flush = 0``;
 4. **conv**: the usual accept rollback of the working slots and the tracked window
    (``fused_conv_window_scatter_with_mask``; drift: the NPU window's rollback, the same inputs).
 
 Called as every update is (``fn(self, last_correct_step_indices, mamba_track_indices,
-mamba_steps_to_track)``, ``self`` a :class:`drift.flows.kernel_commit.pool.ReplayHarness`). No host sync: every
-step is device tensors and host ints the harness fixes.
+mamba_steps_to_track)``, ``self`` a :class:`drift.flows.kernel_commit.pool.ReplayHarness`), in the run's
+declared design (``self.commit_design``: drift/flows/kernel_commit/design.py; SGLang 0.5.23's by
+default). No host sync: every step is device tensors and host ints the harness fixes.
 """
 
 from __future__ import annotations
