@@ -56,12 +56,19 @@ def _graph_text(run: dict) -> str:
     return "eager" if state else "not recorded"
 
 
+def _options_text(cfg: dict) -> str:
+    """The flow options a run set (``--ring-records fp16`` ...), or nothing: the kind's defaults."""
+    opts = cfg.get("flow_options") or []
+    return (", flow options " + " ".join(f"--{n} {v}" for n, v in opts)) if opts else ""
+
+
 def summary_text(rep) -> str:
     d = rep.to_dict()
     run, cfg = d["run"], d["config"]
     head = (f"drift run: preset {cfg['name']}, update {run['update']}, {run['steps']} steps "
             f"({run['mode']}), device {run['device']}, {cfg['ssm_dtype']} state, "
-            f"{cfg['store_rounding']} store, kernels: {run['kernels']}, GDN verify: {run.get('verify_kernel', 'not recorded')}, "
+            f"{cfg['store_rounding']} store{_options_text(cfg)}, kernels: {run['kernels']}, "
+            f"GDN verify: {run.get('verify_kernel', 'not recorded')}, "
             f"steps: {_graph_text(run)}\n"
             f"reference: {d['reference']}; {run['wall_s']:.1f} s "
             f"({run['steps_per_s']} steps/s)")
@@ -83,7 +90,7 @@ def summary_markdown(rep) -> str:
         f"- preset `{cfg['name']}`, seed {cfg['seed']}, {run['steps']} decode steps ({run['mode']})",
         f"- update under test: `{run['update']}`" + (f" ({run.get('update_source')})" if run.get("update_source") else ""),
         f"- profile `{cfg.get('profile', 'custom')}`: {cfg['ssm_dtype']} state ({cfg['layout']} layout), store "
-        f"rounding {cfg['store_rounding']}; verify flow {cfg.get('flow', 'sglang')}"
+        f"rounding {cfg['store_rounding']}; verify flow {cfg.get('flow', 'sglang')}{_options_text(cfg)}"
         f"{' (graph-mode arguments)' if cfg.get('graph_mode', True) else ' (eager arguments)'}; "
         f"kernels: {run['kernels']}; GDN verify: {run.get('verify_kernel', 'not recorded')}; device {run['device']}; "
         f"steps {_graph_text(run)}",
@@ -179,7 +186,8 @@ def nightly_markdown(rep: dict) -> str:
         state = _check(e, "committed_state") or {}
         worst_ratio = (_check(e, "drift_bound") or {}).get("worst")
         failed = [c["name"] for c in e["checks"] if c["failed"]]
-        rows.append([en["preset"], str(en["seed"]), en["update"], en["variant"], str(e["steps"]),
+        update = en["update"] + "".join(f" --{n} {v}" for n, v in en.get("flow_options") or [])
+        rows.append([en["preset"], str(en["seed"]), update, en["variant"], str(e["steps"]),
                      e["verdict"].upper(), _fmt(worst_ratio), _fmt(state.get("worst")),
                      _fmt(e.get("syncs_per_step")), ", ".join(failed) or "-"])
     lines.append(markdown_table(["preset", "seed", "update", "variant", "steps", "verdict", "worst bound ratio",
