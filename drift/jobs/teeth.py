@@ -262,14 +262,19 @@ def design_markdown(record: dict, nightly: Optional[dict]) -> str:
              "own bound: the "
              f"worst drift/bound at {record['steps']:,} steps measured on {record['machine']} ({record['date']}); at "
              f"the nightly's horizon: {horizon}.", "",
-             "| configuration | design | shipped by | ring | checkpoint | fold | total / step | worst state error "
-             f"| drift/bound, {record['steps']:,} | drift/bound, nightly | verdict |",
+             f"| configuration | design | shipped by | ring | checkpoint | fold | total / step | worst state error, "
+             f"{record['steps']:,} | drift/bound, {record['steps']:,} | drift/bound, nightly | verdict |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         t, long = r["traffic"], _long(nightly, r)
         late = "not run" if long is None else f"{_num(long['worst_bound_ratio'])} ({long['steps']:,} steps)"
         verdict = "PASS" if r["passed"] and (long is None or long["verdict"] == "pass") else "FAIL"
-        where = "" if long is not None or not r["passed"] else f" ({record['steps']:,} steps)"
+        failed = [(record["steps"], r["failed_checks"])] if not r["passed"] else []
+        if long is not None and long["verdict"] != "pass":
+            failed.append((long["steps"], long["failed_checks"]))
+        where = ("; ".join(f"{n:,} steps: {', '.join(CHECKS.title(k) for k in keys)}" for n, keys in failed)
+                 if failed else "" if long is not None else f"{record['steps']:,} steps")
+        where = f" ({where})" if where else ""
         lines.append(f"| {r['label']} | {_options_text(r)} | {r['note']} | {_mib(t['ring'])} | {_mib(t['checkpoint'])} | "
                      f"{_mib(t['fold'])} | {_mib(sum(t.values()))} | {_num(r['worst_state_error'])} | "
                      f"{_num(r['worst_bound_ratio'])} | {late} | {verdict}{where} |")
