@@ -33,7 +33,7 @@ from .devices import resolve_device
 from .errors import (EXIT_FAIL, EXIT_PASS, ConfigError, DriftError, Terminated, UpdateRaised, clear_interrupt, ended_by_code,
                      interrupt, no_process_exit, raise_if_interrupted, what_raised)
 from .fileio import locked, output_file, output_files, refuse_overwriting, writable_dir
-from .options import CONFIG_OPTIONS, RUN_OPTIONS, add_options, dest, positive_int
+from .options import CONFIG_OPTIONS, RUN_OPTIONS, add_options, dest, flow_option_names, positive_int
 from .plug.mutants import MUTANTS
 from .runspec import Resolved, RunSpec
 from .version import __version__
@@ -229,6 +229,10 @@ def add_nightly(p: argparse.ArgumentParser) -> None:
                 defaults={"steps": None, "lifecycle": "fixed"},
                 default_text={"steps": f"{DEFAULT_STEPS}; with --trace the whole trace",
                               "lifecycle": "fixed: the nightly measures the long horizon of one request per lane"})
+    add_options(p.add_argument, flow_option_names())
+    p.add_argument("--design-table", action="store_true",
+                   help="run each flow kind's design trade-off configurations instead (docs/teeth.md; only --flow's "
+                        "kind with --flow), each on its checkpoint's variant with the kind's default update")
     p.add_argument("--variant", action="append", default=[], choices=VARIANTS,
                    help=f"store variant (repeatable; default: all of {', '.join(VARIANTS)})")
     p.add_argument("--layers", default="auto", help=f"auto ({CPU_LAYERS} on cpu, all elsewhere), all, or N")
@@ -252,15 +256,17 @@ def add_nightly(p: argparse.ArgumentParser) -> None:
     p.set_defaults(nightly_defaults=(DEFAULT_PRESETS, DEFAULT_UPDATES))
 
 
-def _variants_of_flow(variants, args, preset: str, update: str, steps, layers) -> list[str]:
-    """The default variants that apply under ``--flow`` (a flow whose verify stores no state takes no
-    stochastic rounding: its kind refuses it); each one left out is named on stderr with the reason."""
+def _variants_of_flow(variants, args, preset: str, update: str, steps, layers, options=()) -> list[str]:
+    """The default variants that apply under ``--flow`` and the flow options (a variant the kind
+    refuses: a store rounding or checkpoint its design has no bound for); each one left out is named
+    on stderr with the reason."""
     from .jobs.nightly import Entry
 
     keep = []
     for v in variants:
         probe = Entry(preset, 0, "-" if v == "sequential" else update, v, steps, layers, trace=args.trace or "",
-                      loop=args.loop, flow=args.flow or "", lifecycle=args.lifecycle)
+                      loop=args.loop, flow=args.flow or "", flow_options=options if v != "sequential" else (),
+                      lifecycle=args.lifecycle)
         try:
             probe.config(args.device)
         except ConfigError as exc:
@@ -271,23 +277,36 @@ def _variants_of_flow(variants, args, preset: str, update: str, steps, layers) -
 
 
 def cmd_nightly(args: argparse.Namespace) -> int:
-    from .jobs.nightly import (DEFAULT_STEPS, VARIANTS, build_matrix, identity, layers_for, match_baseline,
-                               parse_shard, read_report, run_nightly, shard, written_by)
+    from .jobs.nightly import (DEFAULT_STEPS, VARIANTS, build_matrix, design_matrix, identity, layers_for,
+                               match_baseline, parse_shard, read_report, run_nightly, shard, written_by)
     from .jobs.report import NIGHTLY_FILES, progress_printer
 
     presets, updates = args.nightly_defaults
     resolve_device(args.device)
     layers = layers_for(args.device, args.layers)
+    options = spec_from_args(args).flow_options
     if args.flow and not args.update:  # that flow's own default, not the preset flow's
         from .flows.registry import FLOWS, default_update
 
         updates = [default_update(FLOWS[args.flow].kind)]
     updates = args.update or list(updates)
     steps = args.steps if (args.steps is not None or args.trace) else DEFAULT_STEPS
-    variants = args.variant or _variants_of_flow(VARIANTS, args, (args.preset or presets)[0], updates[0], steps, layers)
-    entries = build_matrix(args.preset or presets, args.seed or [0], updates, variants,
-                           steps, layers, trace=args.trace or "", loop=args.loop, graph=not args.no_graph,
-                           flow=args.flow or "", lifecycle=args.lifecycle)
+    if args.design_table:
+        if args.update or options or args.variant or args.trace:
+            raise ConfigError("--design-table runs each design configuration with its kind's default update on its "
+                              "checkpoint's variant: drop --update, --variant, --trace and the flow options")
+        entries = design_matrix("table", args.preset or presets, args.seed or [0], steps, layers,
+                                graph=not args.no_graph, flow=args.flow or "")
+    else:
+        variants = args.variant or _variants_of_flow(VARIANTS, args, (args.preset or presets)[0], updates[0], steps,
+                                                     layers, options)
+        entries = build_matrix(args.preset or presets, args.seed or [0], updates, variants,
+                               steps, layers, trace=args.trace or "", loop=args.loop, graph=not args.no_graph,
+                               flow=args.flow or "", flow_options=options,
+                               lifecycle=args.lifecycle)
+        if not (args.preset or args.flow or args.update or args.variant or args.trace or options):
+            # the full default matrix: each flow kind's nightly design configurations too
+            entries += design_matrix("nightly", presets, args.seed or [0], steps, layers, graph=not args.no_graph)
     from .sim.pool import check_fits
 
     from .jobs.identity import checks_identity
@@ -298,7 +317,7 @@ def cmd_nightly(args: argparse.Namespace) -> int:
         checks_identity(run.cfg, run.mode)
     for e in build_matrix(args.preset or presets, [(args.seed or [0])[0]], updates, ["rne"], steps, layers,
                           trace=args.trace or "", loop=args.loop, graph=not args.no_graph, flow=args.flow or "",
-                          lifecycle=args.lifecycle):
+                          flow_options=options, lifecycle=args.lifecycle):
         e.resolve(args.device)  # every --update loaded and checked, also where only sequential decode runs
     k, n = parse_shard(args.shard)
     mine = shard(entries, k, n)
@@ -368,21 +387,37 @@ def _teeth_config(args: argparse.Namespace) -> Config:
 
 
 def add_tradeoff(p: argparse.ArgumentParser) -> None:
-    from .jobs.teeth import TEETH_STEPS
+    from .jobs.teeth import DESIGN_STEPS, TEETH_STEPS
 
-    add_options(p.add_argument, ("preset", "steps"), defaults={"steps": TEETH_STEPS})
+    add_options(p.add_argument, ("preset", "steps"), defaults={"steps": None},
+                default_text={"steps": f"{TEETH_STEPS}; with --designs {DESIGN_STEPS}"})
     add_options(p.add_argument, ("flow",), default_text={"flow": "every flow"})
     p.add_argument("--update", action="append", default=[], metavar="SPEC",
                    help="also a row for this implementation (a spec as drift run --update takes it: "
                         "package.module:qualname, path/to/file.py:qualname, mutant:<name>), in the flows "
                         "of the kinds it is written for, else in --flow (default: the preset's) (repeatable)")
+    p.add_argument("--designs", action="store_true",
+                   help="instead, each flow kind's design configurations (the ReplaySSM design's ring "
+                        "records, fold contraction, cadence and checkpoint: docs/teeth.md), with the bytes per "
+                        "step their kernels move; --steps defaults to 4096 (the PR gate's horizon)")
     _output_format(p)
 
 
 def cmd_tradeoff(args: argparse.Namespace) -> int:
     from .flows.registry import UPDATES
-    from .jobs.teeth import tradeoff, tradeoff_markdown
+    from .jobs.teeth import DESIGN_STEPS, design_markdown, design_record, design_tradeoff, tradeoff, tradeoff_markdown
 
+    if args.designs:
+        if args.update or args.flow:
+            raise ConfigError("--designs runs each flow kind's design configurations in its own flow: drop --update "
+                              "and --flow")
+        import datetime
+
+        cfg = preset(args.preset, steps=args.steps or DESIGN_STEPS)
+        record = design_record(design_tradeoff(cfg, progress=_item_progress(args, f"drift tradeoff --designs {cfg.name}")),
+                               cfg, datetime.date.today().isoformat())
+        print(json.dumps(record, indent=2) if args.json else design_markdown(record, None))
+        return EXIT_PASS
     cfg = _teeth_config(args)
     if args.flow:
         cfg = cfg.replace(flow=args.flow)

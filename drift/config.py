@@ -143,6 +143,11 @@ class Config:
     trace_loop: bool = False
     trace_sha256: str = ""
     trace_tokens: int = 0
+    # The flow kind's own options (docs/semantics.md §6: the ReplaySSM design's ring records,
+    # fold contraction and fold cadence): sorted (name, value) pairs, each read and checked by the
+    # kind of ``flow`` (``FlowKind.OPTIONS``, drift.flows.registry.check); () = the kind's defaults,
+    # the engine's as modelled.
+    flow_options: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -260,10 +265,21 @@ class Config:
         return self.replace(**PROFILES[profile].fields())
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as JSON values. ``flow_options`` appears only when set: a run of the kind's
+        defaults records what it recorded before the options existed (its report and nightly
+        identity unchanged)."""
         d = dataclasses.asdict(self)
         d["acceptance"] = list(self.acceptance)
         d["decays"] = list(self.decays)
+        if self.flow_options:
+            d["flow_options"] = [list(p) for p in self.flow_options]
+        else:
+            del d["flow_options"]
         return d
+
+    def flow_option(self, name: str) -> str | None:
+        """The value of flow option ``name`` (None: not set, the kind's default)."""
+        return dict(self.flow_options).get(name)
 
     def stream_hash(self) -> str:
         """Hash of every field that shapes the true trajectory (not the store profile,
@@ -346,7 +362,29 @@ def _validate(cfg: Config) -> None:
                           "(offset of the gate input b)")
     if cfg.num_draft_tokens > cfg.conv_window + 1:  # guaranteed by the formula, kept as a guard
         raise ConfigError("num_draft_tokens exceeds conv window + 1")
+    _validate_flow_options(cfg)
     _validate_trace(cfg)
+
+
+def _validate_flow_options(cfg: Config) -> None:
+    """Their form only (sorted name/value pairs, each name once); what a name and value may be is
+    the flow kind's to say (drift.flows.registry.check)."""
+    opts = cfg.flow_options
+    pairs = isinstance(opts, tuple) and all(
+        isinstance(p, tuple) and len(p) == 2 and all(isinstance(x, str) and x for x in p) for p in opts)
+    if not pairs:
+        raise ConfigError(f"flow_options={opts!r} is invalid; allowed: a tuple of (name, value) string pairs "
+                          "(drift.config.flow_options builds one)")
+    names = [n for n, _ in opts]
+    if names != sorted(set(names)):
+        raise ConfigError(f"flow_options={opts!r} is invalid; allowed: each option once, sorted by name "
+                          "(drift.config.flow_options builds one)")
+
+
+def flow_options(values: "dict[str, str] | None" = None, **named: str) -> tuple[tuple[str, str], ...]:
+    """``Config.flow_options`` from a mapping (and keywords, ``_`` read as ``-``): sorted pairs."""
+    merged = {**(values or {}), **{k.replace("_", "-"): v for k, v in named.items()}}
+    return tuple(sorted((str(k), str(v)) for k, v in merged.items()))
 
 
 def _validate_trace(cfg: Config) -> None:

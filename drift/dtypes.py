@@ -69,3 +69,27 @@ def store_dtype(dtype: "str | torch.dtype") -> StoreDtype:
                 return entry
         dtype = str(dtype).replace("torch.", "")
     return STORE_DTYPES[dtype]
+
+
+FP32_MANTISSA_BITS = 24  # IEEE 754 binary32, the implicit bit included
+
+
+def round_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """float32 ``x`` rounded to nearest (ties to even) to ``bits`` mantissa bits (the implicit bit
+    included), kept in float32 with fp32's exponent range: the operand rounding of a reduced-precision
+    dot product. ``bits`` 11 is TF32 (a 10-bit stored mantissa, NVIDIA's tensor-core format), 8 the
+    bfloat16 grid (equal to ``x.to(torch.bfloat16)``, subnormals included), 24 returns ``x``. Adding
+    half the dropped unit (plus the kept last bit, for ties to even) to the magnitude bits and
+    clearing the dropped ones rounds either sign; a carry into the exponent is the correct
+    round-up. Infinities and NaN are not expected (the fold's operands are finite)."""
+    if x.dtype != torch.float32:
+        raise ValueError(f"round_mantissa rounds float32, not {x.dtype}")
+    if not 1 <= bits <= FP32_MANTISSA_BITS:
+        raise ValueError(f"bits={bits} is invalid; allowed: 1 .. {FP32_MANTISSA_BITS}")
+    drop = FP32_MANTISSA_BITS - bits
+    if drop == 0:
+        return x
+    i = x.contiguous().view(torch.int32)
+    lsb = (i >> drop) & 1
+    rounded = (i + ((1 << (drop - 1)) - 1) + lsb) & ~((1 << drop) - 1)
+    return rounded.view(torch.float32).view(x.shape)

@@ -16,6 +16,10 @@ command (``--update``), ``"drift-"`` for pytest (``--drift-update``) -- pytest-b
   --flow F        state flow (FLOWS)        --no-graph     eager steps (no capture)
   --lifecycle L   how requests come and go (LIFECYCLES: serving, or fixed)
 
+and one option per flow-kind option (``FlowKind.OPTIONS``: the ReplaySSM design's
+``--ring-records``, ``--fold-contraction``, ``--fold-cadence``), generated from the registry: a kind
+that adds an option adds its registry line, not code here.
+
 Values are checked by the type functions below, so a bad one is a usage error (exit 2) before
 any work starts.
 """
@@ -132,10 +136,47 @@ SPECS: dict[str, dict] = {
     "fail-fast": dict(action="store_true", help="stop the simulation at the end of the chunk (at most 256 "
                       "steps) in which a check first fails, and report the table so far"),
 }
+
+
+def flow_option_names() -> tuple[str, ...]:
+    """Every flow kind's options (``FlowKind.OPTIONS``), in registry order, each once."""
+    return tuple(dict.fromkeys(o for kind in FLOW_KINDS.values() for o in kind.OPTIONS))
+
+
+def _flow_option(option: str) -> Callable[[str], str]:
+    """A type function accepting a choice of ``option`` in any kind that has it (``name`` or
+    ``name:N``); whether the run's flow reads it is the kind's to say (drift.flows.registry.check)."""
+
+    def check(text: str) -> str:
+        regs = [kind.OPTIONS[option] for kind in FLOW_KINDS.values() if option in kind.OPTIONS]
+        name, colon, arg = (text or "").partition(":")
+        for reg in regs:
+            if name in reg and reg[name].takes_arg == bool(colon) and (not colon or (arg.isdigit() and int(arg) >= 1)):
+                return text
+        allowed = ", ".join(dict.fromkeys(f"{n}:N" if reg[n].takes_arg else n for reg in regs for n in reg))
+        raise argparse.ArgumentTypeError(f"{option} {text!r} is not known; allowed: {allowed} (N an integer >= 1)")
+    check.__name__ = option
+    return check
+
+
+def flow_option_help(option: str) -> str:
+    """``--<option>``'s help: what it chooses, the flows whose kind reads it, and its choices (default first)."""
+    kinds = [kind for kind in FLOW_KINDS.values() if option in kind.OPTIONS]
+    title = kinds[0].OPTION_TITLES.get(option, option)
+    reg = kinds[0].OPTIONS[option]
+    choices = [f"{n}:N" if reg[n].takes_arg else n for n in reg]
+    default = kinds[0].default_choice(option).name
+    flows = ", ".join(f for kind in kinds for f in flows_of(kind.name))
+    return (f"{title} (flows: {flows}; docs/semantics.md §6): {', '.join(choices)} (default: {default}, the engine as "
+            "modelled)")
+
+
+SPECS.update({o: dict(type=_flow_option(o), metavar="C", help=lambda o=o: flow_option_help(o))
+              for o in flow_option_names()})
 # The shared options (every entry point that runs a simulation has them; docs/extending.md): the
 # options that make a Config, and those plus what is under test.
 CONFIG_OPTIONS = ("preset", "steps", "seed", "device", "profile", "rounding", "pattern", "drafts", "flow",
-                  "draft-tokens", "key-heads", "value-heads", "lifecycle")
+                  "draft-tokens", "key-heads", "value-heads", "lifecycle") + flow_option_names()
 RUN_OPTIONS = CONFIG_OPTIONS + ("update", "update-factory", "kernel", "mode", "trace", "loop", "no-graph")
 DEFAULTS: dict[str, object] = {"preset": DEFAULT_PRESET, "device": "cpu", "update": None,
                                "kernel": "portable", "mode": "mtp", "loop": False}
@@ -167,7 +208,7 @@ def add_options(addoption: Callable, names: Iterable[str], prefix: str = "", rep
             text = (default_text or {}).get(name)
             if text is not None:
                 kw["help"] += f" (default: {text})"
-            elif name in ("update", "lifecycle"):
+            elif name in ("update", "lifecycle") or name in flow_option_names():
                 pass  # its help says the default (it depends on the flow, or on --trace)
             elif name == "trace":
                 kw["help"] += " (default: none, the synthetic stream)" if default is None else f" (default: {default})"

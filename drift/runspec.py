@@ -17,12 +17,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from .config import Config, preset, spread_decays
+from .config import Config, flow_options, preset, spread_decays
 from .devices import resolve_device
 from .errors import ConfigError, LoadError
 from .flows.registry import FLOW_KINDS, FLOWS, check, default_update, flows_of
 from .lifecycles import DEFAULT_LIFECYCLE
-from .plug.loader import Kernel, Update, load_kernel, load_update
+from .plug.loader import Kernel, Update, entry_flow_options, load_kernel, load_update
 
 # Spec field -> the Config field it sets (None: not a Config field).
 CONFIG_FIELDS = {"steps": "steps", "seed": "seed", "device": "device", "rounding": "store_rounding",
@@ -58,19 +58,24 @@ class RunSpec:
     loop: bool = False
     no_graph: bool = False
     layers: Optional[int] = None
+    flow_options: tuple[tuple[str, str], ...] = ()  # Config.flow_options: each kind option given (--<name>)
     prefix: str = ""
 
     @classmethod
     def from_options(cls, get: Callable[[str], Any], prefix: str = "", **fixed: Any) -> "RunSpec":
         """The spec from an option getter: ``get("no-graph")`` returns that option's value, or
-        None when the entry point does not have it; ``fixed`` overrides (e.g. ``layers``)."""
+        None when the entry point does not have it; ``fixed`` overrides (e.g. ``layers``). Each flow
+        kind's options (``--ring-records`` ...) given become ``flow_options``."""
         values = {}
         for f in dataclasses.fields(cls):
-            if f.name in ("prefix", "layers"):
+            if f.name in ("prefix", "layers", "flow_options"):
                 continue
             v = get(f.name.replace("_", "-"))
             if v is not None:
                 values[f.name] = v
+        names = dict.fromkeys(o for kind in FLOW_KINDS.values() for o in kind.OPTIONS)
+        given = {o: get(o) for o in names}
+        values["flow_options"] = flow_options({o: v for o, v in given.items() if v is not None})
         return cls(**{**values, **fixed, "prefix": prefix})
 
     def opt(self, name: str) -> str:
@@ -90,6 +95,8 @@ class RunSpec:
             changes["lifecycle"] = "fixed" if self.trace else DEFAULT_LIFECYCLE
         if self.no_graph:
             changes["graph_mode"] = False
+        if self.flow_options:
+            changes["flow_options"] = flow_options(dict(self.flow_options))
         changes.update(self._shape_changes(cfg))
         if self.loop and not self.trace:
             raise ConfigError(f"{self.opt('loop')} needs {self.opt('trace')} FILE: it wraps the positions of a "
@@ -195,9 +202,19 @@ def resolve(cfg: Config, update: Any = None, kernel: Any = None, mode: str = "mt
         raise LoadError(f"update {upd.spec} is written for the {' and '.join(upd.kinds)} flow kind "
                         f"({', '.join(mine)}), not for {opt('flow')} {cfg.flow} ({kind.name}): pass {opt('flow')} "
                         f"{upd.flow or mine[0]}, or an update written for {kind.name} ({', '.join(kind.updates())})")
+    known, declared = entry_flow_options(kernel)
+    if mode == "mtp" and known:  # a built-in kernel's design is known before it loads (the engine absent)
+        ok, why = kind.accepts_design(cfg, f"the verify kernel {kernel}", declared)
+        if not ok:
+            raise LoadError(f"{opt('flow')} {cfg.flow} ({kind.name}): {why}")
     k = load_kernel(kernel)
     if mode == "mtp":
         ok, why = kind.accepts(k)
         if not ok:
             raise LoadError(f"{opt('flow')} {cfg.flow} ({kind.name}): {why}")
+        for what, declared in ((f"the update {upd.spec}", upd.flow_options),
+                               (f"the verify kernel {k.name}", k.flow_options)):
+            ok, why = kind.accepts_design(cfg, what, declared)
+            if not ok:
+                raise LoadError(f"{opt('flow')} {cfg.flow} ({kind.name}): {why}")
     return Resolved(cfg, upd, k, mode)

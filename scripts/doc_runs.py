@@ -218,5 +218,6 @@ def nightly_rate(record: dict) -> str:
     hours = 100_000 / rate / 3600
     return (f"Measured {e['date']} on {e['cores']} cores (load {'-'.join(f'{x:g}' for x in e['quiet']['load'])}): "
             f"1,000 steps of the `rne` entry in {duration(wall)}, at least {rate:.0f} steps/s with its setup, so "
-            f"100,000 steps take at most about {hours:.1f} hours per entry and the four default entries about "
-            f"{4 * hours:.0f} hours on one such machine; `--shard K/N` splits them.")
+            f"100,000 steps take at most about {hours:.1f} hours per entry and the four store variants about "
+            f"{4 * hours:.0f} hours on one such machine (the kernel-commit design entries of the default matrix "
+            "cost more: docs/teeth.md); `--shard K/N` splits them.")

@@ -2,7 +2,9 @@
 """Regenerate what the documentation shows from the code and from measurements.
 
     python scripts/update_readme.py            # everything (the tables take minutes)
-    python scripts/update_readme.py --help-only  # help texts, synopsis, checks table (seconds)
+    python scripts/update_readme.py --help-only  # help texts, synopsis, checks table, design tables from their records (seconds)
+    python scripts/update_readme.py --designs-only  # re-measure the design trade-off's 4,096-step column (minutes)
+    python scripts/update_readme.py --design-nightly MERGED/report.json --machine "16-core x86_64, H200 host"
 
 * drift/_help.py: every ``drift [CMD] --help`` text (drift/__main__.py answers --help from it
   without importing torch), from drift.cli's parser;
@@ -10,6 +12,10 @@
 * the README's ``<!-- drift:checks -->`` block: the checks table, from drift's check registry;
 * docs/teeth.md's ``<!-- drift:mutants -->`` / ``<!-- drift:tradeoff -->`` blocks: ``drift mutants``
   and ``drift tradeoff`` on ci-small at drift.jobs.teeth.TEETH_STEPS steps;
+* docs/teeth.md's ``<!-- drift:designs -->`` block and the README's: the kernel-commit design
+  trade-off, rendered from its records -- docs/design_tradeoff.json (``drift tradeoff --designs`` at
+  4,096 steps, measured here) and docs/design_nightly.json (a merged ``drift nightly --design-table``
+  report, summarised by ``--design-nightly MERGED/report.json --machine TEXT``);
 * every duration, count and sample output of README.md and docs/reference.md (the
   ``<!-- drift:durations -->``, ``nightly-rate`` and ``sample-*`` blocks), from the record of
   measured runs, docs/measured.json (scripts/doc_runs.py). ``--measure [NAME ...]`` runs them first
@@ -68,7 +74,59 @@ def measured_sections(readme: str, reference: str) -> tuple[str, str]:
     return readme, replace_section(reference, "durations", doc_runs.reference_table(record), REFERENCE)
 
 
+def _arg(argv: list[str], name: str) -> str:
+    i = argv.index(name)
+    if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+        raise SystemExit(f"{name} needs a value")
+    return argv[i + 1]
+
+
+def render_designs() -> None:
+    """docs/teeth.md's and the README's design blocks from the committed records."""
+    from drift.fileio import read_json
+    from drift.jobs.teeth import DESIGN_NIGHTLY, DESIGN_RECORD, design_markdown, design_summary
+
+    record = read_json(ROOT / DESIGN_RECORD, "design trade-off record", "run python scripts/update_readme.py --designs-only")
+    nightly = read_json(ROOT / DESIGN_NIGHTLY, "design nightly summary", "restore it") if (ROOT / DESIGN_NIGHTLY).exists() \
+        else None
+    atomic_write_text(TEETH_DOC, replace_section(TEETH_DOC.read_text(), "designs", design_markdown(record, nightly),
+                                                 TEETH_DOC))
+    atomic_write_text(README, replace_section(README.read_text(), "designs", design_summary(record, nightly)))
+    print(f"updated the design trade-off in {TEETH_DOC} and {README}")
+
+
+def measure_designs() -> None:
+    import datetime
+
+    import torch
+
+    from drift.config import preset
+    from drift.fileio import atomic_write_json
+    from drift.jobs.teeth import DESIGN_RECORD, DESIGN_STEPS, design_record, design_tradeoff
+
+    torch.set_num_threads(1)
+    cfg = preset("ci-small", steps=DESIGN_STEPS)
+    atomic_write_json(ROOT / DESIGN_RECORD, design_record(design_tradeoff(cfg), cfg, datetime.date.today().isoformat()))
+
+
 def main(argv: list[str]) -> int:
+    if "--design-nightly" in argv:  # a merged nightly report of the design table, summarised and rendered
+        import datetime
+
+        from drift.fileio import atomic_write_json
+        from drift.jobs.nightly import read_report
+        from drift.jobs.teeth import DESIGN_NIGHTLY, nightly_summary
+
+        report = read_report(Path(_arg(argv, "--design-nightly")))
+        machine = _arg(argv, "--machine") if "--machine" in argv else "an unrecorded machine"
+        when = _arg(argv, "--date") if "--date" in argv else datetime.date.today().isoformat()
+        atomic_write_json(ROOT / DESIGN_NIGHTLY, nightly_summary(report, machine, when))
+        render_designs()
+        return 0
+    if "--designs-only" in argv:
+        measure_designs()
+        render_designs()
+        return 0
     if "--measure" in argv:
         names = [a for a in argv[argv.index("--measure") + 1:] if not a.startswith("--")]
         doc_runs.measure(names or None)
@@ -79,6 +137,8 @@ def main(argv: list[str]) -> int:
     atomic_write_text(REFERENCE, reference)
     print(f"updated {HELP_MODULE}, the synopsis, the checks table and the measured blocks in {README}, "
           f"the durations in {REFERENCE}")
+    if (ROOT / "docs" / "design_tradeoff.json").exists():
+        render_designs()
     if "--help-only" in argv or "--measure" in argv:
         return 0
     import torch
@@ -93,6 +153,8 @@ def main(argv: list[str]) -> int:
     text = replace_section(text, "tradeoff", tradeoff_markdown(tradeoff(cfg), cfg), TEETH_DOC)
     atomic_write_text(TEETH_DOC, text)
     print(f"updated {TEETH_DOC}")
+    measure_designs()
+    render_designs()
     return 0
 
 

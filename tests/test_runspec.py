@@ -11,7 +11,7 @@ import pytest
 
 from drift import cli, pytest_plugin
 from drift.config import DEFAULT_PRESET, PROFILES, ROUNDINGS, preset
-from drift.flows.registry import FLOWS
+from drift.flows.registry import FLOW_KINDS, FLOWS, check
 from drift.errors import ConfigError
 from drift.options import RUN_OPTIONS, SPECS
 from drift.runspec import RunSpec
@@ -44,8 +44,11 @@ def _flags(ap: argparse.ArgumentParser) -> set[str]:
 
 
 def test_every_spec_field_is_a_shared_option_and_every_shared_option_is_offered():
-    fields = {f.name.replace("_", "-") for f in dataclasses.fields(RunSpec)} - {"prefix", "layers"}
-    assert fields == set(RUN_OPTIONS) <= set(SPECS)
+    """Every RunSpec field is an option, and so is every flow kind's option (its flow_options)."""
+    fields = {f.name.replace("_", "-") for f in dataclasses.fields(RunSpec)} - {"prefix", "layers", "flow-options"}
+    kind_options = {o for kind in FLOW_KINDS.values() for o in kind.OPTIONS}
+    assert kind_options, "no flow kind declares an option: the generated flags are not exercised"
+    assert fields | kind_options == set(RUN_OPTIONS) <= set(SPECS)
     assert {f"--{n}" for n in RUN_OPTIONS} <= _flags(_cli_run_parser())
     assert {f"--drift-{n}" for n in RUN_OPTIONS} <= _flags(_plugin_parser())
 
@@ -69,6 +72,29 @@ def test_the_command_and_the_plugin_build_the_same_config():
         8, 3, ARGS["profile"], ARGS["rounding"], "all-D", ARGS["flow"], False)
     # Control: the preset alone differs, so the comparison above can fail.
     assert RunSpec().config() != a
+
+
+def test_flow_options_reach_the_config_from_the_command_and_the_plugin_alike():
+    """Each kind option's generated flag (--ring-records, --drift-ring-records ...) lands in
+    Config.flow_options, sorted; the kind checks it (an option its kind does not read: exit 2)."""
+    kind = next(k for k in FLOW_KINDS.values() if k.OPTIONS)
+    flow = next(f for f in FLOWS if FLOWS[f].kind == kind.name)
+    opts = list(kind.OPTIONS)[:2]
+    values = [[n for n in kind.OPTIONS[o] if not kind.OPTIONS[o][n].default and not kind.OPTIONS[o][n].takes_arg][0]
+              for o in opts]
+    argv = ["--flow", flow] + [x for o, v in zip(opts[::-1], values[::-1]) for x in (f"--{o}", v)]
+    ns_cli = _cli_run_parser().parse_args(argv)
+    ns_plug = _plugin_parser().parse_args([a.replace("--", "--drift-", 1) if a.startswith("--") else a for a in argv])
+    a = RunSpec.from_options(lambda n: getattr(ns_cli, n.replace("-", "_"), None)).config()
+    b = pytest_plugin.spec_from_options(lambda d, default=None: getattr(ns_plug, d, default)).config()
+    assert a == b and a.flow_options == tuple(sorted(zip(opts, values)))
+    assert check(a) is kind
+    # Negative control: the same options under a flow whose kind reads none are refused, naming where they apply.
+    other = next(f for f in FLOWS if not FLOW_KINDS[FLOWS[f].kind].OPTIONS)
+    with pytest.raises(ConfigError, match=f"does not apply to --flow {other} .*read under --flow {flow}"):
+        check(a.replace(flow=other))
+    with pytest.raises(SystemExit):  # an unknown choice is a usage error before any work
+        _cli_run_parser().parse_args(["--flow", flow, f"--{opts[0]}", "no-such-choice"])
 
 
 @pytest.mark.parametrize("prefix", ["", "drift-"])

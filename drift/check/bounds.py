@@ -31,6 +31,7 @@ import numpy as np
 
 from ..checkpoint import restore, saveable
 from ..dtypes import STORE_DTYPES
+from ..flows.fold_model import FoldRounding
 from .checks import Check
 from .registry import CHECKS, CheckSpec
 from .result import CheckResult
@@ -88,12 +89,17 @@ class BoundCheck(Check):
     _state = Check._state + ("env2", "var2", "worst_head", "logdecay_sum", "logdecay_n")
 
     def __init__(self, constant: float = BOUND_CONSTANT, growth_limit: float = GROWTH_LIMIT,
-                 initial_env2: Optional[np.ndarray] = None):
+                 initial_env2: Optional[np.ndarray] = None, fold: Optional[FoldRounding] = None):
         super().__init__(1.0)
         self.constant = constant
         self.growth_limit = growth_limit
         self.initial_env2 = initial_env2  # [L, R, HV]; default: one rounding of the start state
         self.last_env2: Optional[np.ndarray] = None  # [S, L, R, HV] of the last chunk
+        # A commit that folds records (drift/flows/fold_model.py): its design's terms (docs/bounds.md §9),
+        # read from the fold_terms measure; none where the design adds nothing to §1-§4's model.
+        self.fold = None if fold is None or fold.trivial else fold
+        if self.fold is not None:
+            self.measures = type(self).measures + ("fold_terms",)
 
     def start(self, comparison) -> None:
         super().start(comparison)
@@ -152,6 +158,15 @@ class BoundCheck(Check):
         exact = self.cfg.ssm_dtype == "float32"  # fp32 -> fp32 store is exact
         store = 0.0 if exact else self.kappa * chunk.round_w * chunk.ulp2_run
         store_var = 0.0 if exact else self.kappa4 * chunk.round_w ** 2 * chunk.ulp4_run
+        seen_extra = seen_extra_var = 0.0  # roundings in what is compared that the next step never reads
+        if self.fold is not None:  # docs/bounds.md §9: the store only where the row folds, and the design's terms
+            folds = chunk.fold[:, None, :, None]  # [S, 1, R, 1]
+            store, store_var = store * folds, store_var * folds
+            if not exact:  # a row with records pending is compared as its fp32 state rounded to the checkpoint
+                seen_extra = KAPPA["rne"] * chunk.ulp2_run * (1.0 - folds)
+                seen_extra_var = KAPPA4["rne"] * chunk.ulp4_run * (1.0 - folds)
+            store = store + chunk.rec2 + chunk.op2
+            store_var = store_var + chunk.rec4 + chunk.op4
         inject = store + self.compute_scale * chunk.tok_w * chunk.ulp2_run
         serving = "start" in chunk.arrays
         for s in range(chunk.count):
@@ -161,11 +176,11 @@ class BoundCheck(Check):
                 self._keep_snapshot_envelope(chunk, s, e2, v2)
             prev_env[s], prev_var[s] = e2, v2
             e2 = chunk.rho2[s] * e2 + inject[s]
-            v2 = chunk.rho2[s] ** 2 * v2 + (store_var[s] if not exact else 0.0)
+            v2 = chunk.rho2[s] ** 2 * v2 + (store_var[s] if not (exact and self.fold is None) else 0.0)
             env[s], var[s] = e2, v2
         self.env2, self.var2 = e2, v2
         self.last_env2 = env
-        expected = env + FLUCTUATION_Z * np.sqrt(var)
+        expected = env + seen_extra + FLUCTUATION_Z * np.sqrt(var + seen_extra_var)
         bound = np.sqrt(self.constant ** 2 * expected + COMPUTE_FLOOR ** 2 * chunk.ref2)
         ratio = np.sqrt(chunk.err2) / np.maximum(bound, 1e-300)
         self._update(ratio, chunk.step0)
@@ -320,9 +335,19 @@ def _mtp(ctx) -> bool:
     return ctx.mode == "mtp"
 
 
+def fold_rounding_of(ctx) -> Optional[FoldRounding]:
+    """The fold design of an MTP run whose flow kind's commit folds records (``FlowKind.fold_rounding``)."""
+    from ..flows.registry import FLOW_KINDS, FLOWS
+
+    if ctx.mode != "mtp" or ctx.cfg.flow not in FLOWS:
+        return None
+    return FLOW_KINDS[FLOWS[ctx.cfg.flow].kind].fold_rounding(ctx.cfg)
+
+
 for _spec in (
     CheckSpec("drift_bound", "drift bound", 70, "state error above `C * envelope` at any step, layer, row, head "
-              "(bf16 drift, biased rounding)", "consumer", build=lambda ctx: BoundCheck(initial_env2=ctx.env2_start)),
+              "(bf16 drift, biased rounding)", "consumer",
+              build=lambda ctx: BoundCheck(initial_env2=ctx.env2_start, fold=fold_rounding_of(ctx))),
     CheckSpec("growth_exponent", "growth exponent", 80, f"error of a non-stagnating head growing faster than "
               f"`step^{GROWTH_LIMIT}`", "derived", needs=("drift_bound",),
               build=lambda ctx: GrowthCheck(ctx.checks["drift_bound"])),

@@ -119,6 +119,7 @@ class Comparison:
         S, L, R, HV = sim.stream.chunk_steps, cfg.num_layers, cfg.num_requests, cfg.num_v_heads
         self.measures = declared(self.consumers)
         self.keep_states = any(m.states for m in self.measures)
+        self.keep_deltas = any(m.deltas for m in self.measures)
         self.buf: dict[str, torch.Tensor] = {}
         for m in self.measures:
             self.buf.update({k: torch.zeros(S, L, R, HV, dtype=F64, device=dev) for k in m.head})
@@ -270,7 +271,7 @@ class Comparison:
         batch.twin = twin.advance_batch(batch.snap["x"], batch.snap["a"], batch.snap["b"], batch.accept,
                                         np.stack([p[3] for p in pending]), batch.marks,
                                         after_twin_step if stepwise or self.twin_listeners else None,
-                                        keep_states=self.keep_states)
+                                        keep_states=self.keep_states, keep_deltas=self.keep_deltas)
         batch.m = torch.arange(D, device=dev)[None, None, :] < torch.from_numpy(batch.accept).to(dev)[:, :, None]
         batch.rows = torch.tensor(batch.idx, dtype=torch.int64, device=dev)
         if pending[0][6] is not None:  # a churning lifecycle: which request each lane ran
@@ -333,7 +334,9 @@ class Comparison:
                 "twin_state": saveable(self.twin.state), "twin_window": saveable(self.twin.window),
                 "consumers": [c.state_dict() if hasattr(c, "state_dict") else None for c in self.consumers],
                 "age": saveable(self.age), "col_frac": saveable(getattr(self, "col_frac", None)),
-                "snapshot_truth": [[q, P, saveable(st), saveable(w)] for q, (P, st, w) in self._snapshot_truth.items()]}
+                "snapshot_truth": [[q, P, saveable(st), saveable(w)] for q, (P, st, w) in self._snapshot_truth.items()],
+                **({"measures": carried} if (carried := {m.key: st for m in self.measures
+                                                         if m.save is not None and (st := m.save(self))}) else {})}
 
     def load_state_dict(self, state: dict) -> None:
         self.golden_positions = state["golden_positions"]
@@ -349,6 +352,9 @@ class Comparison:
         for c, cs in zip(self.consumers, state["consumers"]):
             if cs is not None:
                 c.load_state_dict(cs)
+        for m in self.measures:
+            if m.load is not None and m.key in state.get("measures", {}):
+                m.load(self, state["measures"][m.key])
 
     def reference_description(self) -> str:
         dev = self.ref_device

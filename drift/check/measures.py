@@ -13,8 +13,9 @@ tests/check/test_measures.py):
 * ``on_step(comp, batch, j)``: once the float64 twin has advanced through buffered step ``j``
   (``comp.twin`` at that step);
 * ``on_batch(comp, batch)``: after the twin went through the whole batch of steps (its values at
-  every step in ``batch.twin``; with ``states``, its committed states too). The built-in measures
-  all compute here, over the batch at once.
+  every step in ``batch.twin``; with ``states``, its committed states too; with ``deltas``, each
+  token's delta and key). The built-in measures all compute here, over the batch at once;
+* ``save(comp)`` / ``load(comp, state)``: what a measure carries across batches, in a checkpoint.
 
 Arrays are float64 on the comparison's reference device: per head ``[S, L, R, HV]`` (``head``),
 per row ``[S, R]`` (``row``), and boolean per-head flags that start True (``flags``).
@@ -29,8 +30,10 @@ from typing import Any, Callable, Iterable, Optional
 import numpy as np
 import torch
 
+from ..checkpoint import restore, saveable
 from ..dtypes import store_dtype
 from .golden import SCHED_FIELDS
+from ..flows.fold_model import FoldSchedule
 from ..registry import Registry
 from ..sim import native
 from ..sim.twin import TwinSteps
@@ -49,10 +52,15 @@ class Measure:
     flags: tuple[str, ...] = ()
     needs: tuple[str, ...] = ()
     states: bool = False  # reads the twin's committed state of every step (batch.twin.state)
+    deltas: bool = False  # reads each token's delta and key (batch.twin.delta / .key)
     start: Optional[Callable[[Any], None]] = None
     snapshot: Optional[Callable[[Any, Any], Any]] = None
     on_step: Optional[Callable[[Any, "Batch", int], None]] = None
     on_batch: Optional[Callable[[Any, "Batch"], None]] = None
+    # what it carries from one batch to the next, for a checkpoint (a nightly's resume): save(comp)
+    # -> a dict already saveable (drift.checkpoint.saveable), load(comp, dict); None when it carries nothing
+    save: Optional[Callable[[Any], dict]] = None
+    load: Optional[Callable[[Any, dict], None]] = None
 
     @property
     def arrays(self) -> tuple[str, ...]:
@@ -113,8 +121,14 @@ class Batch:
 def ulp_sq(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``ulp(x)^2`` elementwise: ulp = spacing of ``dtype``'s grid at each element of float64
     ``x`` (``2^(e - p)`` with ``x = m 2^e``, ``m`` in [0.5, 1), p mantissa bits), 0 where x is 0."""
+    return ulp_sq_bits(x, store_dtype(dtype).mantissa_bits)
+
+
+def ulp_sq_bits(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """:func:`ulp_sq` on the grid of ``bits`` mantissa bits (the implicit bit included; fp32's
+    exponent range: no subnormal or overflow limit, which the bound leaves out, docs/bounds.md §9)."""
     _, e = torch.frexp(x)
-    sq = torch.exp2((e - store_dtype(dtype).mantissa_bits).to(x.dtype) * 2.0)
+    sq = torch.exp2((e - bits).to(x.dtype) * 2.0)
     return torch.where(x == 0, torch.zeros_like(x), sq)
 
 
@@ -234,6 +248,127 @@ MEASURES.register("bound_terms", Measure(
           "tok_w",     # the same for the fp32 compute of every accepted token
           "out_w"),    # sum over accepted tokens of rho2(<= t) sum_k q_tk^2 c_k: how the committed error reaches them
     needs=("state",), on_batch=_bound_batch))
+
+
+# ----------------------------------------------------------------------- fold design terms
+# One rounding to nearest of a record or a contraction operand: variance 1/12 ulp^2, variance of
+# its square 1/180 ulp^4 (docs/bounds.md §2; drift.check.bounds.KAPPA / KAPPA4 of "rne").
+FOLD_KAPPA, FOLD_KAPPA4 = 1.0 / 12.0, 1.0 / 180.0
+
+
+def _fold_start(comp) -> None:
+    """The run's fold design (``FlowKind.fold_rounding``), its schedule (which rows fold when, from
+    the accept lengths alone) and, for a cadence that folds records of several steps with rounded
+    operands, each row's pending records decayed to the current step, in float64 (``[L, R, RL, HV,
+    V]`` / ``[L, R, RL, HV, K]``)."""
+    cfg, dev = comp.sim.cfg, comp.ref_device
+    fr = type(comp.sim.flow).fold_rounding(cfg) if comp.sim.mode == "mtp" else None
+    comp.fold_rounding, comp.fold_pending = fr, None
+    if fr is None or fr.trivial:  # nothing to count (read by a consumer that reads every measure):
+        comp.keep_deltas = False  # the twin keeps its fast path, its truth as without this measure
+        return
+    comp.fold_schedule = FoldSchedule(fr, cfg.num_requests)
+    if fr.operand_bits is not None and not fr.folds_every_commit:
+        L, R, HV = cfg.num_layers, cfg.num_requests, cfg.num_v_heads
+        comp.fold_pending = {
+            "u": torch.zeros(L, R, fr.ring_len, HV, cfg.head_v_dim, dtype=F64, device=dev),
+            "k": torch.zeros(L, R, fr.ring_len, HV, cfg.head_k_dim, dtype=F64, device=dev),
+            "n": np.zeros(R, np.int64)}
+
+
+def _operand_terms(u: torch.Tensor, k: torch.Tensor, bits: int, key_exact: bool, dims) -> tuple:
+    """Energy and variance of rounding the contraction operands ``u`` (``[..., V]``, decayed deltas) and
+    ``k`` (``[..., K]``, unit keys) to ``bits``: ``||du||^2 ||k||^2 + ||u||^2 ||dk||^2`` per product,
+    summed over ``dims`` (the records); the key's term left out where it is already on the grid."""
+    uu2 = ulp_sq_bits(u, bits)
+    e2, e4 = uu2.sum(-1), uu2.square().sum(-1)
+    if not key_exact:
+        un2, uk2 = u.square().sum(-1), ulp_sq_bits(k, bits)
+        e2, e4 = e2 + un2 * uk2.sum(-1), e4 + un2.square() * uk2.square().sum(-1)
+    return FOLD_KAPPA * e2.sum(dims), FOLD_KAPPA4 * e4.sum(dims)
+
+
+def _fold_batch(comp, batch: Batch) -> None:
+    """Per step and (layer, row, head) the rounding the fold design injects (docs/bounds.md §9),
+    from the twin's per-token deltas and keys, and per row whether it folds:
+
+    * ``rec2`` / ``rec4``: each accepted token's record rounded to the record precision, weighted by
+      its decay to the step's end ``w_t = prod_{s > t} a_s`` (it enters the state the next verify
+      starts from there): ``sum_t w_t^2 (ulp(d_t)^2 + ||d_t||^2 ulp(k_t)^2) / 12``, and its variance;
+    * ``op2`` / ``op4``: at a row's fold, each folded record's contraction operands -- the delta
+      decayed to the fold ``u = w d`` and the key -- rounded to the operand precision;
+    * ``fold`` (per row): 1 where the row folds (its checkpoint is stored), from the schedule."""
+    fr, buf, rows, tw = comp.fold_rounding, comp.buf, batch.rows, batch.twin
+    if fr is None or fr.trivial:
+        buf["fold"][rows] = 1.0  # every row stores every step, as in docs/bounds.md §4
+        return
+    dev = comp.ref_device
+    fold = np.stack([comp.fold_schedule.step(a) for a in batch.accept])  # [n, R], in step order
+    buf["fold"][rows] = torch.from_numpy(fold.astype(np.float64)).to(dev)
+    mm = batch.m[:, None, :, :, None]  # [n, 1, R, D, 1]
+    logd = torch.where(mm, torch.log(tw.decay), torch.zeros_like(tw.decay))  # [n, L, R, D, HV]
+    after = torch.flip(torch.cumsum(torch.flip(logd, [3]), 3), [3]) - logd  # sum over later accepted tokens
+    w = torch.exp(after) * mm  # [n, L, R, D, HV], 0 past the accepted tokens
+    d, k = tw.delta, tw.key  # [n, L, R, D, HV, V], [n, L, R, D, HV, K]
+    if fr.record_bits is not None:
+        ud2, uk2 = ulp_sq_bits(d, fr.record_bits), ulp_sq_bits(k, fr.record_bits)
+        dn2 = d.square().sum(-1)
+        buf["rec2"][rows] = FOLD_KAPPA * (w.square() * (ud2.sum(-1) + dn2 * uk2.sum(-1))).sum(3)
+        buf["rec4"][rows] = FOLD_KAPPA4 * (w.square().square() * (ud2.square().sum(-1)
+                                                                   + dn2.square() * uk2.square().sum(-1))).sum(3)
+    if fr.operand_bits is None:
+        return
+    if comp.fold_pending is None:  # every commit folds this step's records, decayed to its end
+        e2, e4 = _operand_terms(d * w[..., None], k, fr.operand_bits, fr.key_operand_exact, 3)
+        f = torch.from_numpy(fold).to(dev)[:, None, :, None]
+        buf["op2"][rows], buf["op4"][rows] = e2 * f, e4 * f
+        return
+    P, total = comp.fold_pending, logd.sum(3)  # [n, L, R, HV]
+    e2 = torch.zeros_like(total)
+    e4 = torch.zeros_like(total)
+    for j in range(batch.n):  # records of several steps: carried, decayed, folded when the row folds
+        P["u"].mul_(torch.exp(total[j])[:, :, None, :, None])
+        r_idx, t_idx = np.nonzero(batch.accept[j][:, None] > np.arange(d.shape[3])[None, :])
+        pos = P["n"][r_idx] + t_idx
+        ri, ti, pi = (torch.from_numpy(x).to(dev) for x in (r_idx, t_idx, pos))
+        P["u"][:, ri, pi] = d[j][:, ri, ti] * w[j][:, ri, ti][..., None]
+        P["k"][:, ri, pi] = k[j][:, ri, ti]
+        P["n"] += batch.accept[j]
+        f = np.nonzero(fold[j])[0]
+        if len(f):
+            fi = torch.from_numpy(f).to(dev)
+            a2, a4 = _operand_terms(P["u"][:, fi], P["k"][:, fi], fr.operand_bits, fr.key_operand_exact, 2)
+            e2[j][:, fi], e4[j][:, fi] = a2, a4
+            P["u"][:, fi] = 0.0
+            P["k"][:, fi] = 0.0
+            P["n"][f] = 0
+    buf["op2"][rows], buf["op4"][rows] = e2, e4
+
+
+def _fold_save(comp) -> dict:
+    if comp.fold_rounding is None or comp.fold_rounding.trivial:
+        return {}
+    return saveable({"schedule": comp.fold_schedule.state_dict(),
+                     "pending": None if comp.fold_pending is None else dict(comp.fold_pending)})
+
+
+def _fold_load(comp, state: dict) -> None:
+    state = restore(state)
+    if not state:
+        return
+    comp.fold_schedule.load_state_dict(state["schedule"])
+    if state.get("pending") is not None:
+        P = state["pending"]
+        comp.fold_pending = {"u": torch.as_tensor(P["u"]).to(comp.ref_device, F64),
+                             "k": torch.as_tensor(P["k"]).to(comp.ref_device, F64), "n": np.asarray(P["n"], np.int64)}
+
+
+MEASURES.register("fold_terms", Measure(
+    "fold_terms", "the rounding a commit's fold design injects (records, contraction operands) and when it folds",
+    head=("rec2", "rec4",  # record rounding energy entering the state this step, and its variance
+          "op2", "op4"),   # contraction-operand rounding energy of the folds this step, and its variance
+    row=("fold",),         # 1 where the row folds (its checkpoint is stored) this step
+    deltas=True, start=_fold_start, on_batch=_fold_batch, save=_fold_save, load=_fold_load))
 
 
 # ----------------------------------------------------------------------- outputs, conv windows

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Mapping, Optional
 
 import numpy as np
@@ -13,13 +14,81 @@ import torch
 
 from ..config import Config
 from ..dtypes import as_bits
+from ..errors import ConfigError
+from ..registry import Registry
 from ..sim import kernels, naive
 from ..sim.kernels import VerifyArgs, VerifyRule
 from ..sim.pool import STALE
-from .registry import FLOWS, updates_of
+from .fold_model import FoldRounding
+from .registry import FLOWS, flows_of, updates_of
 from .slots import Held, MambaSlots
 
 F64 = torch.float64
+# What code under test declares (its ``FLOW_OPTIONS`` attribute) when it reads the run's flow options
+# from its harness or verify rule and so implements every choice (drift's renderings, the portable op).
+EVERY_CHOICE = "*"
+
+
+@dataclass(frozen=True)
+class OptionChoice:
+    """One choice of a flow kind's option (:attr:`FlowKind.OPTIONS`): ``name`` (what ``--<option>``
+    takes; ``name:N`` when ``takes_arg``, N an integer >= 1), what it does, ``used_by`` (the engine
+    and kernel that make this choice: file and version), ``default`` (the kind's default: the engine
+    as modelled). A kind subclasses it with the numbers its code and the bound read."""
+
+    name: str
+    description: str
+    used_by: str
+    default: bool = False
+    takes_arg: bool = False
+
+
+@dataclass(frozen=True)
+class DesignConfig:
+    """One configuration of a kind's design space, as its trade-off table and the nightly run it:
+    ``label``, the flow ``options`` it sets (name -> value; {} = the defaults), the checkpoint
+    (state) dtype -- a profile's ``ssm_dtype`` -- and the store rounding (``rne``, or ``stochastic``
+    declared), and a ``note`` on who ships it."""
+
+    label: str
+    options: Mapping[str, str]
+    ssm_dtype: str = "bfloat16"
+    store_rounding: str = "rne"
+    note: str = ""
+
+
+def default_choice(choices: Registry) -> OptionChoice:
+    """The default of an option's choices (the one marked ``default``, else the first)."""
+    return next((c for c in choices.values() if c.default), choices.values()[0])
+
+
+def option_choice(options: Mapping[str, Registry], cfg: Config, option: str) -> tuple[OptionChoice, Optional[int]]:
+    """The choice ``cfg`` makes for ``option`` of ``options`` (a kind's OPTIONS; its default when
+    unset) and its argument (None unless the choice ``takes_arg``); ConfigError naming the option and
+    the allowed values."""
+    reg = options[option]
+    value = cfg.flow_option(option)
+    if value is None:
+        return default_choice(reg), None
+    name, colon, arg = value.partition(":")
+    allowed = ", ".join(f"{n}:N" if reg[n].takes_arg else n for n in reg)
+    if name not in reg or reg[name].takes_arg != bool(colon):
+        raise ConfigError(f"flow option {option}={value!r} (--{option}) is not known; allowed: {allowed}")
+    if not colon:
+        return reg[name], None
+    if not arg.isdigit() or int(arg) < 1:
+        raise ConfigError(f"flow option {option}={value!r} (--{option}): {name}:N takes an integer N >= 1; "
+                          f"allowed: {allowed}")
+    return reg[name], int(arg)
+
+
+def implements(declared: Any, option: str, choice: str) -> bool:
+    """Whether code declaring ``FLOW_OPTIONS = declared`` implements ``choice`` of ``option``:
+    :data:`EVERY_CHOICE`, or a mapping option -> the choice names it implements. Code declaring
+    nothing implements the defaults alone (the engine's code, written for its own design)."""
+    if declared == EVERY_CHOICE:
+        return True
+    return isinstance(declared, Mapping) and choice in tuple(declared.get(option, ()))
 
 
 class Harness:
@@ -77,6 +146,14 @@ class FlowKind(abc.ABC):
     POOL: ClassVar[type]
     HARNESS: ClassVar[type]
     SETTINGS: ClassVar[dict[str, str]] = {}
+    # The kind's own options (``Config.flow_options``; ``--<name>`` on the command line, generated):
+    # option name -> a Registry of its choices (:class:`OptionChoice` entries, one the default).
+    OPTIONS: ClassVar[dict[str, Registry]] = {}
+    OPTION_TITLES: ClassVar[dict[str, str]] = {}  # option name -> what it chooses (its --help)
+    # The configurations of the kind's design space its trade-off table shows (drift/jobs/teeth.py),
+    # and those the nightly matrix runs by default: the ones whose trend a long horizon must show.
+    TRADEOFF_DESIGNS: ClassVar[tuple[DesignConfig, ...]] = ()
+    NIGHTLY_DESIGNS: ClassVar[tuple[DesignConfig, ...]] = ()
     tracks: ClassVar[bool] = True  # it keeps prefix-cache snapshots (:meth:`tracked_snapshot`); False: n/a
     # A churning lifecycle (drift/lifecycles.py): whether the kind models it (:meth:`admit`, :meth:`release`,
     # :meth:`arrange`), and the engine's batch row order (drift.sim.serving.BATCH_ORDERS).
@@ -109,6 +186,54 @@ class FlowKind(abc.ABC):
     def validate(cls, cfg: Config) -> None:
         """The kind's own rules on ``cfg`` (ConfigError naming what to change); none by default."""
 
+    # ------------------------------------------------------------ options
+    @classmethod
+    def default_choice(cls, option: str) -> OptionChoice:
+        return default_choice(cls.OPTIONS[option])
+
+    @classmethod
+    def option_choice(cls, cfg: Config, option: str) -> tuple[OptionChoice, Optional[int]]:
+        """The choice ``cfg`` makes for ``option`` (:func:`option_choice`)."""
+        return option_choice(cls.OPTIONS, cfg, option)
+
+    @classmethod
+    def validate_options(cls, cfg: Config) -> None:
+        """Every option ``cfg`` sets is one of this kind's, with a known choice (ConfigError naming
+        the kinds that read an option this one does not, and the allowed values)."""
+        from .registry import FLOW_KINDS
+
+        for option, _ in cfg.flow_options:
+            if option not in cls.OPTIONS:
+                readers = [k for k in FLOW_KINDS if option in FLOW_KINDS[k].OPTIONS]
+                where = (f"it is read under --flow {', '.join(f for k in readers for f in flows_of(k))}" if readers
+                         else "no flow kind reads it")
+                mine = ", ".join(cls.OPTIONS) or "none"
+                raise ConfigError(f"flow option {option} (--{option}) does not apply to --flow {cfg.flow} (kind "
+                                  f"{cls.name}, whose options are: {mine}); {where}")
+            cls.option_choice(cfg, option)
+
+    @classmethod
+    def accepts_design(cls, cfg: Config, what: str, declared: Any) -> tuple[bool, str]:
+        """Whether code under test declaring ``FLOW_OPTIONS = declared`` (:func:`implements`)
+        implements every option ``cfg`` sets away from its default, and why not; ``what`` names
+        the code (the update, the verify kernel)."""
+        missing = [f"{option}={value}" for option, value in cfg.flow_options
+                   if not cls.option_choice(cfg, option)[0].default
+                   and not implements(declared, option, cls.option_choice(cfg, option)[0].name)]
+        if not missing:
+            return True, ""
+        how = ("it declares no FLOW_OPTIONS, so it is taken to implement the engine's own design, the kind's "
+               "defaults" if declared is None else f"it declares FLOW_OPTIONS = {declared!r}")
+        return False, (f"{what} does not implement {', '.join(missing)} of flow kind {cls.name} ({how}): drop "
+                       f"{' and '.join('--' + m.split('=')[0] for m in missing)} to run it as it ships, or give it "
+                       "FLOW_OPTIONS naming the choices it implements (docs/extending.md)")
+
+    @classmethod
+    def fold_rounding(cls, cfg: Config) -> Optional[FoldRounding]:
+        """What the drift bound reads of ``cfg``'s fold design (drift/flows/fold_model.py), None for
+        a kind whose commit folds nothing (a copy or bookkeeping)."""
+        return None
+
     @classmethod
     def updates(cls) -> tuple[str, ...]:
         """The built-in updates written for this kind, its default first."""
@@ -124,6 +249,16 @@ class FlowKind(abc.ABC):
         """:meth:`conv_verify` in loops (per layer, row, token and tap), moving the conv windows as it
         does; mix_qkv float64 holding bf16 values ``[L, N, D, C]`` (drift bench's naive step)."""
         raise NotImplementedError(f"flow kind {self.name!r} has no naive conv (drift bench does not time it)")
+
+    # The bytes a design moves per decode step, modelled from the kernels' own storage (the trade-off
+    # table of a kind with TRADEOFF_DESIGNS): :meth:`design_traffic`, described by DESIGN_TRAFFIC.
+    DESIGN_TRAFFIC: ClassVar[str] = ""
+
+    @classmethod
+    def design_traffic(cls, cfg: Config, accept: np.ndarray) -> dict[str, float]:
+        """Bytes per decode step (summed over layers and active requests) of ``cfg``'s design, by part,
+        over the accept lengths ``accept`` (host int ``[steps, R]``, the bonus token included)."""
+        raise NotImplementedError(f"flow kind {cls.name!r} has no design traffic model")
 
     @classmethod
     def bench_state_bytes(cls, cfg: Config) -> dict[str, int]:

@@ -140,7 +140,8 @@ def default_update(kind: str) -> str:
 def check(cfg: Config) -> type:
     """The flow kind of ``cfg.flow`` (its :class:`drift.flows.base.FlowKind` subclass), after the
     flow's and the kind's rules for ``cfg``: the flow is registered, ragged drafts only where the
-    engine verifies varlen, and the kind's own ``validate``. ConfigError names what to change."""
+    engine verifies varlen, the flow options the kind reads (``FlowKind.OPTIONS``) and the kind's own
+    ``validate``. ConfigError names what to change."""
     flow = FLOWS[cfg.flow]
     if cfg.drafts == "ragged" and not flow.ragged:
         raise ConfigError(f"drafts='ragged' under flow={cfg.flow!r}: that flow verifies every row's D draft tokens "
@@ -151,6 +152,7 @@ def check(cfg: Config) -> type:
         raise ConfigError(f"lifecycle={cfg.lifecycle!r} under flow={cfg.flow!r}: kind {kind.name!r} does not model "
                           "requests that come and go; allowed: lifecycle='fixed', or a flow whose kind does ("
                           + ", ".join(f for f in FLOWS if FLOW_KINDS[FLOWS[f].kind].SERVES) + ")")
+    kind.validate_options(cfg)
     kind.validate(cfg)
     return kind
 

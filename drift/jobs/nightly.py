@@ -40,10 +40,11 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence, TextIO
 
 from .. import checkpoint
-from ..config import PRESETS, Config, find_profile
+from ..config import PRESETS, Config, find_profile, flow_options
 from ..errors import ConfigError, DataError, DriftError
 from ..fileio import atomic_write_json, atomic_write_text, read_json, staged
-from ..flows.registry import FLOWS, default_update
+from ..flows.base import DesignConfig
+from ..flows.registry import FLOW_KINDS, FLOWS, default_update, flows_of
 from ..runner import CheckedRun, versions
 from ..check.metrics import BINS_PER_OCTAVE
 from ..check.registry import find_result, result_key
@@ -86,11 +87,17 @@ class Entry:
     loop: bool = False
     graph: bool = True  # False: eager steps and eager verify arguments (--no-graph)
     flow: str = ""  # the state flow (drift.config.FLOWS); "": the preset's
+    flow_options: tuple = ()  # Config.flow_options (sorted name/value pairs); (): the kind's defaults
     lifecycle: str = "fixed"  # how requests come and go (drift/lifecycles.py); the nightly's long horizon: fixed
+
+    def __post_init__(self) -> None:  # read back from JSON: lists of [name, value]
+        object.__setattr__(self, "flow_options", tuple(tuple(p) for p in self.flow_options))
 
     @property
     def key(self) -> str:
         update = re.sub(r"[^A-Za-z0-9_.-]+", "_", self.update)
+        if self.flow_options:  # the design's choices, as name-value
+            update += "+" + "+".join(re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{n}-{v}") for n, v in self.flow_options)
         if self.flow:  # a flow of its own names it; the preset's flow keeps the keys earlier reports have
             update = f"{self.flow}.{update}"
         if self.trace:
@@ -108,7 +115,7 @@ class Entry:
                        profile=FP32_PROFILE if self.variant == "fp32" else None,
                        rounding=None if self.variant == "fp32" else
                        ("stochastic" if self.variant == "stochastic" else "rne"),
-                       update=None if self.update == "-" else self.update,
+                       update=None if self.update == "-" else self.update, flow_options=self.flow_options,
                        mode="sequential" if self.variant == "sequential" else "mtp")
 
     def resolve(self, device: str) -> Resolved:
@@ -119,9 +126,22 @@ class Entry:
         return self.resolve(device).cfg
 
 
+def entry_dict(entry: Entry) -> dict:
+    """An entry as its report records it: without ``flow_options`` when the design is the kind's
+    default, nor ``lifecycle`` for the fixed batch (the form reports of earlier drifts have, so their
+    entries pair and merge as before)."""
+    d = asdict(entry)
+    if not entry.flow_options:
+        del d["flow_options"]
+    if entry.lifecycle == "fixed":  # likewise the fixed batch
+        del d["lifecycle"]
+    return d
+
+
 def build_matrix(presets: Sequence[str], seeds: Sequence[int], updates: Sequence[str], variants: Sequence[str],
                  steps: Optional[int], layers: Optional[int], trace: str = "", loop: bool = False,
-                 graph: bool = True, flow: str = "", lifecycle: str = "fixed") -> list[Entry]:
+                 graph: bool = True, flow: str = "", flow_options: tuple = (),
+                 lifecycle: str = "fixed") -> list[Entry]:
     if steps is None and not trace:
         raise ConfigError("steps=None is only allowed with a trace (the whole trace)")
     out = []
@@ -133,7 +153,36 @@ def build_matrix(presets: Sequence[str], seeds: Sequence[int], updates: Sequence
                 if v not in VARIANTS:
                     raise ConfigError(f"variant={v!r} is not known; allowed: {', '.join(VARIANTS)}")
                 for update in (["-"] if v == "sequential" else updates):
-                    out.append(Entry(p, s, update, v, steps, layers, trace, loop, graph, flow, lifecycle))
+                    # sequential decode keeps no MTP state: the flow's design does not reach it
+                    out.append(Entry(p, s, update, v, steps, layers, trace, loop, graph, flow,
+                                     () if v == "sequential" else flow_options, lifecycle=lifecycle))
+    return out
+
+
+def design_variant(design: DesignConfig) -> str:
+    """The variant that runs a design configuration's checkpoint: ``fp32`` (the fp32 profile) for an
+    fp32 checkpoint, else its store rounding (``rne`` or a declared ``stochastic``)."""
+    if design.ssm_dtype == "float32":
+        return "fp32"
+    return "stochastic" if design.store_rounding == "stochastic" else "rne"
+
+
+def design_matrix(which: str, presets: Sequence[str], seeds: Sequence[int], steps: Optional[int],
+                  layers: Optional[int], graph: bool = True, flow: str = "") -> list[Entry]:
+    """Each flow kind's design configurations (``FlowKind.NIGHTLY_DESIGNS`` for ``which="nightly"``,
+    ``TRADEOFF_DESIGNS`` for ``"table"``; only ``flow``'s kind when given), in its first flow (or
+    ``flow``) with its default update, each on its checkpoint's variant, per preset and seed."""
+    out = []
+    for kind_name, kind in FLOW_KINDS.items():
+        flows = flows_of(kind_name)
+        if not flows or (flow and FLOWS[flow].kind != kind_name):
+            continue
+        designs = kind.NIGHTLY_DESIGNS if which == "nightly" else kind.TRADEOFF_DESIGNS
+        for p in presets:
+            for s in seeds:
+                for d in designs:
+                    out.append(Entry(p, s, default_update(kind_name), design_variant(d), steps, layers, graph=graph,
+                                     flow=flow or flows[0], flow_options=flow_options(d.options)))
     return out
 
 
@@ -177,7 +226,7 @@ def identity(entry: Entry, device: str, run: Optional[Resolved] = None) -> dict:
     ``run``: the entry already resolved on ``device`` (resolved here when not given)."""
     run = run if run is not None else entry.resolve(device)
     cfg = run.cfg
-    ident = {"entry": asdict(entry), "config": {**cfg.to_dict(), "profile": cfg.profile}, "drift": __version__,
+    ident = {"entry": entry_dict(entry), "config": {**cfg.to_dict(), "profile": cfg.profile}, "drift": __version__,
              "update": None if entry.update == "-" else update_identity(run.update),
              "checks": checks_identity(cfg, run.mode), "extensions": extensions_identity()}
     return json.loads(json.dumps(ident, sort_keys=True))  # as a file holds it: tuples are lists
@@ -256,7 +305,7 @@ def run_entry(entry: Entry, device: str, ckpt_dir: Optional[Path] = None,
     full = replace(entry, layers=None).config(device)  # the preset's (the trace's) every layer
     cut = (f"{full.num_layers} -> {cfg.num_layers} GDN layers on {device}" if cfg.num_layers < full.num_layers else "")
     return {
-        "entry": asdict(entry), "key": entry.key, "config": cfg.to_dict(), "cut": cut,
+        "entry": entry_dict(entry), "key": entry.key, "config": cfg.to_dict(), "cut": cut,
         "verdict": "fail" if any(r.failed for r in results) else "pass",
         "steps": info.steps, "reference": run.comparison.reference_description(),
         "verify_kernel": info.verify_kernel, "syncs_per_step": syncs, "checks": [r.to_dict() for r in results],
@@ -526,6 +575,6 @@ def run_nightly(entries: Sequence[Entry], mine: Sequence[Entry], shard_text: str
         drop_checkpoints(ckpt_dir, e, keep_checkpoint)
     if ckpt_dir.is_dir() and not any(ckpt_dir.iterdir()):
         ckpt_dir.rmdir()
-    meta = {"versions": versions(), "device": device, "matrix": [asdict(e) for e in entries], "shard": shard_text}
+    meta = {"versions": versions(), "device": device, "matrix": [entry_dict(e) for e in entries], "shard": shard_text}
     report = assemble(results, meta, timings, baseline, trend_factor)
     return report, write(report, out, baseline)

@@ -66,6 +66,10 @@ def lifecycle_text(run: dict, cfg: dict) -> str:
     return (f"{cfg['lifecycle']}: {ev['requests']} requests ({starts}; {ends}), graph buckets "
             f"{', '.join(map(str, ev['buckets']))} with {'/'.join(map(str, ev['padded_rows']))} padded rows, "
             f"{ev['row_moves']} row moves")
+def _options_text(cfg: dict) -> str:
+    """The flow options a run set (``--ring-records fp16`` ...), or nothing: the kind's defaults."""
+    opts = cfg.get("flow_options") or []
+    return (", flow options " + " ".join(f"--{n} {v}" for n, v in opts)) if opts else ""
 
 
 def summary_text(rep) -> str:
@@ -73,7 +77,8 @@ def summary_text(rep) -> str:
     run, cfg = d["run"], d["config"]
     head = (f"drift run: preset {cfg['name']}, update {run['update']}, {run['steps']} steps "
             f"({run['mode']}), device {run['device']}, {cfg['ssm_dtype']} state, "
-            f"{cfg['store_rounding']} store, kernels: {run['kernels']}, GDN verify: {run.get('verify_kernel', 'not recorded')}, "
+            f"{cfg['store_rounding']} store{_options_text(cfg)}, kernels: {run['kernels']}, "
+            f"GDN verify: {run.get('verify_kernel', 'not recorded')}, "
             f"steps: {_graph_text(run)}\n"
             f"lifecycle {lifecycle_text(run, cfg)}\n"
             f"reference: {d['reference']}; {run['wall_s']:.1f} s "
@@ -96,7 +101,7 @@ def summary_markdown(rep) -> str:
         f"- preset `{cfg['name']}`, seed {cfg['seed']}, {run['steps']} decode steps ({run['mode']})",
         f"- update under test: `{run['update']}`" + (f" ({run.get('update_source')})" if run.get("update_source") else ""),
         f"- profile `{cfg.get('profile', 'custom')}`: {cfg['ssm_dtype']} state ({cfg['layout']} layout), store "
-        f"rounding {cfg['store_rounding']}; verify flow {cfg.get('flow', 'sglang')}"
+        f"rounding {cfg['store_rounding']}; verify flow {cfg.get('flow', 'sglang')}{_options_text(cfg)}"
         f"{' (graph-mode arguments)' if cfg.get('graph_mode', True) else ' (eager arguments)'}; "
         f"kernels: {run['kernels']}; GDN verify: {run.get('verify_kernel', 'not recorded')}; device {run['device']}; "
         f"steps {_graph_text(run)}",
@@ -193,7 +198,8 @@ def nightly_markdown(rep: dict) -> str:
         state = _check(e, "committed_state") or {}
         worst_ratio = (_check(e, "drift_bound") or {}).get("worst")
         failed = [c["name"] for c in e["checks"] if c["failed"]]
-        rows.append([en["preset"], str(en["seed"]), en["update"], en["variant"], str(e["steps"]),
+        update = en["update"] + "".join(f" --{n} {v}" for n, v in en.get("flow_options") or [])
+        rows.append([en["preset"], str(en["seed"]), update, en["variant"], str(e["steps"]),
                      e["verdict"].upper(), _fmt(worst_ratio), _fmt(state.get("worst")),
                      _fmt(e.get("syncs_per_step")), ", ".join(failed) or "-"])
     lines.append(markdown_table(["preset", "seed", "update", "variant", "steps", "verdict", "worst bound ratio",

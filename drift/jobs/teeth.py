@@ -11,13 +11,14 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 from ..check.registry import CHECKS, find_result
-from ..config import Config
-from ..flows.registry import FLOWS, UPDATES
+from ..config import Config, find_profile, flow_options
+from ..flows.registry import FLOW_KINDS, FLOWS, UPDATES, default_update, flows_of
 from ..plug.loader import load_update, mutant_config
 from ..plug.mutants import MUTANTS
 from ..runner import run_checked
 from ..runspec import resolve
 from ..syncs.costmodel import measure
+from ..syncs.scan import step_indices
 
 # Decode steps per run: every mutant is caught well within it (measured 16/16 at 512 steps; the
 # test suite's nightly twin runs the catalogue at 1,024, docs/bounds.md).
@@ -146,3 +147,160 @@ def tradeoff_markdown(rows: Sequence[dict], cfg: Config) -> str:
                      f"{_num(r['worst_bound_ratio'])} | {'PASS' if r['precision_ok'] else 'FAIL'} | "
                      f"{'PASS' if r['no_syncs'] else 'FAIL'} |")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------- design trade-off
+# The design table (docs/teeth.md, README.md): each flow kind's TRADEOFF_DESIGNS on ci-small at the
+# PR gate's horizon (4,096 steps, measured into DESIGN_RECORD) and at the nightly's (from a merged
+# `drift nightly --design-table` report, summarised into DESIGN_NIGHTLY).
+DESIGN_STEPS = 4096
+DESIGN_RECORD = "docs/design_tradeoff.json"
+DESIGN_NIGHTLY = "docs/design_nightly.json"
+
+
+def design_config(cfg: Config, flow: str, design) -> Config:
+    """``cfg`` in ``flow`` with a design configuration (``FlowKind.TRADEOFF_DESIGNS``): its options,
+    its checkpoint dtype (the dense profile of that state dtype) and its fold store rounding."""
+    profile = find_profile(f"{design.ssm_dtype} states in dense tensors",
+                           lambda p, lay: p.ssm_dtype == design.ssm_dtype and lay.dense)
+    return cfg.replace(flow=flow, flow_options=flow_options(dict(design.options)),
+                       store_rounding=design.store_rounding).with_profile(profile)
+
+
+def design_entry_key(cfg: Config, flow: str, design) -> str:
+    """The key of a design configuration's entry in a ``drift nightly --design-table`` report of
+    ``cfg``'s preset and seed (drift/jobs/nightly.py: design_matrix)."""
+    from .nightly import Entry, design_variant
+
+    return Entry(cfg.name, cfg.seed, default_update(FLOWS[flow].kind), design_variant(design), None, flow=flow,
+                 flow_options=flow_options(dict(design.options))).key
+
+
+def design_tradeoff(cfg: Config, progress: Optional[Callable[..., None]] = None) -> list[dict]:
+    """One row per design configuration of each flow kind that has them, in the kind's first flow, on
+    ``cfg`` (its steps: the PR gate's horizon): the bytes per step its kernels move by part
+    (``FlowKind.design_traffic`` over the stream's accept lengths), its worst committed-state error
+    and drift/bound ratio, and whether every PR-gating check passed."""
+    plan = [(kind, flows_of(name)[0], d) for name, kind in FLOW_KINDS.items() if kind.TRADEOFF_DESIGNS and flows_of(name)
+            for d in kind.TRADEOFF_DESIGNS]
+    rows = []
+    for kind, flow, d in plan:
+        c = design_config(cfg, flow, d)
+        last, _ = step_indices(c, c.steps)
+        traffic = kind.design_traffic(c, (last[:, :c.num_requests] + 1).clamp(min=0).numpy())
+        rep = run_checked(resolve(c), diagnose=False)
+        failed, ratio, _ = _verdicts(rep)
+        rows.append({"label": d.label, "note": d.note, "flow": flow, "options": dict(d.options),
+                     "checkpoint": d.ssm_dtype, "store_rounding": d.store_rounding, "steps": c.steps,
+                     "traffic": {k: round(v, 1) for k, v in traffic.items()}, "worst_bound_ratio": ratio,
+                     "worst_state_error": find_result(rep.checks, "committed_state").worst,
+                     "passed": not failed, "failed_checks": failed,
+                     "nightly_key": design_entry_key(cfg, flow, d)})
+        if progress is not None:
+            progress(len(rows), len(plan), d.label)
+    return rows
+
+
+def machine_text() -> str:
+    """Where a measurement ran: the CPU (architecture and cores) and torch's version."""
+    import os
+    import platform
+
+    import torch
+
+    return f"{platform.machine()} CPU, {os.cpu_count()} cores, torch {torch.__version__.split('+')[0]}"
+
+
+def design_record(rows: Sequence[dict], cfg: Config, when: str) -> dict:
+    """The committed record of a design trade-off measurement (:data:`DESIGN_RECORD`)."""
+    return {"preset": cfg.name, "seed": cfg.seed, "steps": cfg.steps, "machine": machine_text(), "date": when,
+            "traffic_model": {r["flow"]: FLOW_KINDS[FLOWS[r["flow"]].kind].DESIGN_TRAFFIC for r in rows},
+            "rows": list(rows)}
+
+
+def nightly_summary(report: dict, machine: str, when: str) -> dict:
+    """A merged ``drift nightly --design-table`` report cut to what the design table shows
+    (:data:`DESIGN_NIGHTLY`): per entry its steps, worst drift/bound ratio and committed-state error,
+    verdict and failed checks, with the machine it ran on (``machine``: the nightly's report records
+    only its device) and the run's date."""
+    entries = {}
+    for key, e in sorted(report["entries"].items()):
+        checks = {c.get("key"): c for c in e["checks"]}
+        entries[key] = {"steps": e["steps"], "verdict": e["verdict"],
+                        "worst_bound_ratio": checks.get("drift_bound", {}).get("worst"),
+                        "worst_state_error": checks.get("committed_state", {}).get("worst"),
+                        "failed_checks": [k for k, c in checks.items() if c.get("failed")],
+                        "cut": e.get("cut", "")}
+    return {"machine": machine, "device": report.get("device"), "date": when, "versions": report.get("versions"),
+            "shards": report.get("shard"), "seconds": report.get("timings", {}), "entries": entries}
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2 ** 10:.0f} KiB" if n < 2 ** 20 else f"{n / 2 ** 20:.3g} MiB"
+
+
+def _options_text(r: dict) -> str:
+    opts = ", ".join(f"{k} {v}" for k, v in sorted(r["options"].items())) or "the defaults"
+    store = "" if r["store_rounding"] == "rne" else f", {r['store_rounding']} fold store"
+    return f"{opts}; {r['checkpoint']} checkpoint{store}"
+
+
+def _long(nightly: Optional[dict], r: dict) -> Optional[dict]:
+    return (nightly or {}).get("entries", {}).get(r["nightly_key"])
+
+
+def design_markdown(record: dict, nightly: Optional[dict]) -> str:
+    """The design trade-off table of :data:`DESIGN_RECORD` with the nightly's column (None: not run)."""
+    rows = record["rows"]
+    horizon = "not run yet"
+    if nightly:
+        steps = sorted({e["steps"] for e in nightly["entries"].values()})
+        horizon = (f"{', '.join(f'{s:,}' for s in steps)} steps, `drift nightly --design-table` on {nightly['machine']} "
+                   f"({nightly['date']}, shards {nightly['shards']})")
+    flows = ", ".join(f"`{f}`" for f in dict.fromkeys(r["flow"] for r in rows))
+    lines = [f"Designs of the {flows} flow's commit on {record['preset']} (seed {record['seed']}), each judged by its "
+             "own bound: the "
+             f"worst drift/bound at {record['steps']:,} steps measured on {record['machine']} ({record['date']}); at "
+             f"the nightly's horizon: {horizon}.", "",
+             f"| configuration | design | shipped by | ring | checkpoint | fold | total / step | worst state error, "
+             f"{record['steps']:,} | drift/bound, {record['steps']:,} | drift/bound, nightly | verdict |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        t, long = r["traffic"], _long(nightly, r)
+        late = "not run" if long is None else f"{_num(long['worst_bound_ratio'])} ({long['steps']:,} steps)"
+        verdict = "PASS" if r["passed"] and (long is None or long["verdict"] == "pass") else "FAIL"
+        failed = [(record["steps"], r["failed_checks"])] if not r["passed"] else []
+        if long is not None and long["verdict"] != "pass":
+            failed.append((long["steps"], long["failed_checks"]))
+        where = ("; ".join(f"{n:,} steps: {', '.join(CHECKS.title(k) for k in keys)}" for n, keys in failed)
+                 if failed else "" if long is not None else f"{record['steps']:,} steps")
+        where = f" ({where})" if where else ""
+        lines.append(f"| {r['label']} | {_options_text(r)} | {r['note']} | {_mib(t['ring'])} | {_mib(t['checkpoint'])} | "
+                     f"{_mib(t['fold'])} | {_mib(sum(t.values()))} | {_num(r['worst_state_error'])} | "
+                     f"{_num(r['worst_bound_ratio'])} | {late} | {verdict}{where} |")
+    lines += ["", "Bytes per decode step, modelled from the kernels' own storage (not drift's torch temporaries): "
+              + "; ".join(record["traffic_model"].values()) + ".", "", design_summary(record, nightly)]
+    return "\n".join(lines)
+
+
+def design_summary(record: dict, nightly: Optional[dict]) -> str:
+    """The table's conclusions: the cheapest configuration within its own bound at every horizon
+    measured, and whether a TF32 fold holds at the nightly's horizon."""
+    rows = record["rows"]
+    ok = [r for r in rows if r["passed"] and (_long(nightly, r) is None or _long(nightly, r)["verdict"] == "pass")]
+    text = "No configuration stays within its bound." if not ok else ""
+    if ok:
+        best = min(ok, key=lambda r: sum(r["traffic"].values()))
+        measured = "the PR gate's and the nightly's horizons" if _long(nightly, best) else f"{record['steps']:,} steps"
+        text = (f"The cheapest configuration within its own bound ({measured}): **{best['label']}** "
+                f"({_options_text(best)}), {_mib(sum(best['traffic'].values()))} per step.")
+    tf32 = [r for r in rows if r["options"].get("fold-contraction") == "tf32"]
+    for r in tf32:
+        long = _long(nightly, r)
+        if long is None:
+            text += f" A TF32 fold ({r['label']}): not yet run at the nightly's horizon (it holds at {record['steps']:,} steps: " \
+                    f"{'yes' if r['passed'] else 'no'})."
+        else:
+            text += (f" A TF32 fold ({r['label']}) {'holds' if long['verdict'] == 'pass' else 'does not hold'} at "
+                     f"{long['steps']:,} steps (worst drift/bound {_num(long['worst_bound_ratio'])}).")
+    return text

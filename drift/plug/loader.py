@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from ..errors import ENDS_PROCESS, DriftError, HarnessLacks, LoadError, ended_by_code, raised_at
+from ..flows.base import EVERY_CHOICE
 from ..flows.registry import FLOW_KINDS, FLOWS, UPDATES
 from ..registry import Registry
 from ..sim import kernels
@@ -79,6 +80,7 @@ class KernelEntry:
     conformance: Conformance
     takes_arg: bool = False
     rules: Optional[tuple[str, ...]] = ("npu",)
+    flow_options: Any = None  # the flow-kind option choices it implements (drift.flows.base.implements)
 
 
 def _npu_op(arg: Optional[str]) -> VerifyKernel:
@@ -178,6 +180,12 @@ class Update:
     # flow's drift.flows.in_place.updates.ServingParts); None: its flow kind's own (drift/flows/slots.py
     # and the like).
     serving: Any = None
+
+    @property
+    def flow_options(self) -> Any:
+        """The flow-kind option choices it implements (its function's ``FLOW_OPTIONS``;
+        drift.flows.base.implements): None, the kind's defaults alone."""
+        return getattr(self.fn, "FLOW_OPTIONS", None)
 
     def __call__(self, backend, last_correct_step_indices, mamba_track_indices, mamba_steps_to_track):
         kwargs = {name: None for name in self.extra}
@@ -384,6 +392,16 @@ class Kernel:
     fn: VerifyKernel
     rules: Optional[tuple[str, ...]] = None
     portable: bool = False
+    declared: Any = None  # its entry's flow_options (KernelEntry), else read from fn
+
+    @property
+    def flow_options(self) -> Any:
+        """The flow-kind option choices it implements (drift.flows.base.implements): every one for
+        drift's portable op (the flow kind's verify rule writes what the options choose), else its
+        entry's or its function's ``FLOW_OPTIONS`` (None: the kind's defaults alone)."""
+        if self.portable:
+            return EVERY_CHOICE
+        return self.declared if self.declared is not None else getattr(self.fn, "FLOW_OPTIONS", None)
 
     def __call__(self, args) -> Any:
         return self.fn(args)
@@ -436,7 +454,8 @@ def load_kernel(spec: "str | VerifyKernel | Kernel | None") -> Kernel:
                             f"{name!r} must return kernel(args) -> bf16 out or raise LoadError saying what is missing")
         _check_kernel_signature(fn, f"kernel {spec!r}: its factory returned a kernel that", f"the entry {name!r} "
                                 "must return kernel(args: VerifyArgs) -> bfloat16 out")
-        return Kernel(spec, fn, entry.rules, portable=fn is kernels.recurrent_gated_delta_rule)
+        return Kernel(spec, fn, entry.rules, portable=fn is kernels.recurrent_gated_delta_rule,
+                      declared=entry.flow_options)
     if spec.startswith(MUTANT_PREFIX):
         fn = mutant(spec, "kernel").fn
         return Kernel(spec, fn, getattr(fn, "RULES", None))
@@ -463,6 +482,15 @@ def _check_kernel_signature(fn: Callable, what: str, fix: str) -> None:
     except TypeError as exc:
         raise LoadError(f"{what} has signature {callable_name(fn)}{sig}, which cannot take one VerifyArgs ({exc}); "
                         f"{fix}") from None
+
+
+def entry_flow_options(spec: Any) -> tuple[bool, Any]:
+    """``(True, declared)`` for a spec naming a built-in kernel entry -- what it implements is known
+    without loading it (drift.flows.base.implements) -- else ``(False, None)``."""
+    if spec is None or spec == "portable":
+        return True, EVERY_CHOICE
+    name = spec.partition(":")[0] if isinstance(spec, str) else ""
+    return (True, KERNELS[name].flow_options) if name in KERNELS else (False, None)
 
 
 def mutant_config(spec: Optional[str]) -> dict:

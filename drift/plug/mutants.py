@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, fields, replace
+from functools import partial
 from typing import Callable, Optional
 
 import torch
 
-from ..config import find_profile
+from ..config import PRESETS, find_profile, flow_options
+from ..dtypes import round_mantissa
 from ..flows.copy_commit.updates import SGLANG_0523, Batch, commit_all, commit_unless_all_step0, rollback_rows
 from ..flows.in_place.updates import ServingParts, align_copy, bookkeeping, kept_tokens
+from ..flows.kernel_commit import design
 from ..flows.kernel_commit import updates as replay_parts
 from ..flows.kernel_commit.pool import ReplaySlots
 from ..flows.slots import Held, MambaSlots
@@ -390,12 +393,45 @@ class SpecCursorsNotReset(ReplaySlots):
 # The bug shows only where requests come and go; the fp32 checkpoint keeps records in the ring between folds.
 SERVING = {"lifecycle": "serving"}
 FP32 = find_profile("fp32 states", lambda p, lay: p.ssm_dtype == "float32")
+
+
+def fold_tf32_operands(c) -> None:
+    # the fold's contraction on TF32 tensor cores whatever the design declares (Triton's tl.dot default
+    # input_precision for fp32 operands; FlashInfer's tcgen05 commit): both operands to an 11-bit mantissa
+    tf32 = partial(round_mantissa, bits=11)
+    replay_parts.fold_checkpoints(c, lambda old, d, kh, kl, g, n: replay_parts.rounded_fold(tf32, old, d, kh, kl, g, n))
+
+
+def fold_twice(c) -> None:
+    # the fold launched by the cadence check and again by the commit path before the ring restarts:
+    # the second reads the checkpoint the first wrote and folds the same records into it again
+    replay_parts.fold_checkpoints(c)
+    replay_parts.fold_checkpoints(c)
+
+
+def fold_stochastic_store(c) -> None:
+    # the fold stores the checkpoint by stochastic rounding while the run declares round to nearest
+    replay_parts.fold_checkpoints(c, rounding="stochastic")
+
+
 REPLAY = "sglang-replayssm"  # the flow whose commit these mutants break (drift/flows/kernel_commit)
 SGLANG = "sglang"  # the flow of SGLang's commit-copy update, whose recipe the first mutants break
 
 
 def _replay(name: str, **part) -> Callable:
     return replay_parts.SGLANG_0523_REPLAYSSM.but(**part).build(f"mutant:{name}")
+
+
+# The designs the fold mutants run under (drift/flows/kernel_commit/design.py): a kernel that claims an
+# fp32 fold of an fp32 checkpoint every commit (FlashInfer's simt commit, records as the verify computed
+# them); an fp16 ring at the write scale of the stagnation preset (beta ~ 5e-5: beta_bias -10), where
+# its records fall below fp16's normal range (2^-14) -- that range is not in the bound, so the design
+# fails its own bound there while SGLang's bf16-split ring, of fp32's range, passes.
+_FP32_STATE = find_profile("fp32 states in dense tensors", lambda p, lay: p.ssm_dtype == "float32" and lay.dense)
+FP32_FOLD = {"profile": _FP32_STATE, "flow_options": flow_options({
+    design.CONTRACTION_OPTION: "fp32", design.RING_RECORDS_OPTION: "fp32", design.CADENCE_OPTION: "every-commit"})}
+FP16_RING_TINY_WRITES = {"profile": _FP32_STATE, "beta_bias": PRESETS["stagnation"].beta_bias,
+                         "flow_options": flow_options({design.RING_RECORDS_OPTION: "fp16"})}
 
 
 MUTANTS: Registry[Mutant] = Registry("mutant")
@@ -508,6 +544,22 @@ for _m in (
            "row keeps its previous holder's spec ring cursors (fp32 checkpoint: records wait in the ring)",
            "sglang #28451 class (HybridReqToTokenPool.alloc)", _replay("replay_cursor_not_reset"),
            {**SERVING, "profile": FP32}, flow=REPLAY, serving=SpecCursorsNotReset),
+
+
+    Mutant("replay_tf32_fold", "precision", "update", "sglang-replayssm flow: a fold that contracts on TF32 "
+           "operands (11-bit mantissas) in a design that declares an fp32 fold of an fp32 checkpoint",
+           "flashinfer #5314 (TF32 checkpoints not bitwise FP32)", _replay("replay_tf32_fold", fold=fold_tf32_operands),
+           FP32_FOLD, flow=REPLAY),
+    Mutant("replay_fp16_ring_tiny", "precision", "update", "sglang-replayssm flow: an fp16 ring at the stagnation "
+           "preset's write scale (beta ~ 5e-5): its records fall below fp16's normal range (subnormal, or zero) "
+           "and lose the precision its bound assumes", "flashinfer #4974 (fp16 rings)",
+           _replay("replay_fp16_ring_tiny"), FP16_RING_TINY_WRITES, flow=REPLAY),
+    Mutant("replay_fold_twice", "semantics", "update", "sglang-replayssm flow: a cadence bug launches the fold "
+           "twice in one commit before the ring restarts, so the accepted records are folded into the "
+           "checkpoint twice", "", _replay("replay_fold_twice", fold=fold_twice), flow=REPLAY),
+    Mutant("replay_stochastic_fold", "precision", "update", "sglang-replayssm flow: the fold stores the checkpoint "
+           "by stochastic rounding while the run declares round to nearest (--rounding rne)", "",
+           _replay("replay_stochastic_fold", fold=fold_stochastic_store), flow=REPLAY),
     Mutant("padded_alias_row0", "semantics", "kernel", "padded graph rows alias request 0's scratch slot",
            "sglang #26906 / #27202", _kernel_padded_alias),
 ):

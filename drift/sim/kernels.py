@@ -649,7 +649,8 @@ def uses_native(args: VerifyArgs, compute_dtype: torch.dtype = F32) -> bool:
 def gdn_decode(state: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor, num_tokens: torch.Tensor,
                rounding: str = "rne", key: int = 0, compute_dtype: torch.dtype = F32,
-               captures=(), norms_out: torch.Tensor | None = None) -> torch.Tensor:
+               captures=(), norms_out: torch.Tensor | None = None,
+               deltas_out: torch.Tensor | None = None) -> torch.Tensor:
     """Sequential (non-MTP) decode: one token at a time, the state stored after every token.
 
     state ``[L, S, HV, V, K]`` (any dtype; a raw view of the pool, or the truth's own float64
@@ -659,13 +660,15 @@ def gdn_decode(state: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: tor
     state is rounded to ``state``'s dtype after each token (nothing to round when that is the
     compute dtype) and written back to ``slots``. Each ``(steps, out)`` in ``captures`` (steps a
     host int array ``[N]``, -1 = none; out ``[L, N, HV, V, K]``) receives the state of row n after
-    token ``steps[n]``; ``norms_out [L, N, D, HV]`` receives ``||S||_F^2`` after every token.
+    token ``steps[n]``; ``norms_out [L, N, D, HV]`` receives ``||S||_F^2`` after every token, and
+    ``deltas_out [L, N, D, HV, V]`` each token's delta ``u = beta (v - a S k)`` (``S <- a S + u k^T``;
+    zero past num_tokens; the torch path computes it, the C kernel does not).
     Returns outputs ``[L, N, D, HV, V]`` in compute_dtype (entries past num_tokens are meaningless).
     """
     L, N, D, HV, K = q.shape
     V = v.shape[-1]
     cd = compute_dtype
-    if _native_decode(state, slots, cd, norms_out, captures):
+    if deltas_out is None and _native_decode(state, slots, cd, norms_out, captures):
         return _decode_f64_native(state, q, k, v, decay, beta, num_tokens, captures, norms_out)
     slots = slots.to(torch.int64)
     sdt = state.dtype
@@ -690,9 +693,12 @@ def gdn_decode(state: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: tor
         h = state[l0:l1].index_select(1, slots).to(cd).reshape(nb, V, K)
         for t in range(D):
             o_t = torch.empty(nb, V, dtype=cd, device=q.device)
+            u_t = None if deltas_out is None else torch.empty(nb, V, dtype=cd, device=q.device)
             _gdn_token(h, qc[l0:l1, :, t].reshape(nb, K), kc[l0:l1, :, t].reshape(nb, K),
                        vc[l0:l1, :, t].reshape(nb, V), dec[l0:l1, :, t].reshape(nb),
-                       bt[l0:l1, :, t].reshape(nb), o_t)
+                       bt[l0:l1, :, t].reshape(nb), o_t, u_t)
+            if u_t is not None:
+                deltas_out[l0:l1, :, t] = u_t.view(l1 - l0, N, HV, V).to(deltas_out.dtype)
             out[l0:l1, :, t] = o_t.view(l1 - l0, N, HV, V)
             if sdt != cd:
                 h.copy_(round_to(h, sdt, rounding, store_key(key, t), offset=l0 * N * HV * V * K))

@@ -138,7 +138,8 @@ class Float64Twin:
         self.window = _advance_window(self.window, x, take)
 
     def advance_batch(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accept: np.ndarray,
-                      track: np.ndarray, marks: list, on_step=None, keep_states: bool = False) -> "TwinSteps":
+                      track: np.ndarray, marks: list, on_step=None, keep_states: bool = False,
+                      keep_deltas: bool = False) -> "TwinSteps":
         """``n`` decode steps at once: the same trajectory as ``n`` calls of :meth:`advance`, bit for
         bit, with the input stages (conv, gating, L2 norm: elementwise or per-row work) computed for
         all steps in one pass and only the recurrence stepped. x ``[n, L, R, D, C]``, a, b ``[n, L, R,
@@ -146,7 +147,8 @@ class Float64Twin:
         each step the attributes are those :meth:`advance` leaves (``track_state`` /
         ``track_window`` valid for the rows tracked that step) and ``on_step(j)``, if given, is
         called. Returns every step's values stacked (:class:`TwinSteps`; committed states only
-        with ``keep_states``), in buffers the next call reuses.
+        with ``keep_states``, each token's delta and key only with ``keep_deltas``: then the
+        recurrence runs on torch's path, which computes the deltas), in buffers the next call reuses.
 
         The window before step j is the last Kc-1 true tokens of the row: its window before the
         batch followed by the accepted tokens of steps 0 .. j-1, gathered by host-built indices;
@@ -175,10 +177,11 @@ class Float64Twin:
                                        fold(a), fold(b))
         unfold = lambda t: t.view(L, n, R, *t.shape[2:]).transpose(0, 1).contiguous()  # -> [n, L, R, ..]
         q, k, v, decay, beta = (unfold(t) for t in (q, k, v, decay, beta))
-        buf = self._buffers(n, keep_states)
+        buf = self._buffers(n, keep_states, keep_deltas)
         steps = TwinSteps(state=buf["state"][:n] if keep_states else None, window=windows[:, 1:].transpose(0, 1),
                           track_window=track_windows, decay=decay, beta=beta, q_sq=q.square(),
-                          norm2=buf["norm2"][:n], out=buf["out"][:n])
+                          norm2=buf["norm2"][:n], out=buf["out"][:n],
+                          delta=buf["delta"][:n] if keep_deltas else None, key=k if keep_deltas else None)
         tracked = (np.asarray(track) >= 0).any(1)
         for j in range(n):
             self.decay, self.beta, self.q_sq, self.norm2 = decay[j], beta[j], steps.q_sq[j], steps.norm2[j]
@@ -187,7 +190,8 @@ class Float64Twin:
             captures = ([(track[j], self.track_state)] if tracked[j] else []) + (
                 [(mark, self.mark_state)] if mark is not None else [])
             out = kernels.gdn_decode(self.state, self._rows, q[j], k[j], v[j], decay[j], beta[j], take,
-                                     compute_dtype=F64, captures=captures, norms_out=self.norm2)
+                                     compute_dtype=F64, captures=captures, norms_out=self.norm2,
+                                     deltas_out=steps.delta[j] if keep_deltas else None)
             self.out = steps.out[j]
             self.out.copy_(out)
             if keep_states:
@@ -208,16 +212,18 @@ class Float64Twin:
         self.track_window = self.track_window.clone()
         return steps
 
-    def _buffers(self, n: int, keep_states: bool) -> dict:
+    def _buffers(self, n: int, keep_states: bool, keep_deltas: bool = False) -> dict:
         """Per-step output buffers for ``n`` steps, kept between batches (fresh ones every batch
         cost page faults on every first write); what a batch returns is a view of them."""
         cfg, have = self.cfg, getattr(self, "_buf", {})
-        if have.get("n", 0) < n or ("state" in have) < keep_states:
+        if have.get("n", 0) < n or ("state" in have) < keep_states or ("delta" in have) < keep_deltas:
             L, R, D, HV = cfg.num_layers, cfg.num_requests, cfg.num_draft_tokens, cfg.num_v_heads
             have = {"n": n, "norm2": torch.empty(n, L, R, D, HV, dtype=F64, device=self.device),
                     "out": torch.empty(n, L, R, D, HV, cfg.head_v_dim, dtype=F64, device=self.device)}
             if keep_states:
                 have["state"] = torch.empty(n, *self.state.shape, dtype=F64, device=self.device)
+            if keep_deltas:
+                have["delta"] = torch.empty(n, L, R, D, HV, cfg.head_v_dim, dtype=F64, device=self.device)
             self._buf = have
         return have
 
@@ -228,7 +234,9 @@ class TwinSteps:
     on its device: ``state`` (committed, ``[n, L, R, HV, V, K]``, or None), ``out [n, L, R, D, HV, V]``,
     ``window`` and ``track_window`` ``[n, L, R, Kc-1, C]`` (after the step; at each row's track
     boundary, meaningful where the row was tracked), ``decay``, ``beta``, ``norm2`` ``[n, L, R, D,
-    HV]``, ``q_sq [n, L, R, D, HV, K]``; ``tracked``: step -> (rows ``[m]``, their ``track_state``
+    HV]``, ``q_sq [n, L, R, D, HV, K]``; with ``keep_deltas``, each token's delta ``delta [n, L, R, D,
+    HV, V]`` (``S <- a S + delta k^T``; zero past the accepted tokens) and normalised key ``key [n, L, R,
+    D, HV, K]`` (a key head's repeated over its value heads), else None; ``tracked``: step -> (rows ``[m]``, their ``track_state``
     ``[L, m, HV, V, K]``) at the steps that tracked a row; ``marks``: step -> (``mark_state``,
     ``mark_window``) at the steps that had a mark."""
 
@@ -240,5 +248,7 @@ class TwinSteps:
     q_sq: torch.Tensor
     norm2: torch.Tensor
     out: torch.Tensor
+    delta: Optional[torch.Tensor] = None
+    key: Optional[torch.Tensor] = None
     tracked: dict = field(default_factory=dict)
     marks: dict = field(default_factory=dict)

@@ -82,7 +82,11 @@ def test_the_flow_kind_asks_the_kernel_and_prints_why_it_refuses():
 
 
 def test_the_kinds_own_rules_on_a_config_are_checked():
-    with pytest.raises(ConfigError, match="store_rounding='stochastic' under flow='sglang-replayssm': its verify "
+    """The kernel-commit kind's verify stores no state: its fold stores the checkpoint, to nearest or
+    by a declared stochastic rounding; a truncating store is no design its bound is derived for."""
+    with pytest.raises(ConfigError, match="store_rounding='truncate' under flow='sglang-replayssm': its verify "
                                           "stores no state"):
-        resolve(preset("ci-small", flow="sglang-replayssm", store_rounding="stochastic"))
-    assert resolve(preset("ci-small", store_rounding="stochastic")).cfg.store_rounding == "stochastic"  # control
+        resolve(preset("ci-small", flow="sglang-replayssm", store_rounding="truncate"))
+    ring = resolve(preset("ci-small", flow="sglang-replayssm", store_rounding="stochastic"))  # control: declared
+    assert ring.cfg.store_rounding == "stochastic"
+    assert resolve(preset("ci-small", store_rounding="truncate")).cfg.store_rounding == "truncate"  # control

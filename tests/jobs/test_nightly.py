@@ -211,19 +211,24 @@ def test_a_flow_of_its_own_runs_its_engines_update_and_names_the_flow_in_its_key
     assert nightly.Entry("ci-small", 0, "sglang-0.5.23", "rne", 64).key == "ci-small.seed0.sglang-0.5.23.rne"
 
 
-def test_the_kernel_commit_flow_runs_the_variants_that_apply_and_names_the_one_left_out(tmp_path, capsys):
-    """Its verify stores no state, so the stochastic variant does not apply: left out of the default
-    matrix with a line saying why, and refused (exit 2) when asked for by name."""
+def test_the_kernel_commit_flow_runs_every_variant_and_its_design_options(tmp_path, capsys):
+    """Its verify stores no state and its fold stores the checkpoint, so the stochastic variant is the
+    declared stochastic fold store: every variant runs. A design option (--ring-records) reaches
+    every MTP entry and its key, not the sequential one (no MTP state). A design whose bound is not
+    derived is refused (exit 2) before any work."""
     flow = next(f for f in FLOWS if FLOWS[f].kind == "kernel-commit")
     out = tmp_path / "ring"
     assert main(["nightly", "--preset", "ci-small", "--flow", flow, "--steps", "16", "--quiet",
-                 "--report", str(out)]) == 0
-    err = capsys.readouterr().err
-    assert "the stochastic variant does not apply here" in err
-    variants = {key.rsplit(".", 1)[1] for key in json.loads((out / "report.json").read_text())["entries"]}
-    assert variants == set(nightly.VARIANTS) - {"stochastic"}
-    # Negative control: named, it is an error before any work.
-    assert main(["nightly", "--preset", "ci-small", "--flow", flow, "--variant", "stochastic", "--steps", "16",
+                 "--ring-records", "fp32", "--report", str(out)]) == 0
+    entries = json.loads((out / "report.json").read_text())["entries"]
+    variants = {key.rsplit(".", 1)[1] for key in entries}
+    assert variants == set(nightly.VARIANTS)
+    for key, e in entries.items():
+        mtp = not key.endswith(".sequential")
+        assert (["ring-records", "fp32"] in e["config"].get("flow_options", [])) == mtp, key
+        assert ("ring-records-fp32" in key) == mtp
+    # Negative control: a cadence that would overflow the ring, an error before any work.
+    assert main(["nightly", "--preset", "ci-small", "--flow", flow, "--fold-cadence", "every:8", "--steps", "16",
                  "--report", str(tmp_path / "asked")]) == 2
     assert not (tmp_path / "asked" / "report.json").exists()
 
@@ -290,3 +295,56 @@ def test_no_lock_is_left_after_a_failure_or_an_interrupt(tmp_path, monkeypatch):
     monkeypatch.setattr(nightly, "run_entry", interrupted)
     assert run_nightly(tmp_path / "int", "--variant", "rne", "--steps", "16") == 143
     assert not (tmp_path / "int" / ".lock").exists()
+
+
+def test_the_default_matrix_runs_each_kinds_nightly_designs(tmp_path):
+    """Without --preset, --flow, --update, --variant or a flow option the matrix holds the released
+    update's variants and each flow kind's NIGHTLY_DESIGNS (SGLang's ReplaySSM default, the TF32
+    fold, the fp16 ring), in their kind's flow with their options in the key; an empty shard lists them
+    without running any. Negative control: a --preset narrows the matrix to the released update's."""
+    from drift.flows.registry import FLOW_KINDS
+
+    designs = [d for k in FLOW_KINDS.values() for d in k.NIGHTLY_DESIGNS]
+    out = tmp_path / "default"
+    n = len(nightly.VARIANTS) + len(designs)
+    assert main(["nightly", "--steps", "8", "--shard", f"{n + 1}/{n + 1}", "--quiet", "--report", str(out)]) == 0
+    matrix = [nightly.Entry(**m) for m in json.loads((out / "report.json").read_text())["matrix"]]
+    assert len(matrix) == n
+    kinds = [e for e in matrix if e.flow]
+    assert len(kinds) == len(designs) and {e.variant for e in kinds} <= {"rne", "fp32"}
+    assert any(dict(e.flow_options).get("fold-contraction") == "tf32" for e in kinds)
+    assert any(dict(e.flow_options).get("ring-records") == "fp16" for e in kinds)
+    narrowed = tmp_path / "narrowed"
+    assert main(["nightly", "--preset", "ci-small", "--steps", "8", "--shard", f"{n + 1}/{n + 1}", "--quiet",
+                 "--report", str(narrowed)]) == 0
+    assert all(not m.get("flow") for m in json.loads((narrowed / "report.json").read_text())["matrix"])
+
+
+def test_the_design_table_shards_merge_into_the_tables_nightly_column(tmp_path):
+    """`drift nightly --design-table`, sharded and merged, gives one entry per design configuration
+    under the keys the design table reads, summarised into its nightly column; --design-table refuses
+    an --update (each design runs its kind's released update)."""
+    from drift.flows.registry import FLOW_KINDS
+    from drift.jobs.teeth import DESIGN_STEPS, design_markdown, nightly_summary
+
+    count = sum(len(k.TRADEOFF_DESIGNS) for k in FLOW_KINDS.values())
+    shards = 2
+    dirs = []
+    for k in range(1, shards + 1):
+        d = tmp_path / f"shard{k}"
+        assert main(["nightly", "--design-table", "--preset", "ci-small", "--steps", "8", "--layers", "1",
+                     "--shard", f"{k}/{shards}", "--quiet", "--report", str(d)]) == 0
+        dirs.append(str(d))
+    merged = tmp_path / "merged"
+    assert main(["report", "merge", *dirs, "-o", str(merged)]) == 0
+    report = json.loads((merged / "report.json").read_text())
+    assert len(report["entries"]) == count
+    summary = nightly_summary(report, "this test's machine", "2026-01-01")
+    rows = [{"label": key, "note": "", "flow": "", "options": {}, "checkpoint": "x", "store_rounding": "rne",
+             "traffic": {"ring": 1.0, "checkpoint": 1.0, "fold": 1.0}, "worst_bound_ratio": 0.5,
+             "worst_state_error": 0.1, "passed": True, "nightly_key": key} for key in report["entries"]]
+    text = design_markdown({"preset": "ci-small", "seed": 0, "steps": DESIGN_STEPS, "machine": "m", "date": "d",
+                            "traffic_model": {"f": "model"}, "rows": rows}, summary)
+    assert "not run |" not in text and "8 steps" in text and "this test's machine" in text
+    assert main(["nightly", "--design-table", "--update", "sglang-0.5.23", "--preset", "ci-small", "--steps", "8",
+                 "--report", str(tmp_path / "refused")]) == 2

@@ -64,6 +64,35 @@ def test_skipping_step0_is_caught_by_the_state_check_and_the_bound(results):
     assert {"committed_state", "drift_bound"} <= set(results["skip_step0"]["caught_by"]), results["skip_step0"]
 
 
+def _replay_run(overrides: dict, update=None):
+    """A checked run of the sglang-replayssm flow on the catalogue's config under a mutant's overrides."""
+    overrides = dict(overrides)
+    profile = overrides.pop("profile", None)
+    cfg = CFG.replace(flow=next(f for f in FLOWS if FLOWS[f].kind == "kernel-commit"), **overrides)
+    return run_checked(resolve(cfg.with_profile(profile) if profile else cfg, update), diagnose=False)
+
+
+def test_the_fold_mutants_fail_where_the_design_they_break_passes():
+    """Each fold mutant's negative control (docs/teeth.md): under the mutant's own configuration the
+    released commit passes -- the declared fp32 fold, SGLang's bf16-split ring at the same tiny writes
+    (fp32's range), the fold store as declared -- so what the catalogue catches is the mutant's part."""
+    from drift.flows.kernel_commit.design import RING_RECORDS_OPTION
+    from drift.plug.mutants import FP16_RING_TINY_WRITES, FP32_FOLD
+
+    assert _replay_run(FP32_FOLD).passed
+    default_ring = {**FP16_RING_TINY_WRITES, "flow_options": tuple(
+        (n, v) for n, v in FP16_RING_TINY_WRITES["flow_options"] if n != RING_RECORDS_OPTION)}
+    assert _replay_run(default_ring).passed
+
+
+def test_a_declared_stochastic_fold_store_passes():
+    """--rounding stochastic under the kernel-commit flow is the declared stochastic fold store (its
+    bound counts 1/6 ulp^2 a store): the released commit passes, and so does the
+    replay_stochastic_fold mutant's code once the run declares what it does."""
+    assert _replay_run({"store_rounding": "stochastic"}).passed
+    assert _replay_run({"store_rounding": "stochastic"}, "mutant:replay_stochastic_fold").passed
+
+
 # The PR suite runs the catalogue's horizon; the nightly twins run the same assertions twice
 # (the catalogue) and eight times (the correct updates) as long: a slow precision loss and a false
 # alarm both grow with the horizon.
@@ -172,3 +201,81 @@ def test_tradeoff_refuses_an_update_that_does_not_load(tmp_path, capsys):
     assert main(["tradeoff", "--steps", "64", "--quiet", "--update", f"{tmp_path / 'nosuch.py'}:f"]) == 2
     err = capsys.readouterr().err
     assert "not found" in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------- the design trade-off
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _design_records():
+    from drift.fileio import read_json
+    from drift.jobs.teeth import DESIGN_NIGHTLY, DESIGN_RECORD
+
+    record = read_json(ROOT / DESIGN_RECORD, "design record", "run python scripts/update_readme.py --designs-only")
+    nightly = read_json(ROOT / DESIGN_NIGHTLY, "design nightly", "-") if (ROOT / DESIGN_NIGHTLY).exists() else None
+    return record, nightly
+
+
+def test_the_design_table_is_rendered_from_its_records():
+    """docs/teeth.md's and README.md's design blocks are what the records render to; negative control:
+    a record with one figure changed renders another table."""
+    import copy
+
+    from drift.jobs.teeth import design_markdown, design_summary
+
+    record, nightly = _design_records()
+    assert _section("designs") == design_markdown(record, nightly).strip(), \
+        "docs/teeth.md design trade-off is stale: run python scripts/update_readme.py --help-only"
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("<!-- drift:designs -->", 1)[1].split("<!-- /drift:designs -->", 1)[0].strip()
+    assert block == design_summary(record, nightly).strip()
+    changed = copy.deepcopy(record)
+    changed["rows"][0]["worst_bound_ratio"] *= 1.5
+    assert design_markdown(changed, nightly) != design_markdown(record, nightly)
+
+
+def test_the_design_records_hold_the_kinds_configurations_and_their_modelled_bytes():
+    """One row per FlowKind.TRADEOFF_DESIGNS entry, in order, at least six, with the bytes the traffic
+    model gives for the stream's accept lengths (recomputed here); the nightly column's keys are those
+    `drift nightly --design-table` writes."""
+    from drift.flows.registry import FLOW_KINDS
+    from drift.jobs.nightly import design_matrix
+    from drift.jobs.teeth import DESIGN_STEPS, design_config
+    from drift.syncs.scan import step_indices
+
+    record, nightly = _design_records()
+    designs = [(k, d) for k in FLOW_KINDS.values() for d in k.TRADEOFF_DESIGNS]
+    assert len(designs) >= 6 and [r["label"] for r in record["rows"]] == [d.label for _, d in designs]
+    assert record["steps"] == DESIGN_STEPS and record["preset"] == CFG.name
+    cfg = CFG.replace(steps=DESIGN_STEPS)
+    for r, (kind, d) in zip(record["rows"], designs):
+        c = design_config(cfg, r["flow"], d)
+        last, _ = step_indices(c, c.steps)
+        traffic = kind.design_traffic(c, (last[:, :c.num_requests] + 1).clamp(min=0).numpy())
+        assert r["traffic"] == {k: round(v, 1) for k, v in traffic.items()}, r["label"]
+    keys = {e.key for e in design_matrix("table", [CFG.name], [0], None, None)}
+    assert {r["nightly_key"] for r in record["rows"]} == keys
+    if nightly is not None:
+        assert set(nightly["entries"]) <= keys
+
+
+DESIGN_ROWS = [pytest.param(0, id="design-0")] + [pytest.param(i, id=f"design-{i}", marks=pytest.mark.nightly)
+                                                   for i in range(1, 8)]
+
+
+@pytest.mark.parametrize("index", DESIGN_ROWS)
+def test_the_recorded_design_column_is_what_the_code_measures(index):
+    """Row ``index`` of the record re-measured at its 4,096 steps: the same verdict and, to the three
+    significant digits the table shows, the same worst drift/bound and state error (SGLang's row in
+    the PR suite; every row under the nightly marker)."""
+    from drift.flows.registry import FLOW_KINDS
+    from drift.jobs.teeth import DESIGN_STEPS, design_config
+
+    record, _ = _design_records()
+    r = record["rows"][index]
+    design = [d for k in FLOW_KINDS.values() for d in k.TRADEOFF_DESIGNS][index]
+    rep = run_checked(resolve(design_config(CFG.replace(steps=DESIGN_STEPS), r["flow"], design)), diagnose=False)
+    bound = next(c for c in rep.checks if c.key == "drift_bound")
+    state = next(c for c in rep.checks if c.key == "committed_state")
+    assert rep.passed == r["passed"]
+    assert f"{bound.worst:.3g}" == f"{r['worst_bound_ratio']:.3g}" and f"{state.worst:.3g}" == f"{r['worst_state_error']:.3g}"

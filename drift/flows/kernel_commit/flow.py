@@ -19,6 +19,9 @@ advancing past it. Read from the wheel:
 * ``sglang/srt/mem_cache/memory_pool.py: MambaPool`` (ring shapes and dtypes; no
   ``intermediate_ssm``: "the verify kernel never writes per-draft snapshots").
 
+That is SGLang 0.5.23's design; the kind's options (``OPTIONS``: ring records, fold contraction,
+fold cadence; drift/flows/kernel_commit/design.py) choose others, each judged by its own bound.
+
 drift: :class:`~drift.flows.kernel_commit.pool.ReplayPool` (checkpoint, conv, ring, cursors; the ring
 starts empty: prefill leaves no records), :class:`~drift.flows.kernel_commit.pool.ReplayHarness` (what
 the commit path reads), :class:`~drift.flows.kernel_commit.rule.RingRule` (the verify's reads and
@@ -33,11 +36,11 @@ import torch
 
 from ...config import Config
 from ...dtypes import as_bits
-from ...errors import ConfigError
 from ...sim import kernels
 from ..base import MambaPoolFlow
+from ..fold_model import FoldRounding, FoldSchedule
 from ..registry import FLOW_KINDS, FLOWS
-from . import naive
+from . import design, naive
 from .pool import NULL_SLOT, ReplayHarness, ReplayPool, ReplaySlots, effective_states
 from .rule import RingRule
 
@@ -54,16 +57,47 @@ class KernelCommitFlow(MambaPoolFlow):
     SERVES = True  # requests come and go through SGLang 0.5.23's bookkeeping (drift/flows/slots.py)
     naive_update = staticmethod(naive.update)
     naive = staticmethod(naive.verify)
+    OPTIONS = design.OPTIONS
+    OPTION_TITLES = design.OPTION_TITLES
+    TRADEOFF_DESIGNS = design.TRADEOFF_DESIGNS
+    NIGHTLY_DESIGNS = design.NIGHTLY_DESIGNS
     STATE_BYTES = ("per active request and layer: read the checkpoint (the verify's start), write D records "
-                   "(delta and key, each a bf16 high and low part, and the fp32 log-decay), then the fold: "
-                   "read the D records and the checkpoint, write the checkpoint, in the state dtype")
+                   "(delta and key in the design's record dtype -- SGLang's: a bf16 high and low part each -- "
+                   "and the fp32 log-decay), then the fold: read the D records and the checkpoint, write the "
+                   "checkpoint, in the state dtype")
 
     @classmethod
     def bench_state_bytes(cls, cfg) -> dict[str, int]:
         rows, D = cfg.num_requests * cfg.num_layers, cfg.num_draft_tokens
         state = rows * cfg.num_v_heads * cfg.head_k_dim * cfg.head_v_dim * cfg.torch_ssm_dtype.itemsize
-        record = rows * (2 * 2 * (cfg.num_v_heads * cfg.head_v_dim + cfg.num_k_heads * cfg.head_k_dim) + 4 * cfg.num_v_heads)
+        per = design.CommitDesign.of(cfg).records.record_bytes
+        record = rows * (per * (cfg.num_v_heads * cfg.head_v_dim + cfg.num_k_heads * cfg.head_k_dim) + 4 * cfg.num_v_heads)
         return {"checkpoint_read": state, "records_write": D * record, "fold": D * record + 2 * state}
+
+    DESIGN_TRAFFIC = ("per step, summed over layers and active requests, in the design's storage dtypes: ring -- "
+                      "the verify writes D records (delta HV x V, key HK x K in the record dtype, both parts "
+                      "where it keeps a low part; g HV fp32) and reads the records still in the ring; "
+                      "checkpoint -- the verify reads it; fold -- a folding row's commit reads its records "
+                      "and its checkpoint and writes the checkpoint (tracked rows' extra folds not counted)")
+
+    @classmethod
+    def design_traffic(cls, cfg: Config, accept: np.ndarray) -> dict[str, float]:
+        d = design.CommitDesign.of(cfg)
+        rec = d.records.record_bytes
+        record = rec * (cfg.num_v_heads * cfg.head_v_dim + cfg.num_k_heads * cfg.head_k_dim) + 4 * cfg.num_v_heads
+        state = cfg.num_v_heads * cfg.head_v_dim * cfg.head_k_dim * cfg.torch_ssm_dtype.itemsize
+        schedule = FoldSchedule(d.fold_rounding(), accept.shape[1])
+        pending = folded = folds = 0
+        for a in np.asarray(accept, np.int64):
+            pending += int(schedule.records.sum())  # what each verify reads back, before this step's
+            before = schedule.records + a
+            f = schedule.step(a)
+            folded += int(before[f].sum())
+            folds += int(f.sum())
+        steps, layers = max(len(accept), 1), cfg.num_layers
+        ring = layers * (cfg.num_requests * cfg.num_draft_tokens * record + pending * record / steps)
+        return {"ring": ring, "checkpoint": layers * cfg.num_requests * state,
+                "fold": layers * (folded * record + folds * 2 * state) / steps}
 
     def __init__(self, cfg: Config, device: torch.device):
         super().__init__(cfg, device)
@@ -78,17 +112,19 @@ class KernelCommitFlow(MambaPoolFlow):
 
     @classmethod
     def validate(cls, cfg: Config) -> None:
-        """The verify stores no state, so a store rounding other than SGLang's kernel's is not drift's
-        to choose here (the fold rounds to nearest)."""
-        if cfg.store_rounding != "rne":
-            raise ConfigError(f"store_rounding={cfg.store_rounding!r} under flow={cfg.flow!r}: its verify stores no "
-                              "state; the commit's fold rounds to nearest as the engine's kernel does "
-                              "(store_rounding='rne'), or pick a flow whose verify stores states: "
-                              + ", ".join(f for f in FLOWS if FLOW_KINDS[FLOWS[f].kind].RULE.per_token_states))
+        """The design's rules (:meth:`drift.flows.kernel_commit.design.CommitDesign.of`): its verify
+        stores no state, so the store rounding is the fold's -- to nearest, or stochastic declared for
+        a bf16 checkpoint -- and a cadence must leave the ring room for the verify's records."""
+        design.CommitDesign.of(cfg)
+
+    @classmethod
+    def fold_rounding(cls, cfg: Config) -> FoldRounding:
+        return design.CommitDesign.of(cfg).fold_rounding()
 
     def verify_args(self, mix, beta, g, rounding: str, key: int, drafts=None, gate=None) -> kernels.VerifyArgs:
         cfg, pool = self.cfg, self.pool
         B = mix.shape[1]  # the step's rows: every row, or its graph bucket
+        self.harness.fold_key = key  # the step's key: a declared stochastic fold store draws its noise from it
         return kernels.VerifyArgs(mix, beta, g, pool.temporal, pool.intermediate_ssm, *(t[:B] for t in self._indices),
                                   cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim ** -0.5, rounding, key,
                                   rule=self.rule, gate_inputs=gate)

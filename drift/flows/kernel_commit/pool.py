@@ -16,56 +16,45 @@ from ...fileio import check_memory
 from ...sim.pool import StatePool
 from ..base import Harness
 from ..slots import MambaSlots
+from .design import CommitDesign, ring_length  # noqa: F401  (ring_length: the pool's ring, here too)
 
 F32, BF16, I32 = torch.float32, torch.bfloat16, torch.int32
 NULL_SLOT = -1  # spec_utils.py: null_block_id=-1, "SGLang: valid slots >= 0, padding == -1"
-RING_DEFAULT = 16  # memory_pool.py: MambaPool(linear_replayssm_cache_len=16)
-RECORD_DTYPE = BF16  # memory_pool.py: ring_dtype = conv_dtype (the activation dtype) under the spec flag
-
-
-def ring_length(num_draft_tokens: int) -> int:
-    """SGLang's default ring length, 16, raised to the smallest power of two >= 2 D where D needs it:
-    the cursors mask positions by ``& (L - 1)`` (a power of two) and keep a ``2 * max_spec_len``
-    early-flush margin (``_advance_gdn_spec_cursors_kernel``: "Config enforces max_cache_len >= 2 *
-    max_spec_len")."""
-    n = RING_DEFAULT
-    while n < 2 * num_draft_tokens:
-        n *= 2
-    return n
-
-
-def split_hi_lo(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 ``x`` as a bf16 high part and the bf16 of what it leaves (the kernels' compact records)."""
-    hi = x.to(RECORD_DTYPE)
-    return hi, (x - hi.to(F32)).to(RECORD_DTYPE)
 
 
 class ReplayPool(StatePool):
     """The checkpoint ``temporal`` and conv windows of :class:`StatePool` (no verify scratch), and the
-    ring, one slot per request plus one for padded rows (``num_slots = spec_state_size + 1``):
+    ring, one slot per request plus one for padded rows (``num_slots = spec_state_size + 1``), in the
+    run's design (``design``, :class:`~drift.flows.kernel_commit.design.CommitDesign`; SGLang 0.5.23's
+    by default):
 
-    ``ring_d`` / ``ring_d_lo`` bf16 ``[L, R + 1, HV, RL, V]`` (``replayssm_d`` / ``replayssm_rawv``);
-    ``ring_k`` / ``ring_k_lo`` bf16 ``[L, R + 1, H, RL, K]`` (``replayssm_k`` / ``replayssm_rawk``);
-    ``ring_g`` fp32 ``[L, R + 1, HV, RL]`` (``replayssm_g``); cursors ``write_pos`` int32,
-    ``cache_base`` int32, ``is_flush`` int8 ``[R + 1]``. Batch rows: ``state_indices`` int64 ``[N]``
-    (the request's checkpoint slot; padded rows -1) and ``replay_indices`` int64 ``[N]`` (its ring
-    slot; padded rows the spare one)."""
+    ``ring_d`` ``[L, R + 1, HV, RL, V]`` and ``ring_k`` ``[L, R + 1, H, RL, K]`` in the record dtype
+    (``replayssm_d`` / ``replayssm_k``); their low parts ``ring_d_lo`` / ``ring_k_lo`` (``replayssm_rawv``
+    / ``replayssm_rawk``), allocated only for a ring whose records have one (SGLang: when the ring dtype
+    is not fp32, memory_pool.py), else None; ``ring_g`` fp32 ``[L, R + 1, HV, RL]`` (``replayssm_g``);
+    cursors ``write_pos`` int32, ``cache_base`` int32, ``is_flush`` int8 ``[R + 1]``, and under an
+    ``every:N`` cadence drift's ``commits_since_fold`` int32 ``[R + 1]`` (else None). Batch rows:
+    ``state_indices`` int64 ``[N]`` (the request's checkpoint slot; padded rows -1) and
+    ``replay_indices`` int64 ``[N]`` (its ring slot; padded rows the spare one)."""
 
     def __init__(self, cfg: Config, device: torch.device):
-        L, R, N, D = cfg.num_layers, cfg.num_requests, cfg.num_rows, cfg.num_draft_tokens
+        L, R, N = cfg.num_layers, cfg.num_requests, cfg.num_rows
         H, HV, K, V = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
-        self.ring_len = RL = ring_length(D)
-        check_memory(L * (R + 1) * RL * (2 * 2 * (HV * V + H * K) + 4 * HV),
+        self.design = design = CommitDesign.of(cfg)
+        self.ring_len = RL = design.ring_len
+        rec, parts = design.records.dtype, 2 if design.records.low_part else 1
+        check_memory(L * (R + 1) * RL * (parts * rec.itemsize * (HV * V + H * K) + 4 * HV),
                      f"the ReplaySSM ring of {cfg.name} ({L} layers, {R + 1} slots of {RL} records)")
         super().__init__(cfg, device, scratch=False)
-        self.ring_d = torch.zeros((L, R + 1, HV, RL, V), dtype=RECORD_DTYPE, device=device)
-        self.ring_d_lo = torch.zeros_like(self.ring_d)
-        self.ring_k = torch.zeros((L, R + 1, H, RL, K), dtype=RECORD_DTYPE, device=device)
-        self.ring_k_lo = torch.zeros_like(self.ring_k)
+        self.ring_d = torch.zeros((L, R + 1, HV, RL, V), dtype=rec, device=device)
+        self.ring_d_lo = torch.zeros_like(self.ring_d) if design.records.low_part else None
+        self.ring_k = torch.zeros((L, R + 1, H, RL, K), dtype=rec, device=device)
+        self.ring_k_lo = torch.zeros_like(self.ring_k) if design.records.low_part else None
         self.ring_g = torch.zeros((L, R + 1, HV, RL), dtype=F32, device=device)
         self.write_pos = torch.zeros(R + 1, dtype=I32, device=device)
         self.cache_base = torch.zeros(R + 1, dtype=I32, device=device)
         self.is_flush = torch.zeros(R + 1, dtype=torch.int8, device=device)
+        self.commits_since_fold = torch.zeros(R + 1, dtype=I32, device=device) if design.every else None
         live = torch.arange(N, device=device) < R
         self.state_indices = torch.where(live, self.row_slots, torch.full_like(self.row_slots, NULL_SLOT))
         self.replay_indices = torch.clamp(torch.arange(N, dtype=torch.int64, device=device), max=R)
@@ -73,9 +62,12 @@ class ReplayPool(StatePool):
         self.lane_ring_rows = self.replay_indices[:R].clone()
 
     def ring_tensors(self) -> dict[str, torch.Tensor]:
-        return {"ring_d": self.ring_d, "ring_d_lo": self.ring_d_lo, "ring_k": self.ring_k,
-                "ring_k_lo": self.ring_k_lo, "ring_g": self.ring_g, "write_pos": self.write_pos,
-                "cache_base": self.cache_base, "is_flush": self.is_flush}
+        """The ring and its cursors by name (those the design allocates)."""
+        named = {"ring_d": self.ring_d, "ring_d_lo": self.ring_d_lo, "ring_k": self.ring_k,
+                 "ring_k_lo": self.ring_k_lo, "ring_g": self.ring_g, "write_pos": self.write_pos,
+                 "cache_base": self.cache_base, "is_flush": self.is_flush,
+                 "commits_since_fold": self.commits_since_fold}
+        return {name: t for name, t in named.items() if t is not None}
 
 
 class ReplaySlots(MambaSlots):
@@ -90,6 +82,8 @@ class ReplaySlots(MambaSlots):
         pool = self.pool
         for cursor in (pool.write_pos, pool.cache_base, pool.is_flush):
             cursor.index_fill_(0, torch.tensor([row], device=cursor.device), 0)
+        if pool.commits_since_fold is not None:  # drift's own counter of the every:N cadence, with the cursors
+            pool.commits_since_fold.index_fill_(0, torch.tensor([row], device=pool.device), 0)
 
 
 class ReplayHarness(Harness):
@@ -102,11 +96,19 @@ class ReplayHarness(Harness):
     * ``mamba_pool``: ``.replayssm_spec_write_pos``, ``.replayssm_cache_base``, ``.replayssm_is_flush``;
     * ``state_batch_indices`` int64 ``[N]`` (``req_pool.get_mamba_indices``; padded rows -1),
       ``req_pool_indices`` int64 ``[N]`` (the ring slots, ``replay_indices``);
-    * ``draft_token_num`` (host int) and ``fold_every_commit`` (host bool: ``temporal.dtype != float32``).
+    * ``draft_token_num`` (host int) and ``fold_every_commit`` (host bool: SGLang's ``temporal.dtype !=
+      float32``, or the declared cadence's "every commit");
+
+    and drift's own: ``commit_design`` (the run's :class:`~drift.flows.kernel_commit.design.CommitDesign`:
+    ring records, fold contraction, fold cadence, checkpoint dtype, fold store rounding; SGLang 0.5.23's
+    by default), ``fold_key`` (host int: the step's key of a declared stochastic fold store) and, under
+    an ``every:N`` cadence, ``mamba_pool.replayssm_commits_since_fold``. SGLang's own commit reads
+    neither; the low-part rings are None where the design has none (as SGLang's pool leaves them for
+    an fp32 ring).
     """
 
     ATTRIBUTES = ("spec_state", "mamba_pool", "state_batch_indices", "req_pool_indices", "draft_token_num",
-                  "fold_every_commit")
+                  "fold_every_commit", "commit_design")
     PROVIDED = (", ".join(f"self.{a}" for a in ATTRIBUTES)
                 + " (SGLang's ReplaySSM commit path, docs/semantics.md §6)")
     HOW_TO_PROVIDE = "extend drift.flows.kernel_commit.pool.ReplayHarness"
@@ -118,10 +120,14 @@ class ReplayHarness(Harness):
                                           replayssm_rawk=pool.ring_k_lo, replayssm_g=pool.ring_g)
         self.mamba_pool = SimpleNamespace(replayssm_spec_write_pos=pool.write_pos,
                                           replayssm_cache_base=pool.cache_base, replayssm_is_flush=pool.is_flush)
+        if pool.commits_since_fold is not None:
+            self.mamba_pool.replayssm_commits_since_fold = pool.commits_since_fold
         self.state_batch_indices = pool.state_indices
         self.req_pool_indices = pool.replay_indices
         self.draft_token_num = pool.cfg.num_draft_tokens
-        self.fold_every_commit = pool.temporal.dtype != torch.float32
+        self.commit_design = pool.design
+        self.fold_every_commit = pool.design.folds_every_commit
+        self.fold_key = 0
 
     def objects(self) -> tuple:
         return (self, self.spec_state, self.mamba_pool)
@@ -159,15 +165,21 @@ def decay_weights(g: torch.Tensor, length: torch.Tensor) -> tuple[torch.Tensor, 
     return total, torch.where(live, torch.exp(total - prefix), torch.zeros_like(g))
 
 
-def gather_records(pool: ReplayPool, replay: torch.Tensor, base: torch.Tensor, nv: int):
-    """Each row's ring in logical order (:func:`in_ring_order`), in fp32 with the high and low parts
-    summed (exact: both bf16, the low part below the high part's last bit): d ``[L, B, HV, RL, V]``,
-    k ``[L, B, HV, RL, K]`` (key heads repeated over their value-head group), g ``[L, B, HV, RL]``."""
-    def take(t: torch.Tensor) -> torch.Tensor:
-        return in_ring_order(t, replay, base)
+def record_values(hi: torch.Tensor, lo) -> torch.Tensor:
+    """A record as fp32: its high part plus its low part where the ring has one (the sum is exact:
+    both in the record dtype, the low part below the high part's last bit)."""
+    return hi.to(F32) if lo is None else hi.to(F32) + lo.to(F32)
 
-    d = take(pool.ring_d).to(F32) + take(pool.ring_d_lo).to(F32)
-    k = take(pool.ring_k).to(F32) + take(pool.ring_k_lo).to(F32)
+
+def gather_records(pool: ReplayPool, replay: torch.Tensor, base: torch.Tensor, nv: int):
+    """Each row's ring in logical order (:func:`in_ring_order`), in fp32 (:func:`record_values`): d
+    ``[L, B, HV, RL, V]``, k ``[L, B, HV, RL, K]`` (key heads repeated over their value-head group), g
+    ``[L, B, HV, RL]``."""
+    def take(t):
+        return None if t is None else in_ring_order(t, replay, base)
+
+    d = record_values(take(pool.ring_d), take(pool.ring_d_lo))
+    k = record_values(take(pool.ring_k), take(pool.ring_k_lo))
     return d, over_value_heads(k, nv), take(pool.ring_g)
 
 

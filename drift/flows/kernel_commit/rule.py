@@ -8,7 +8,7 @@ import torch
 
 from ...sim.kernels import Plan, VerifyArgs, VerifyRule, l2norm
 from ...sim.pool import STALE
-from .pool import ReplayPool, effective_states, put_records, split_hi_lo
+from .pool import ReplayPool, effective_states, put_records
 
 F32 = torch.float32
 
@@ -28,8 +28,9 @@ class RingRule(VerifyRule):
     and its outputs are zeros; a row whose ``is_flush`` is set is left to the flush launch, which
     SGLang's spec path never runs (outputs uninitialised: NaN here, and no records). Every other row
     starts from its checkpoint with the ring's ``write_pos`` records folded in and runs its S
-    tokens; no state is stored, and token t's record -- its delta ``d`` and normalised key ``k``, each
-    a bf16 high plus a bf16 low part, and its fp32 log-decay ``g`` -- goes to ring position
+    tokens; no state is stored, and token t's record -- its delta ``d`` and normalised key ``k`` as the
+    design stores them (SGLang's: each a bf16 high plus a bf16 low part; ``pool.design.split_records``),
+    and its fp32 log-decay ``g`` -- goes to ring position
     ``(cache_base + write_pos + t) & (RL - 1)`` when ``write_pos + t < RL``. drift's rendering of the
     kernel's maths is the recurrent op's (the kernel's chunked UT form is the same in exact
     arithmetic; docs/semantics.md §10)."""
@@ -63,9 +64,10 @@ class RingRule(VerifyRule):
         store = plan.run[:, None] & (pos < RL)  # [B, S]
         phys = (pool.cache_base.index_select(0, replay).to(torch.int64)[:, None] + pos) & (RL - 1)
         rr = replay[:, None].expand(B, S)
-        d_hi, d_lo = split_hi_lo(deltas.to(F32))  # [L, B, S, HV, V]
-        k_hi, k_lo = split_hi_lo(key_heads(args))  # [L, B, S, H, K]
+        d_hi, d_lo = pool.design.split_records(deltas.to(F32))  # [L, B, S, HV, V]
+        k_hi, k_lo = pool.design.split_records(key_heads(args))  # [L, B, S, H, K]
         for ring, val in ((pool.ring_d, d_hi), (pool.ring_d_lo, d_lo), (pool.ring_k, k_hi), (pool.ring_k_lo, k_lo),
                           (pool.ring_g, args.g.to(F32))):
-            put_records(ring, rr, phys, store, val)
+            if ring is not None:
+                put_records(ring, rr, phys, store, val)
         return torch.where(flush[None, :, None, None, None], torch.full_like(out, STALE), out)

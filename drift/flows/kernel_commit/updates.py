@@ -8,21 +8,24 @@ when ``mamba_pool.replayssm_cache_base`` exists) runs, after each verify:
    ``gdn_replayssm_spec_decode.py``): per ring slot, with n the accept length (the bonus token
    included; 0 for a padded row): ``new_wp = n if is_flush else write_pos + n``, ``cache_base``
    moved past the history when a flush row commits, ``is_flush = new_wp > 0`` under
-   ``fold_every_commit`` (``temporal.dtype != float32``) else ``new_wp + 2 D > RL``;
+   ``fold_every_commit`` (``temporal.dtype != float32``) else ``new_wp + 2 D > RL`` -- or, under a
+   declared ``every:N`` cadence, once N commits have passed since the row's last fold;
 2. **fold** (``commit_gdn_replayssm_circular`` / ``gdn_replayssm_compact_commit_kernel``): a row
    whose ``is_flush`` is set gets ``temporal = old * e^{G} + sum_t k_t (d_t e^{G - G_t})^T`` over
    its ``write_pos`` records (d = high + low part; the decayed update split into bf16 high and low
-   parts again, each multiplied by the key's high and low parts in fp32), stored in the checkpoint
-   dtype; a tracked row's track slot gets the same fold over ``write_pos - n + step + 1``
-   records, from the same old checkpoint;
+   parts again, each multiplied by the key's high and low parts in fp32 -- or, in another declared
+   design, the contraction that design names), stored in the checkpoint dtype (to nearest, or by a
+   declared stochastic rounding); a tracked row's track slot gets the same fold over
+   ``write_pos - n + step + 1`` records, from the same old checkpoint;
 3. **finish** (``_finish_gdn_replayssm_circular_fold_kernel``): a folded row's ring restarts past
    its history: ``cache_base += write_pos (mod RL)``, ``write_pos = is_flush = 0``;
 4. **conv**: the usual accept rollback of the working slots and the tracked window
    (``fused_conv_window_scatter_with_mask``; drift: the NPU window's rollback, the same inputs).
 
 Called as every update is (``fn(self, last_correct_step_indices, mamba_track_indices,
-mamba_steps_to_track)``, ``self`` a :class:`drift.flows.kernel_commit.pool.ReplayHarness`). No host sync: every
-step is device tensors and host ints the harness fixes.
+mamba_steps_to_track)``, ``self`` a :class:`drift.flows.kernel_commit.pool.ReplayHarness`), in the run's
+declared design (``self.commit_design``: drift/flows/kernel_commit/design.py; SGLang 0.5.23's by
+default). No host sync: every step is device tensors and host ints the harness fixes.
 """
 
 from __future__ import annotations
@@ -32,8 +35,10 @@ from typing import Callable, Optional
 
 import torch
 
+from ...sim import kernels
 from ...sim.pool import raw_state
 from ...sim.shim import sgl_kernels
+from ..base import EVERY_CHOICE
 from .pool import decay_weights, in_ring_order, over_value_heads
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -67,7 +72,15 @@ def advance_cursors(c: Commit) -> None:
     n = c.accept
     new_base = torch.where((n > 0) & flush, (base + wp) & (RL - 1), base)
     new_wp = torch.where(flush, n, wp + n)
-    nxt = (new_wp > 0) if c.h.fold_every_commit else (new_wp + 2 * D > RL)
+    every = c.h.commit_design.every
+    if c.h.fold_every_commit:
+        nxt = new_wp > 0
+    elif every:  # drift's every:N cadence: a commit counter per ring slot, reset by the fold's finish
+        since = mp.replayssm_commits_since_fold.index_select(0, slot).to(torch.int64) + (n > 0).to(torch.int64)
+        mp.replayssm_commits_since_fold.index_copy_(0, slot, since.to(torch.int32))
+        nxt = (since >= every) & (new_wp > 0)
+    else:
+        nxt = new_wp + 2 * D > RL
     mp.replayssm_spec_write_pos.index_copy_(0, slot, new_wp.to(torch.int32))
     mp.replayssm_cache_base.index_copy_(0, slot, new_base.to(torch.int32))
     mp.replayssm_is_flush.index_copy_(0, slot, nxt.to(torch.int8))
@@ -76,36 +89,78 @@ def advance_cursors(c: Commit) -> None:
 # ------------------------------------------------------------------------------ 2. fold
 def _records(c: Commit):
     """Each row's ring in logical order from ``cache_base`` (:func:`drift.flows.kernel_commit.pool.in_ring_order`, the
-    kernel's circular addressing): d (high + low, fp32) ``[L, N, HV, RL, V]``, the key's high and low
-    parts (fp32, repeated over value heads) ``[L, N, HV, RL, K]``, g ``[L, N, HV, RL]``."""
+    kernel's circular addressing): d (high + low where the ring has a low part, fp32) ``[L, N, HV, RL,
+    V]``, the key's high part and its low part (None without one; fp32, repeated over value heads)
+    ``[L, N, HV, RL, K]``, g ``[L, N, HV, RL]``."""
     ss, mp = c.h.spec_state, c.h.mamba_pool
     slot = c.h.req_pool_indices
     base = mp.replayssm_cache_base.index_select(0, slot)
 
     def take(t):
-        return in_ring_order(t, slot, base).to(F32)
+        return None if t is None else in_ring_order(t, slot, base).to(F32)
 
     HV = ss.replayssm_g.shape[2]
-    kh, kl = (over_value_heads(take(t), HV) for t in (ss.replayssm_k, ss.replayssm_rawk))
-    return take(ss.replayssm_d) + take(ss.replayssm_rawv), kh, kl, take(ss.replayssm_g)
+    kh, kl = (None if t is None else over_value_heads(take(t), HV) for t in (ss.replayssm_k, ss.replayssm_rawk))
+    d = take(ss.replayssm_d) if ss.replayssm_rawv is None else take(ss.replayssm_d) + take(ss.replayssm_rawv)
+    return d, kh, kl, take(ss.replayssm_g)
 
 
-def compensated_fold(old, d, kh, kl, g, length):
+def _contract(u: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``sum_c u_c k_c^T`` per row and head: u ``[L, N, HV, RL, V]``, k ``[L, N, HV, RL, K]`` -> ``[L, N, HV, V, K]``."""
+    return torch.einsum("lnhcv,lnhck->lnhvk", u, k)
+
+
+def compensated_fold(old, d, kh, kl, g, length, parts: torch.dtype = BF16):
     """The compact commit's fold of a row's first ``length [N]`` records onto ``old`` fp32
     ``[L, N, HV, V, K]`` (weights: :func:`drift.flows.kernel_commit.pool.decay_weights`): the decayed update split
-    into bf16 high and low parts, the four products with the key's parts accumulated in fp32
-    (``tl.dot``: bf16 operands, fp32 accumulation)."""
+    into high and low parts in ``parts`` (SGLang: the ring's dtype, ``k_cache.dtype.element_ty``; bf16),
+    the products with the key's parts (its low part: None when the ring keeps none) accumulated in fp32
+    (``tl.dot``: 16-bit operands, fp32 accumulation). An fp32 ``parts`` leaves no low part."""
     total, decay = decay_weights(g, length)
     upd = d * decay[..., None]  # [L, N, HV, RL, V]
-    hi = upd.to(BF16).to(F32)
-    lo = (upd - hi).to(BF16).to(F32)
-    delta = sum(torch.einsum("lnhcv,lnhck->lnhvk", u, k) for k in (kh, kl) for u in (hi, lo))
+    hi = upd.to(parts).to(F32)
+    us = (hi,) if parts == F32 else (hi, (upd - hi).to(parts).to(F32))
+    delta = sum(_contract(u, k) for k in ((kh,) if kl is None else (kh, kl)) for u in us)
     return old * torch.exp(total)[..., None] + delta
 
 
-def fold_checkpoints(c: Commit, fold: Callable = compensated_fold) -> None:
+def rounded_fold(operand: Callable, old, d, kh, kl, g, length):
+    """A fold whose contraction rounds both operands -- the decayed update and the key as the ring
+    holds it -- with ``operand`` (the design's: TF32, bf16, or fp32 as they are), one product
+    accumulated in fp32."""
+    total, decay = decay_weights(g, length)
+    key = kh if kl is None else kh + kl
+    delta = _contract(operand(d * decay[..., None]), operand(key))
+    return old * torch.exp(total)[..., None] + delta
+
+
+def design_fold(design) -> Callable:
+    """The fold of ``design`` (drift/flows/kernel_commit/design.py): SGLang's split contraction in the
+    record dtype, or the rounded-operand one."""
+    if design.contraction.split:
+        return lambda old, d, kh, kl, g, length: compensated_fold(old, d, kh, kl, g, length, design.records.dtype)
+    return lambda old, d, kh, kl, g, length: rounded_fold(design.operand, old, d, kh, kl, g, length)
+
+
+def store_fold(new: torch.Tensor, dtype: torch.dtype, rounding: str, key: int) -> torch.Tensor:
+    """fp32 folded states ``[L, N, HV, V, K]`` stored in the checkpoint dtype: to nearest (a cast), or
+    by stochastic rounding keyed by the step (``fold_key``) and each element's place in ``new``, so a
+    row's checkpoint and its track slot get the same bits from the same values."""
+    if rounding == "rne" or dtype == new.dtype:
+        return new.to(dtype)
+    out = torch.empty(new.shape, dtype=dtype, device=new.device)
+    kernels.store_state(out, new.contiguous(), rounding, key)
+    return out
+
+
+def fold_checkpoints(c: Commit, fold: Optional[Callable] = None, rounding: Optional[str] = None) -> None:
     """``gdn_replayssm_compact_commit_kernel``: fold rows whose ``is_flush`` is set into their
-    checkpoint and tracked rows into their track slot; other slots keep their bits."""
+    checkpoint and tracked rows into their track slot; other slots keep their bits. ``fold`` (default:
+    the design's, :func:`design_fold`) and ``rounding`` (default: the design's fold store) replace a
+    part of it (a mutant)."""
+    design = c.h.commit_design
+    fold = fold or design_fold(design)
+    rounding = rounding or design.store_rounding
     ss, mp = c.h.spec_state, c.h.mamba_pool
     sidx, slot = c.h.state_batch_indices, c.h.req_pool_indices
     valid = sidx > NULL
@@ -116,11 +171,12 @@ def fold_checkpoints(c: Commit, fold: Callable = compensated_fold) -> None:
     old_raw = temporal.index_select(1, safe)
     old = old_raw.to(F32)
     d, kh, kl, g = _records(c)
-    new = fold(old, d, kh, kl, g, n_hist).to(temporal.dtype)
+    new = store_fold(fold(old, d, kh, kl, g, n_hist), temporal.dtype, rounding, c.h.fold_key)
     if c.track is not None:
         has = valid & (c.track > NULL) & (c.steps >= 0)
         tslot = torch.where(has, c.track, torch.zeros_like(c.track))
-        tnew = fold(old, d, kh, kl, g, torch.clamp(n_hist - c.accept + c.steps + 1, min=0)).to(temporal.dtype)
+        tnew = store_fold(fold(old, d, kh, kl, g, torch.clamp(n_hist - c.accept + c.steps + 1, min=0)),
+                          temporal.dtype, rounding, c.h.fold_key)
         temporal.index_copy_(1, tslot, torch.where(has[None, :, None, None, None], tnew,
                                                    temporal.index_select(1, tslot)))
     temporal.index_copy_(1, safe, torch.where(active[None, :, None, None, None], new, old_raw))
@@ -139,6 +195,9 @@ def finish_folds(c: Commit) -> None:
     mp.replayssm_spec_write_pos.index_copy_(0, slot, torch.where(done, torch.zeros_like(wp), wp))
     mp.replayssm_is_flush.index_copy_(0, slot, torch.where(done, torch.zeros_like(done, dtype=torch.int8),
                                                            mp.replayssm_is_flush.index_select(0, slot)))
+    since = getattr(mp, "replayssm_commits_since_fold", None)  # drift's every:N counter
+    if since is not None:
+        since.index_copy_(0, slot, torch.where(done, torch.zeros_like(wp), since.index_select(0, slot)))
 
 
 # ------------------------------------------------------------------------------ 4. conv
@@ -182,6 +241,7 @@ class ReplayCommit:
 
         update.__name__ = update.__qualname__ = name.replace("-", "_").replace(".", "")
         update.__doc__ = f"{name}: SGLang 0.5.23's ReplaySSM commit (drift/flows/kernel_commit/updates.py)."
+        update.FLOW_OPTIONS = EVERY_CHOICE  # it reads the design through self.commit_design
         return update
 
 
