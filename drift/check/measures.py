@@ -288,6 +288,11 @@ def _operand_terms(u: torch.Tensor, k: torch.Tensor, bits: int, key_exact: bool,
     return FOLD_KAPPA * e2.sum(dims), FOLD_KAPPA4 * e4.sum(dims)
 
 
+def _fold_snapshot(comp, view) -> np.ndarray:
+    """The lanes where a request starts at this step (host int64, sorted; empty under a fixed batch)."""
+    return np.array(sorted(view.starts) if view.starts else (), np.int64)
+
+
 def _fold_batch(comp, batch: Batch) -> None:
     """Per step and (layer, row, head) the rounding the fold design injects (docs/bounds.md §9),
     from the twin's per-token deltas and keys, and per row whether it folds:
@@ -303,7 +308,12 @@ def _fold_batch(comp, batch: Batch) -> None:
         buf["fold"][rows] = 1.0  # every row stores every step, as in docs/bounds.md §4
         return
     dev = comp.ref_device
-    fold = np.stack([comp.fold_schedule.step(a) for a in batch.accept])  # [n, R], in step order
+    begun = batch.extra["fold_terms"]  # per step, the lanes where a request starts (before its verify)
+    fold = np.zeros(batch.accept.shape, bool)  # [n, R], in step order
+    for j, a in enumerate(batch.accept):
+        if len(begun[j]):
+            comp.fold_schedule.restart(begun[j])
+        fold[j] = comp.fold_schedule.step(a)
     buf["fold"][rows] = torch.from_numpy(fold.astype(np.float64)).to(dev)
     mm = batch.m[:, None, :, :, None]  # [n, 1, R, D, 1]
     logd = torch.where(mm, torch.log(tw.decay), torch.zeros_like(tw.decay))  # [n, L, R, D, HV]
@@ -327,6 +337,11 @@ def _fold_batch(comp, batch: Batch) -> None:
     e2 = torch.zeros_like(total)
     e4 = torch.zeros_like(total)
     for j in range(batch.n):  # records of several steps: carried, decayed, folded when the row folds
+        if len(begun[j]):  # a starting request's ring holds none of its row's previous records
+            bi = torch.from_numpy(begun[j]).to(dev)
+            P["u"][:, bi] = 0.0
+            P["k"][:, bi] = 0.0
+            P["n"][begun[j]] = 0
         P["u"].mul_(torch.exp(total[j])[:, :, None, :, None])
         r_idx, t_idx = np.nonzero(batch.accept[j][:, None] > np.arange(d.shape[3])[None, :])
         pos = P["n"][r_idx] + t_idx
@@ -368,7 +383,8 @@ MEASURES.register("fold_terms", Measure(
     head=("rec2", "rec4",  # record rounding energy entering the state this step, and its variance
           "op2", "op4"),   # contraction-operand rounding energy of the folds this step, and its variance
     row=("fold",),         # 1 where the row folds (its checkpoint is stored) this step
-    deltas=True, start=_fold_start, on_batch=_fold_batch, save=_fold_save, load=_fold_load))
+    deltas=True, start=_fold_start, snapshot=_fold_snapshot, on_batch=_fold_batch, save=_fold_save,
+    load=_fold_load))
 
 
 # ----------------------------------------------------------------------- outputs, conv windows

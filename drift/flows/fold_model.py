@@ -58,8 +58,11 @@ class FoldRounding:
 
 class FoldSchedule:
     """Which rows fold at each step under a :class:`FoldRounding`'s cadence, from the accept lengths
-    (the accepted draft tokens and the bonus token: every active row accepts at least one). Per row
-    it counts the records written and the commits made since its last fold (host int64 ``[R]``)."""
+    (the accepted draft tokens and the bonus token: every active row accepts at least one; an idle
+    row, 0, commits nothing). Per row it counts the records written and the commits made since its
+    last fold (host int64 ``[R]``); a request that starts on a row begins with none
+    (:meth:`restart`: SGLang 0.5.23 zeroes a freshly allocated request row's spec cursors,
+    ``srt/mem_cache/memory_pool.py``, docs/semantics.md §12)."""
 
     def __init__(self, rounding: FoldRounding, rows: int):
         self.rounding = rounding
@@ -69,8 +72,9 @@ class FoldSchedule:
     def step(self, accept: np.ndarray) -> np.ndarray:
         """One commit of ``accept`` tokens per row (host int ``[R]``): bool ``[R]``, the rows that fold."""
         fr = self.rounding
-        self.records += np.asarray(accept, np.int64)
-        self.commits += 1
+        accept = np.asarray(accept, np.int64)
+        self.records += accept
+        self.commits += accept > 0
         if fr.when_full:
             fold = self.records + 2 * fr.draft_tokens > fr.ring_len
         else:
@@ -78,6 +82,11 @@ class FoldSchedule:
         self.records[fold] = 0
         self.commits[fold] = 0
         return fold
+
+    def restart(self, rows) -> None:
+        """Rows where a request starts (host int indices): no records, no commits since a fold."""
+        self.records[rows] = 0
+        self.commits[rows] = 0
 
     def state_dict(self) -> dict:
         return {"records": self.records.copy(), "commits": self.commits.copy()}

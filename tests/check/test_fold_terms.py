@@ -15,6 +15,7 @@ from drift import checkpoint
 from drift.check.bounds import BoundCheck, fold_rounding_of
 from drift.check.registry import RunContext
 from drift.config import flow_options, preset
+from drift.flows.fold_model import FoldSchedule
 from drift.flows.registry import FLOWS
 from drift.runner import CheckedRun, run_checked
 from drift.runspec import resolve
@@ -86,6 +87,18 @@ def test_each_term_holds_its_design_within_the_bound(profile, options, term):
     fr = fold_rounding_of(RunContext(run.cfg, run.mode))
     assert _worst(run) < 1.0
     assert _worst(run, dataclasses.replace(fr, **{term: None})) > 1.5
+
+
+def test_a_request_start_restarts_its_rows_fold_count(monkeypatch):
+    """Under the serving lifecycle a request that takes a row starts with an empty ring (SGLang's alloc
+    zeroes a fresh row's cursors): the fold_terms measure restarts that row's schedule and pending
+    records, and a lazy TF32 design stays within its bound over 128 steps. Negative control: with the
+    restart dropped the bound counts the previous request's records and misplaces the folds (26x here)."""
+    cfg = preset("ci-small", flow=FLOW, steps=128, lifecycle="serving",
+                 flow_options=flow_options(fold_contraction="tf32")).with_profile("fp32")
+    assert _worst(resolve(cfg)) < 1.0
+    monkeypatch.setattr(FoldSchedule, "restart", lambda self, rows: None)
+    assert _worst(resolve(cfg)) > 2.0
 
 
 def test_a_lazy_fold_of_a_bf16_checkpoint_stores_only_when_it_folds():

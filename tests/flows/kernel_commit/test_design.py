@@ -6,6 +6,7 @@ is refused under another."""
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from drift.flows.base import default_choice
 from drift.flows.kernel_commit import design as dz
 from drift.flows.kernel_commit import naive
 from drift.flows.kernel_commit import updates as rs
+from drift.flows.kernel_commit.pool import ReplaySlots
 from drift.flows.registry import FLOWS, state_flow
 from drift.runspec import resolve
 from drift.sim import kernels
@@ -196,6 +198,35 @@ def test_the_cursors_fold_when_the_declared_cadence_says(options, profile):
         rs.finish_folds(c)
     folds = np.array(seen)
     assert folds.any() and (flow.pool.design.folds_every_commit or not folds.all())
+
+
+@pytest.mark.parametrize("options,profile", [(dict(), "fp32"), (dict(fold_cadence="every:3"), None)])
+def test_idle_rows_and_fresh_rows_fold_as_the_schedule_says(options, profile):
+    """Under a churning lifecycle: an idle row (accept 0) commits nothing, and a request row handed out
+    afresh (ReplaySlots.fresh_row: SGLang's alloc zeroes its cursors) starts a new count -- the
+    schedule's ``restart``. Negative control: a schedule that misses the restarts disagrees."""
+    cfg = _cfg(8, profile, **options)  # SGLang's fp32 checkpoint folds when the ring is full
+    flow = _harness(cfg)
+    h, R, N = flow.harness, cfg.num_requests, cfg.num_rows
+    fr = flow.pool.design.fold_rounding()
+    schedule, blind = FoldSchedule(fr, R), FoldSchedule(fr, R)
+    rng = np.random.default_rng(7)
+    disagreed = False
+    for _ in range(60):
+        fresh = np.nonzero(rng.random(R) < 0.15)[0]
+        for row in fresh:
+            ReplaySlots.fresh_row(SimpleNamespace(pool=flow.pool), int(row))
+        schedule.restart(fresh)
+        acc = rng.integers(1, cfg.num_draft_tokens + 1, R) * (rng.random(R) > 0.25)  # a quarter idle
+        accept = torch.tensor(list(acc) + [0] * (N - R))
+        c = rs.Commit(h, accept, accept - 1, None, None)
+        rs.advance_cursors(c)
+        got = (flow.pool.is_flush[:R] != 0).numpy()
+        assert (got == schedule.step(acc)).all()
+        disagreed |= not (got == blind.step(acc)).all()
+        rs.fold_checkpoints(c)
+        rs.finish_folds(c)
+    assert disagreed
 
 
 def test_a_schedule_of_another_cadence_disagrees():
