@@ -71,16 +71,21 @@ EOF
 cd "$REPO"
 # The test suite's CUDA tests (installed drift: `pytest`, not `python -m pytest`, keeps the
 # checkout off sys.path) and the PR gate as an engine CI runs it, from outside the checkout.
+# In order of what matters most, so that a short budget keeps the first ones: the CUDA tests, the
+# captured step against the eager one (graph capture needs the fixed lifecycle: the serving default
+# changes the batch between steps and runs eagerly), the default serving run, sglang's Triton kernel,
+# then the gate as an engine CI runs it (installed drift, from outside the checkout) and the benches.
 step cuda-tests 150 pytest tests -m cuda --drift-device cuda -q -p no:cacheprovider
-(cd /tmp && step gate 200 pytest --pyargs drift --drift-device cuda -q -p no:cacheprovider)
-step bench-qwen 150 drift bench --device cuda --preset qwen3.5-397b-tp16
-step run-ci-captured 120 drift run --device cuda --steps 4096
-step run-ci-eager 150 drift run --device cuda --steps 4096 --no-graph
+step run-ci-captured 120 drift run --device cuda --steps 4096 --lifecycle fixed
+step run-ci-eager 150 drift run --device cuda --steps 4096 --lifecycle fixed --no-graph
+step run-ci-serving 150 drift run --device cuda --steps 4096
 if [ -n "$FLA" ]; then
     export SGLANG_FLA_DIR="$FLA"
     step triton-ci 180 python3 "$TRITON_RUN" run --device cuda --kernel sglang-triton --steps 4096
 fi
+(cd /tmp && step gate 200 pytest --pyargs drift --drift-device cuda -q -p no:cacheprovider)
 step bench-ci 90 drift bench --device cuda --preset ci-small
+step bench-qwen 150 drift bench --device cuda --preset qwen3.5-397b-tp16
 step run-qwen 150 drift run --device cuda --preset qwen3.5-397b-tp16 --steps 512
 step run-stagnation 120 drift run --device cuda --preset stagnation
 if [ -n "$FLA" ]; then

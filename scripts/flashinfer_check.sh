@@ -94,7 +94,7 @@ except Exception as exc:
 EOF
 
 FIXTURE=tests/fixtures/fake_flashinfer.py
-RUN=(-m drift run --device cuda --flow sglang-replayssm --preset qwen3-next-80b-tp16 --profile fp32 --steps 512)
+RUN=(-m drift run --device cuda --flow sglang-replayssm --preset qwen3-next-80b-tp16 --profile fp32 --steps 512 --lifecycle fixed)  # fixed: the step is captured
 step() {  # step NAME TIMEOUT_S ARGS...: python3 ARGS under a timeout, its output in OUTDIR/NAME.log; sets RC
     local name=$1 limit=$2
     shift 2
