@@ -250,3 +250,23 @@ def naive_of(args: VerifyArgs, dtype: torch.dtype = torch.float64, store=None):
     inter = blocks.view(L, I // D, D, *blocks.shape[2:]) if D else args.intermediate_state
     out = kind.naive(replace(args, intermediate_state=inter), dtype, store)
     return out, blocks
+
+
+def figures(rep) -> dict:
+    """A report's verdicts and figures per check, the scan-dependent ones (host syncs, graph capture) left out."""
+    return {c.key: (c.passed, c.worst, c.where) for c in rep.checks if c.key not in ("host_syncs", "graph_capture")}
+
+
+def resumed_from_checkpoint(cfg, path: Path, every: int):
+    """``cfg`` run whole, and run again from the checkpoint file ``path`` (no pickle) a first run wrote at
+    its first ``every``-step boundary: (the uninterrupted report, the resumed report)."""
+    from drift import checkpoint
+    from drift.runner import CheckedRun
+
+    whole = CheckedRun(resolve(cfg))
+    whole_rep = whole.report(whole.run(), sync_scan=False)
+    first = CheckedRun(resolve(cfg))
+    first.run(checkpoint=lambda done, snap: checkpoint.save(path, snap) if not path.exists() else None,
+              checkpoint_every=every)
+    resumed = CheckedRun(resolve(cfg))
+    return whole_rep, resumed.report(resumed.run(resume_state=checkpoint.load(path)), sync_scan=False)

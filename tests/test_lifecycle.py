@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from helpers import resumed_from_checkpoint
 from drift.check.registry import find_result
 from drift.config import preset
 from drift.jobs.report import summary_text
@@ -104,14 +105,8 @@ def test_a_serving_run_resumed_from_a_checkpoint_gives_the_same_figures(tmp_path
     from drift.runner import CheckedRun
 
     cfg = preset("ci-small", lifecycle="serving", steps=512)
-    whole = CheckedRun(resolve(cfg))
-    whole_rep = whole.report(whole.run(), sync_scan=False)
     path = tmp_path / "ckpt.pt"
-    first = CheckedRun(resolve(cfg))
-    first.run(checkpoint=lambda done, snap: checkpoint.save(path, snap) if not path.exists() else None,
-              checkpoint_every=256)
-    resumed = CheckedRun(resolve(cfg))
-    rep = resumed.report(resumed.run(resume_state=checkpoint.load(path)), sync_scan=False)
+    whole_rep, rep = resumed_from_checkpoint(cfg, path, 256)
     assert _figures(rep) == _figures(whole_rep)
     assert rep.info.meta["events"] == whole_rep.info.meta["events"]
     other = CheckedRun(resolve(cfg.replace(seed=3)))

@@ -630,15 +630,9 @@ def write_trace_golden(cfg: Config, directory: Optional[Path] = None, force: boo
     data = npz_bytes(arrays)
     digest = _sha256(data)
     directory.mkdir(parents=True, exist_ok=True)
-    old_entry = manifest["entries"].get(key)
-    old_file = None
-    if old_entry:
-        verdict, old_file = _against_stored(directory, old_entry, key, data, arrays, out)
-        if verdict != "differs":
-            return 0
-        if not force:
-            print(f"{key}: refusing to overwrite without --force", file=out)
-            return 1
+    refused, old_file = _replacing(directory, manifest, key, data, arrays, force, out)
+    if refused is not None:
+        return refused
     fname = f"seed{cfg.seed}-{cfg.stream_hash()}-{digest[:12]}.npz"
     atomic_write_bytes(directory / fname, data)
     stale = [k for k, e in manifest["entries"].items() if k != key and e.get("trace_sha256") != cfg.trace_sha256]
@@ -821,22 +815,32 @@ def regenerate(names: Sequence[str], seed: Optional[int] = None, force: bool = F
     return refused
 
 
+def _replacing(directory: Path, manifest: dict, key: str, data: bytes, arrays: dict, force: bool, out) -> tuple:
+    """Whether entry ``key``'s new ``data`` may be written over what the manifest holds: (None, the
+    stored file to remove once replaced, or None) to write; (0, None) when it is unchanged; (1, None)
+    when it differs and ``force`` is not given (the diff and the refusal printed)."""
+    old_entry = manifest["entries"].get(key)
+    if not old_entry:
+        return None, None
+    verdict, old_file = _against_stored(directory, old_entry, key, data, arrays, out)
+    if verdict != "differs":
+        return 0, None
+    if not force:
+        print(f"{key}: refusing to overwrite without --force", file=out)
+        return 1, None
+    return None, old_file
+
+
 def _write_entry(directory: Path, manifest: dict, shipped: Path, shipped_manifest: dict, key: str, stem: str,
                  arrays: dict, meta: dict, force: bool, out) -> int:
     """One entry of :func:`regenerate`: compared with what is stored (or shipped), written when new or
     changed with ``force``; returns 1 when a change was refused."""
     data = npz_bytes(arrays)
     digest = _sha256(data)
-    old_entry = manifest["entries"].get(key)
-    old_file = None
-    if old_entry:
-        verdict, old_file = _against_stored(directory, old_entry, key, data, arrays, out)
-        if verdict != "differs":
-            return 0
-        if not force:
-            print(f"{key}: refusing to overwrite without --force", file=out)
-            return 1
-    elif key in shipped_manifest["entries"]:
+    refused, old_file = _replacing(directory, manifest, key, data, arrays, force, out)
+    if refused is not None:
+        return refused
+    if key not in manifest["entries"] and key in shipped_manifest["entries"]:
         ((ref_name, ref_meta),) = shipped_manifest["entries"][key]["files"].items()
         if ref_meta["sha256"] == digest:
             print(f"{key}: identical to the golden data drift ships ({shipped / ref_name})", file=out)

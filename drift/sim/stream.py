@@ -428,18 +428,20 @@ class InputStream:
         drafts_host = draft_counts(cfg, self.step, count)
         drafts = np.full((count, N), D, np.int32)
         drafts[:, :R] = drafts_host
-        dev = self.device
-        out = StepChunk(
-            step0=self.step, count=count,
-            x=torch.from_numpy(x).view(torch.bfloat16).to(dev),
-            a=torch.from_numpy(a).to(dev), b=torch.from_numpy(b).to(dev),
-            last_steps=torch.from_numpy(last).to(dev), track_steps=torch.from_numpy(trk).to(dev),
-            drafts=torch.from_numpy(drafts).to(dev), pre=pre, accept=acc, track_host=trk[:, :R],
-            drafts_host=drafts_host,
-        )
+        out = self._chunk(count, x, a, b, last, trk, drafts, pre=pre, accept=acc, track_host=trk[:, :R],
+                          drafts_host=drafts_host)
         self.pos = pre[-1] + acc[-1]
         self.step += count
         return out
+
+    def _chunk(self, count: int, x, a, b, last, trk, drafts, **host) -> StepChunk:
+        """A :class:`StepChunk` of the next ``count`` steps from its host arrays: x (bf16 bits as
+        int16), a, b, last, trk, drafts moved to the device; ``host`` its host fields as given."""
+        dev = self.device
+        return StepChunk(step0=self.step, count=count, x=torch.from_numpy(x).view(torch.bfloat16).to(dev),
+                         a=torch.from_numpy(a).to(dev), b=torch.from_numpy(b).to(dev),
+                         last_steps=torch.from_numpy(last).to(dev), track_steps=torch.from_numpy(trk).to(dev),
+                         drafts=torch.from_numpy(drafts).to(dev), **host)
 
     def _serving_chunk(self, count: int) -> StepChunk:
         """The next ``count`` steps of a churning lifecycle: the schedule says which request each lane
@@ -482,15 +484,9 @@ class InputStream:
                 trk[seg, rw] = plan.track[seg, r]
                 drafts[seg, rw] = drafts_lane[seg, r]
         live = plan.request >= 0
-        dev = self.device
-        out = StepChunk(
-            step0=self.step, count=count,
-            x=torch.from_numpy(x).view(torch.bfloat16).to(dev),
-            a=torch.from_numpy(a).to(dev), b=torch.from_numpy(b).to(dev),
-            last_steps=torch.from_numpy(last).to(dev), track_steps=torch.from_numpy(trk).to(dev),
-            drafts=torch.from_numpy(drafts).to(dev), pre=np.where(live, pre, 0), accept=np.where(live, acc, 0),
-            track_host=np.where(live, plan.track, -1), drafts_host=np.where(live, drafts_lane, D), schedule=plan,
-        )
+        out = self._chunk(count, x, a, b, last, trk, drafts, pre=np.where(live, pre, 0),
+                          accept=np.where(live, acc, 0), track_host=np.where(live, plan.track, -1),
+                          drafts_host=np.where(live, drafts_lane, D), schedule=plan)
         self.pos = np.where(live[-1], pre[-1] + acc[-1], 0)
         self.step += count
         return out

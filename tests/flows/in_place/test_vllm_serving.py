@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from helpers import figures, resumed_from_checkpoint
 from drift import preset
 from drift.errors import ConfigError
 from drift.flows.in_place import updates as U
@@ -117,10 +118,6 @@ def test_the_fixed_batch_runs_none_of_the_serving_parts():
     assert (count.migrations, count.moves, count.adds) == (0, 0, 0)
 
 
-def _figures(rep) -> dict:
-    return {c.key: (c.passed, c.worst, c.where) for c in rep.checks if c.key not in ("host_syncs", "graph_capture")}
-
-
 def test_a_serving_run_resumed_from_a_checkpoint_gives_the_same_figures(tmp_path):
     """The engine state (block pool, columns, persistent batch, runner, prefix cache, index buffers) comes
     back from a checkpoint file (no pickle), so a resumed run's figures and events equal an uninterrupted
@@ -129,15 +126,9 @@ def test_a_serving_run_resumed_from_a_checkpoint_gives_the_same_figures(tmp_path
     from drift.runner import CheckedRun
 
     cfg = preset("ci-small", flow="vllm", lifecycle="serving", steps=384, num_layers=1)
-    whole = CheckedRun(resolve(cfg))
-    whole_rep = whole.report(whole.run(), sync_scan=False)
     path = tmp_path / "ckpt.pt"
-    first = CheckedRun(resolve(cfg))
-    first.run(checkpoint=lambda done, snap: checkpoint.save(path, snap) if not path.exists() else None,
-              checkpoint_every=192)
-    resumed = CheckedRun(resolve(cfg))
-    rep = resumed.report(resumed.run(resume_state=checkpoint.load(path)), sync_scan=False)
-    assert _figures(rep) == _figures(whole_rep)
+    whole_rep, rep = resumed_from_checkpoint(cfg, path, 192)
+    assert figures(rep) == figures(whole_rep)
     assert rep.info.meta["events"] == whole_rep.info.meta["events"]
     state = checkpoint.load(path)
     accept = state["sim"]["serving"]["flow"]["buffers"]["accept"]
@@ -145,4 +136,4 @@ def test_a_serving_run_resumed_from_a_checkpoint_gives_the_same_figures(tmp_path
     accept.fill_(1)
     lost = CheckedRun(resolve(cfg))
     lost_rep = lost.report(lost.run(resume_state=state), sync_scan=False)
-    assert _figures(lost_rep) != _figures(whole_rep)
+    assert figures(lost_rep) != figures(whole_rep)
