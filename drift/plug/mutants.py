@@ -409,6 +409,12 @@ def fold_twice(c) -> None:
     replay_parts.fold_checkpoints(c)
 
 
+def track_one_record_short(c) -> None:
+    # the track slot's fold length one record short (write_pos - n + step, not + 1): the snapshot is the
+    # state one token before the boundary it is filed under; its exact reference sees every such row
+    replay_parts.fold_checkpoints(replace(c, steps=torch.where(c.steps > 0, c.steps - 1, c.steps)))
+
+
 def fold_stochastic_store(c) -> None:
     # the fold stores the checkpoint by stochastic rounding while the run declares round to nearest
     replay_parts.fold_checkpoints(c, rounding="stochastic")
@@ -545,7 +551,10 @@ for _m in (
            "sglang #28451 class (HybridReqToTokenPool.alloc)", _replay("replay_cursor_not_reset"),
            {**SERVING, "profile": FP32}, flow=REPLAY, serving=SpecCursorsNotReset),
 
-
+    Mutant("replay_track_one_short", "semantics", "update", "sglang-replayssm flow, fp32 checkpoint: a tracked "
+           "row's track slot folds one record fewer than its boundary token (a snapshot taken mid-window, one "
+           "token early)", "gdn_replayssm_compact_commit_kernel track length class",
+           _replay("replay_track_one_short", fold=track_one_record_short), {"profile": FP32}, flow=REPLAY),
     Mutant("replay_tf32_fold", "precision", "update", "sglang-replayssm flow: a fold that contracts on TF32 "
            "operands (11-bit mantissas) in a design that declares an fp32 fold of an fp32 checkpoint",
            "flashinfer #5314 (TF32 checkpoints not bitwise FP32)", _replay("replay_tf32_fold", fold=fold_tf32_operands),

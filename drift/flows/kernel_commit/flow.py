@@ -39,6 +39,7 @@ from ...dtypes import as_bits
 from ...sim import kernels
 from ..base import MambaPoolFlow
 from ..fold_model import FoldRounding, FoldSchedule
+from .reference import snapshot_outside
 from ..registry import FLOW_KINDS, FLOWS
 from . import design, naive
 from .pool import NULL_SLOT, ReplayHarness, ReplayPool, ReplaySlots, effective_states
@@ -103,6 +104,11 @@ class KernelCommitFlow(MambaPoolFlow):
         super().__init__(cfg, device)
         N, D = cfg.num_rows, cfg.num_draft_tokens
         self._last = torch.full((N,), -1, dtype=torch.int64, device=device)
+        # What each commit starts from, the reference of its tracked snapshots (reference.py): the ring's
+        # cursors and, where the run tracks, each lane's checkpoint.
+        self._wp_before = torch.zeros_like(self.pool.write_pos)
+        self._before = (torch.zeros_like(self.pool.states.index_select(1, self.pool.active_slots))
+                        if cfg.track_interval > 0 else None)
         # The recurrent op's index arguments, which the ring rule does not read (its rows are the pool's).
         self._indices = (self.pool.state_indices.to(I32), torch.zeros((N, D), dtype=I32, device=device),
                          torch.ones(N, dtype=I32, device=device), torch.full((N,), D, dtype=I32, device=device))
@@ -132,6 +138,9 @@ class KernelCommitFlow(MambaPoolFlow):
     def after_verify(self, last: torch.Tensor) -> None:
         self._last[: last.shape[0]].copy_(last)  # the accepted steps: which tracked rows must equal their checkpoint
         self._last[last.shape[0]:] = -1
+        self._wp_before.copy_(self.pool.write_pos)  # the commit's starting point: its snapshots' reference
+        if self._before is not None:
+            self._before.copy_(self.pool.states.index_select(1, self.pool.active_slots))
 
     def committed_states(self) -> torch.Tensor:
         """The state each request's next verify starts from: its checkpoint, with any records still in
@@ -175,7 +184,10 @@ class KernelCommitFlow(MambaPoolFlow):
         """What the track slots hold. The run held no per-token state to compare bits with; where a
         row was tracked at its last accepted step under fold-every-commit, SGLang's commit folds the
         same records into both slots with the same code, so the track slot must equal the new
-        checkpoint bit for bit (counted); other rows are judged by their error alone."""
+        checkpoint bit for bit. Every snapshot, mid-window included, must also agree with its exact
+        reference -- the fold, in float64, of the run's own checkpoint and ring records to the tracked
+        token, within the rounding the fold may add (:func:`~drift.flows.kernel_commit.reference.
+        snapshot_outside`). Both count as bits that differ from what the run held."""
         pool = self.pool
         rows = np.nonzero(track >= 0)[0]  # lanes
         rows_t = torch.from_numpy(rows).to(pool.device)
@@ -186,10 +198,16 @@ class KernelCommitFlow(MambaPoolFlow):
         same_step &= torch.tensor(self.harness.fold_every_commit, device=pool.device)
         ckpt = pool.states[:, pool.active_slots[rows_t]]
         bits_bad = ((as_bits(got) != as_bits(ckpt)).sum((0, 2, 3, 4)) * same_step).to(torch.int64)
+        ring_rows = pool.lane_ring_rows.index_select(0, rows_t)
+        accept = self._last.index_select(0, batch_rows) + 1
+        step = torch.from_numpy(track[rows]).to(pool.device)
+        bits_bad += snapshot_outside(pool, ring_rows, self._wp_before.index_select(0, ring_rows), accept, step,
+                                     self._before.index_select(1, rows_t), got, self.cfg.num_v_heads)
         return rows, got.clone(), windows, bits_bad
 
     def buffers(self) -> list[torch.Tensor]:
-        return [self._last, *self.pool.ring_tensors().values()]
+        extra = [self._wp_before] + ([self._before] if self._before is not None else [])
+        return [self._last, *extra, *self.pool.ring_tensors().values()]
 
     def state_dict(self) -> dict:
         return {name: t.cpu().clone() for name, t in self.pool.ring_tensors().items()}

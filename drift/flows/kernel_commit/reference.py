@@ -1,0 +1,104 @@
+"""The exact reference of a ReplaySSM tracked snapshot, mid-window included (docs/semantics.md §6,
+"Tracked snapshots").
+
+SGLang 0.5.23's commit (``gdn_replayssm_compact_commit_kernel``, drift/flows/kernel_commit/updates.py)
+writes a tracked row's track slot as the fold of the row's checkpoint before the commit and the first
+``m = write_pos_before + step + 1`` records of its ring: the checkpoint folded to the tracked token,
+wherever that token falls in the ring's window. drift keeps the checkpoints the commit starts from
+(the flow's ``after_verify``) and the ring still holds the records (a fold's finish only moves
+``cache_base`` past them), so the snapshot's reference is a function of the run's own bits, computed
+in float64 by drift's fold (drift.flows.kernel_commit.pool.fold_records), not the update's:
+``track == fold(checkpoint_before, records[0:m])``.
+
+That is an equality in exact arithmetic. The run computes it in fp32 and stores it in the checkpoint
+dtype, so an element may differ by (u = 2^-24, fp32's unit roundoff):
+
+* the store: half an ulp of the snapshot's element in the checkpoint dtype to nearest, one ulp for a
+  declared stochastic store;
+* the fp32 accumulation of ``m + 1`` terms, and the fp32 exponentials and prefix sums of the decay
+  weights: ``gamma_{m + 4} A`` with gamma_j = j u / (1 - j u) (Higham, Accuracy and Stability of
+  Numerical Algorithms, §3.1) and ``A = e^G |h| + sum_c e^(G - G_c) |d_c| |k_c|``, the sum of the terms'
+  magnitudes (computed exactly as the same fold of their absolute values);
+* the contraction's products: ``2 u_op A``, ``u_op`` the design's operand rounding (2^-bits for
+  rounded operands; 2^-(2 p) for SGLang's split into two parts of a p-bit record dtype; 0 for fp32),
+  and, where a split part falls below the record dtype's normal range (an fp16 ring's small decayed
+  deltas), ``2 t sum_c |k_c|`` with t half its subnormal spacing.
+
+An element is outside when it differs by more than ``MARGIN`` times that sum (the bound is a worst
+case: the margin only guards the calibration, tests/flows/kernel_commit/test_reference.py, where the
+largest ratio over every design stays below 1 / MARGIN of it while a snapshot one record short is
+outside by orders of magnitude).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...dtypes import store_dtype
+from .design import CommitDesign
+from .pool import ReplayPool, fold_records, gather_records
+
+F64 = torch.float64
+U32 = 2.0 ** -24  # fp32 unit roundoff
+MARGIN = 4.0
+
+
+def _ulp(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """The spacing of a ``bits``-bit mantissa grid (the implicit bit included) at each element of x."""
+    _, e = torch.frexp(x)
+    return torch.where(x == 0, torch.zeros_like(x), torch.exp2((e - bits).to(x.dtype)))
+
+
+def operand_unit(design: CommitDesign) -> float:
+    """The relative rounding of one contraction operand in ``design``'s fold."""
+    c = design.contraction
+    if c.split:
+        return 2.0 ** (-2 * store_dtype(design.records.dtype).mantissa_bits)
+    return 0.0 if c.bits is None else 2.0 ** -c.bits
+
+
+def subnormal_unit(design: CommitDesign) -> float:
+    """The absolute rounding of one split part where it falls below the record dtype's normal range:
+    half its subnormal spacing (fp16: 2^-25; bf16 has fp32's range, where it is negligible); 0 for a
+    fold that does not split."""
+    if not design.contraction.split:
+        return 0.0
+    fi = torch.finfo(design.records.dtype)
+    return 0.5 * fi.smallest_normal * fi.eps
+
+
+def snapshot_deviation(pool: ReplayPool, ring_rows: torch.Tensor, wp_before: torch.Tensor, accept: torch.Tensor,
+                       step: torch.Tensor, before: torch.Tensor, got: torch.Tensor, nv: int) -> torch.Tensor:
+    """Each tracked snapshot's elements against their reference, in units of the rounding the fold may
+    add (float64 ``[L, m, HV, V, K]``; an element within it is at most 1).
+
+    ring_rows int64 ``[m]`` (the rows' ring slots), wp_before ``[m]`` (their ``write_pos`` before the
+    commit), accept ``[m]`` (tokens the commit accepted, the bonus included), step ``[m]`` (the tracked
+    draft step); before / got ``[L, m, HV, V, K]``: the checkpoints the commit started from and the
+    track slots it wrote, in the checkpoint dtype. Read after the commit: a row that folded has its
+    records behind ``cache_base`` (its ``write_pos`` is 0), one that did not ahead of it."""
+    design, RL = pool.design, pool.ring_len
+    wp_before, accept, step = (t.to(torch.int64) for t in (wp_before, accept, step))
+    n, m = wp_before + accept, wp_before + step + 1
+    folded = (pool.write_pos.index_select(0, ring_rows) == 0) & (n > 0)
+    base = pool.cache_base.index_select(0, ring_rows).to(torch.int64)
+    first = torch.where(folded, base - n, base) & (RL - 1)  # the ring's first record at the commit
+    d, k, g = (t.to(F64) for t in gather_records(pool, ring_rows, first, nv))
+    h = before.to(F64)
+    ref = fold_records(h, d, k, g, m)
+    size = fold_records(h.abs(), d.abs(), k.abs(), g, m)  # A: the terms' magnitudes
+    got = got.to(F64)
+    half = 1.0 if design.store_rounding == "stochastic" else 0.5  # of an ulp
+    store = half * _ulp(got, store_dtype(design.checkpoint_dtype).mantissa_bits)
+    j = (m + 4).to(F64)[None, :, None, None, None]
+    live = (torch.arange(RL, device=g.device)[None, :] < m[:, None])[None, :, None, :, None]
+    keys = (k.abs() * live).sum(3)[:, :, :, None, :]  # sum_c |k_c| over the folded records [L, m, HV, 1, K]
+    bound = store + (j * U32 / (1 - j * U32) + 2 * operand_unit(design)) * size + 2 * subnormal_unit(design) * keys
+    err = (got - ref).abs()
+    return torch.where(err == 0, torch.zeros_like(err), err / bound)
+
+
+def snapshot_outside(*args) -> torch.Tensor:
+    """Per tracked row (:func:`snapshot_deviation`'s arguments), the elements outside ``MARGIN`` times
+    the rounding the fold may add (int64 ``[m]``; 0: the snapshot is its checkpoint folded to the token)."""
+    return (snapshot_deviation(*args) > MARGIN).sum((0, 2, 3, 4))
