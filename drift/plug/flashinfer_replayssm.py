@@ -265,6 +265,7 @@ class FlashInferVerify(LayerOpAdapter):
                             f"(--update {COMMIT_SPEC}, or an update from make_commit); the flow's built-in update "
                             "folds drift's own ring, which this verify does not write")
         win.verifies += 1
+        args.rule.records_elsewhere = True  # its records are its windows; drift's ring stays empty
         H = args.nk
         mix = args.mix_qkv.reshape(L, B, S, -1)
         a, A_log, dt_bias = args.gate_inputs

@@ -187,7 +187,8 @@ class KernelCommitFlow(MambaPoolFlow):
         checkpoint bit for bit. Every snapshot, mid-window included, must also agree with its exact
         reference -- the fold, in float64, of the run's own checkpoint and ring records to the tracked
         token, within the rounding the fold may add (:func:`~drift.flows.kernel_commit.reference.
-        snapshot_outside`). Both count as bits that differ from what the run held."""
+        snapshot_outside`), unless the verify keeps its records outside drift's ring (``RingRule.
+        records_elsewhere``). Both count as bits that differ from what the run held."""
         pool = self.pool
         rows = np.nonzero(track >= 0)[0]  # lanes
         rows_t = torch.from_numpy(rows).to(pool.device)
@@ -201,8 +202,9 @@ class KernelCommitFlow(MambaPoolFlow):
         ring_rows = pool.lane_ring_rows.index_select(0, rows_t)
         accept = self._last.index_select(0, batch_rows) + 1
         step = torch.from_numpy(track[rows]).to(pool.device)
-        bits_bad += snapshot_outside(pool, ring_rows, self._wp_before.index_select(0, ring_rows), accept, step,
-                                     self._before.index_select(1, rows_t), got, self.cfg.num_v_heads)
+        if not self.rule.records_elsewhere:  # a verify keeping its own records leaves drift's ring nothing to fold
+            bits_bad += snapshot_outside(pool, ring_rows, self._wp_before.index_select(0, ring_rows), accept, step,
+                                         self._before.index_select(1, rows_t), got, self.cfg.num_v_heads)
         return rows, got.clone(), windows, bits_bad
 
     def buffers(self) -> list[torch.Tensor]:

@@ -25,9 +25,9 @@ dtype, so an element may differ by (u = 2^-24, fp32's unit roundoff):
   deltas), ``2 t sum_c |k_c|`` with t half its subnormal spacing.
 
 An element is outside when it differs by more than ``MARGIN`` times that sum (the bound is a worst
-case: the margin only guards the calibration, tests/flows/kernel_commit/test_reference.py, where the
-largest ratio over every design stays below 1 / MARGIN of it while a snapshot one record short is
-outside by orders of magnitude).
+case: the margin only guards the calibration, tests/flows/kernel_commit/test_snapshot_reference.py,
+where the largest ratio over every design stays below 1 / MARGIN of it while a snapshot one record
+short is outside by orders of magnitude).
 """
 
 from __future__ import annotations

@@ -41,6 +41,10 @@ class RingRule(VerifyRule):
 
     def __init__(self, pool: ReplayPool):
         self.pool = pool
+        # Set by a verify that keeps its records in windows of its own (FlashInfer's raw-input replay,
+        # drift/plug/flashinfer_replayssm.py) rather than in this ring: the ring then holds nothing a
+        # tracked snapshot's exact reference could fold (drift/flows/kernel_commit/reference.py).
+        self.records_elsewhere = False
 
     def _rows(self, args: VerifyArgs):
         pool, dev, B = self.pool, args.mix_qkv.device, args.mix_qkv.shape[1]  # the step's rows
