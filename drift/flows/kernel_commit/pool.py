@@ -189,7 +189,14 @@ def fold_records(h0: torch.Tensor, d: torch.Tensor, k: torch.Tensor, g: torch.Te
     after a row's first ``length`` records. h0 ``[L, B, HV, V, K]`` fp32; d, k, g from
     :func:`gather_records`; length int ``[B]``. A row with length 0 gets h0 exactly."""
     total, w = decay_weights(g, length)
-    return h0 * torch.exp(total)[..., None] + torch.einsum("lbhcv,lbhck->lbhvk", d * w[..., None], k)
+    return h0 * torch.exp(total)[..., None] + contract(d * w[..., None], k)
+
+
+def contract(u: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``sum_c u_c k_c^T`` per row and head: u ``[L, B, HV, RL, V]``, k ``[L, B, HV, RL, K]`` ->
+    ``[L, B, HV, V, K]``: ``einsum("lbhcv,lbhck->lbhvk")``'s one batched product (the same bits and
+    the same bytes) without einsum's dispatch, a tenth of a millisecond a call at ci-small's size."""
+    return torch.bmm(u.flatten(0, 2).transpose(1, 2), k.flatten(0, 2)).view(*u.shape[:3], u.shape[4], k.shape[4])
 
 
 def _plain(*tensors: torch.Tensor) -> bool:

@@ -85,8 +85,8 @@ def snapshot_deviation(pool: ReplayPool, ring_rows: torch.Tensor, wp_before: tor
     first = torch.where(folded, base - n, base) & (RL - 1)  # the ring's first record at the commit
     d, k, g = (t.to(F64) for t in gather_records(pool, ring_rows, first, nv))
     h = before.to(F64)
-    ref = fold_records(h, d, k, g, m)
-    size = fold_records(h.abs(), d.abs(), k.abs(), g, m)  # A: the terms' magnitudes
+    ref, size = fold_records(*(torch.cat((t, t.abs()), 1) for t in (h, d, k)), torch.cat((g, g), 1),
+                             torch.cat((m, m))).split(len(m), 1)  # size: the terms' magnitudes, A
     got = got.to(F64)
     half = 1.0 if design.store_rounding == "stochastic" else 0.5  # of an ulp
     store = half * _ulp(got, store_dtype(design.checkpoint_dtype).mantissa_bits)

@@ -39,7 +39,7 @@ from ...sim import kernels
 from ...sim.pool import raw_state
 from ...sim.shim import sgl_kernels
 from ..base import EVERY_CHOICE
-from .pool import decay_weights, in_ring_order, over_value_heads
+from .pool import contract, decay_weights, in_ring_order, over_value_heads
 
 F32, BF16 = torch.float32, torch.bfloat16
 NULL = -1  # spec_utils.py: null_block_id=-1
@@ -105,11 +105,6 @@ def _records(c: Commit):
     return d, kh, kl, take(ss.replayssm_g)
 
 
-def _contract(u: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """``sum_c u_c k_c^T`` per row and head: u ``[L, N, HV, RL, V]``, k ``[L, N, HV, RL, K]`` -> ``[L, N, HV, V, K]``."""
-    return torch.einsum("lnhcv,lnhck->lnhvk", u, k)
-
-
 def compensated_fold(old, d, kh, kl, g, length, parts: torch.dtype = BF16):
     """The compact commit's fold of a row's first ``length [N]`` records onto ``old`` fp32
     ``[L, N, HV, V, K]`` (weights: :func:`drift.flows.kernel_commit.pool.decay_weights`): the decayed update split
@@ -120,7 +115,7 @@ def compensated_fold(old, d, kh, kl, g, length, parts: torch.dtype = BF16):
     upd = d * decay[..., None]  # [L, N, HV, RL, V]
     hi = upd.to(parts).to(F32)
     us = (hi,) if parts == F32 else (hi, (upd - hi).to(parts).to(F32))
-    delta = sum(_contract(u, k) for k in ((kh,) if kl is None else (kh, kl)) for u in us)
+    delta = sum(contract(u, k) for k in ((kh,) if kl is None else (kh, kl)) for u in us)
     return old * torch.exp(total)[..., None] + delta
 
 
@@ -130,7 +125,7 @@ def rounded_fold(operand: Callable, old, d, kh, kl, g, length):
     accumulated in fp32."""
     total, decay = decay_weights(g, length)
     key = kh if kl is None else kh + kl
-    delta = _contract(operand(d * decay[..., None]), operand(key))
+    delta = contract(operand(d * decay[..., None]), operand(key))
     return old * torch.exp(total)[..., None] + delta
 
 
