@@ -318,3 +318,31 @@ def test_the_gate_runs_one_shape_at_a_time(tmp_path):
     assert presets == sorted(presets, key=presets.index) and presets[:3] == ["ci-small"] * 3, ids
     by_function = sorted(ids, key=lambda ln: ("keeps_precision" in ln))
     assert [ln.split("[")[1].split("-the-")[0] for ln in by_function][:3] != ["ci-small"] * 3
+
+
+def test_the_plugin_narrows_assertion_rewriting_to_the_gate(monkeypatch):
+    """pytest marks every module of a pytest11 plugin's wheel for assertion rewriting; the plugin
+    unmarks drift and keeps drift.test_gate (drift/pytest_plugin.py: rewrite_only_the_gate), and
+    leaves other plugins' marks and hooks of another kind alone."""
+    from drift.pytest_plugin import rewrite_only_the_gate
+
+    class AssertionRewritingHook:  # pytest's class name; the function finds it by that
+        def __init__(self, marked):
+            self._must_rewrite, self._marked_for_rewrite_cache = set(marked), {"drift.sim": True}
+
+    other = type("OtherFinder", (), {"_must_rewrite": {"drift"}})()
+    hook = AssertionRewritingHook({"drift", "xdist"})
+    monkeypatch.setattr(sys, "meta_path", [other, hook])
+    assert rewrite_only_the_gate()
+    assert hook._must_rewrite == {"drift.test_gate", "xdist"} and hook._marked_for_rewrite_cache == {}
+    assert other._must_rewrite == {"drift"}
+    monkeypatch.setattr(sys, "meta_path", [other, AssertionRewritingHook({"xdist"})])
+    assert not rewrite_only_the_gate()  # nothing of drift's marked (an editable install): nothing to do
+
+
+def test_pytest_keeps_the_rewrite_marks_the_plugin_narrows():
+    """The narrowing reads a private attribute of pytest's rewrite hook: this pytest still has it,
+    so on a wheel install the plugin's narrowing is not a silent no-op."""
+    hooks = [h for h in sys.meta_path if type(h).__name__ == "AssertionRewritingHook"]
+    assert hooks, "pytest's assertion rewriting hook is not installed (run without --assert=plain)"
+    assert all(isinstance(getattr(h, "_must_rewrite", None), set) for h in hooks)
