@@ -133,8 +133,8 @@ SPECS: dict[str, dict] = {
                      "graph capture of the step, and the verify op's eager arguments (prepare_gdn_inputs)"),
     "all-checks": dict(action="store_true", help="run every check even when the host-sync scan (run first) "
                        "finds a sync; without it a sync fails the run at once, before the simulation"),
-    "fail-fast": dict(action="store_true", help="stop the simulation at the end of the chunk (at most 256 "
-                      "steps) in which a check first fails, and report the table so far"),
+    "fail-fast": dict(action="store_true", help="stop the simulation at the end of the chunk in which a check "
+                      "first fails (16 steps, then as many as are done, up to 256), and report the table so far"),
 }
 
 

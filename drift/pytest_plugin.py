@@ -95,8 +95,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--drift-force-regen", action="store_true", default=False,
                     help="regenerate golden trajectories used by the tests (then fail them for review)")
     group.addoption("--drift-fail-fast", action="store_true", default=False,
-                    help="stop a precision run at the end of the chunk (at most 256 steps) in which a check "
-                         "first fails, as drift run --fail-fast (implied by -x / --maxfail 1)")
+                    help="stop a precision run at the end of the chunk (16 steps, then as many as are done, up "
+                         "to 256) in which a check first fails, as drift run --fail-fast (implied by -x / --maxfail 1)")
 
 
 def pytest_configure(config: pytest.Config) -> None:

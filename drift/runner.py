@@ -107,6 +107,7 @@ class CheckedRun:
         self.comparison.fail_fast = fail_fast
         shadows = [self.ctx.checks[s.key] for s in specs if s.shape == "observer"]
         self.sim = Simulation(run, observers=[self.comparison, *shadows, *observers], start=start)
+        self.sim.ramp = fail_fast  # short first chunks: an early failure stops early
         self.ctx.sim, self.ctx.comparison = self.sim, self.comparison
 
     def run(self, steps: Optional[int] = None, **kwargs) -> RunInfo:

@@ -42,6 +42,8 @@ from .sim.serving import END_FINISH, END_NAMES, START_NAMES, START_PREFILL, STAR
 from .sim.stream import InputStream
 from .sim.twin import extend, prefill
 
+FIRST_CHUNK = 16  # a fail-fast run's first chunk, in steps (Simulation.chunk_size)
+
 
 class StopRun(Exception):
     """Raised by an observer to end the run early (a fatal finding such as NaN)."""
@@ -317,6 +319,7 @@ class Simulation:
         self.stream = InputStream(cfg, self.device, schedule=schedule)
         self.params = self.stream.params.to(self.device)
         self.observers = list(observers)
+        self.ramp = False  # set by a fail-fast run: chunk_size ramps up from FIRST_CHUNK
         self.guard = (SlotGuard(self.pool, self.stream.chunk_steps, self.flow.kernel_slots())
                       if (check_untouched and mode == "mtp") else None)
         self._ended: list[tuple] = []  # (lane, request, END_*, its snapshot kept) after the last step
@@ -413,7 +416,7 @@ class Simulation:
         try:
             while done < total:
                 raise_if_interrupted()  # between chunks: a swallowed interrupt still ends the run
-                done += self.advance(min(self.stream.chunk_steps, total - done))
+                done += self.advance(min(self.chunk_size(done), total - done))
                 for obs in self.observers:
                     obs.flush()
                 self._lap("observers: flush")
@@ -440,6 +443,16 @@ class Simulation:
             untouched_violation=self.guard.first if self.guard else None,
             meta={"graph": self.graph_status.state, "graph_note": self.graph_status.note,
                   "lifecycle": self.cfg.lifecycle, **({"events": self.events.to_dict()} if self.serving else {})})
+
+    def chunk_size(self, done: int) -> int:
+        """Steps in the chunk that starts after ``done``: the stream's chunk, or, in a fail-fast run
+        (``ramp``), ``FIRST_CHUNK`` steps and then as many as are done (16, 16, 32, 64, ...) up to
+        the stream's, so a regression that fails at its first steps stops after 16 of them, not 256,
+        while a long run keeps the stream's chunks (one flush each). A function of ``done`` alone, so
+        a resumed run sees the same boundaries."""
+        if not self.ramp:
+            return self.stream.chunk_steps
+        return min(self.stream.chunk_steps, max(FIRST_CHUNK, done))
 
     def verify_description(self) -> str:
         """Which GDN verify ran: the portable kernel (native C or torch ops) or a plugged one, by name."""

@@ -14,6 +14,8 @@ from drift.errors import EXIT_FAIL, EXIT_PASS
 from drift.flows.copy_commit import updates as parts
 from drift.syncs.scan import RUN_SAMPLE, sync_check
 from drift.runspec import resolve
+from drift.runner import run_checked
+from drift.simulate import FIRST_CHUNK, Simulation
 
 
 def _rows(out: str) -> dict[str, str]:
@@ -41,9 +43,40 @@ def test_fail_fast_stops_at_the_first_failing_chunk(capsys):
     out = capsys.readouterr().out
     steps = int(re.search(r"update mutant:step_minus1, (\d+) steps", out).group(1))
     # Committing one step back is order-one wrong from the first step: the run ends after its first
-    # chunk (at most 256 steps, drift.sim.stream's chunk size), not at 2048.
-    assert rc == EXIT_FAIL and 0 < steps <= 256, out
+    # chunk, a fail-fast run's FIRST_CHUNK steps (not the stream's 256), not at 2048.
+    assert rc == EXIT_FAIL and 0 < steps <= FIRST_CHUNK, out
     assert _rows(out)[title("run_completed")] == "FAIL" and "stopped early: fail-fast:" in out  # the stop names why, as under pytest -x
+
+
+def test_a_fail_fast_run_ramps_its_chunks_up_to_the_streams():
+    sim = Simulation(resolve(preset("ci-small", steps=4096)))
+    assert [sim.chunk_size(d) for d in (0, 16, 32, 64, 128, 256, 512, 4000)] == [sim.stream.chunk_steps] * 8
+    sim.ramp = True
+    done, sizes = 0, []
+    while done < 1024:
+        sizes.append(sim.chunk_size(done))
+        done += sizes[-1]
+    assert sim.stream.chunk_steps == 256 and sizes == [16, 16, 32, 64, 128, 256, 256, 256], sizes
+
+
+def _figures(rep) -> dict:
+    d = rep.to_dict()
+    d["run"] = {k: v for k, v in d["run"].items() if k not in ("wall_s", "steps_per_s")}
+    return d
+
+
+def test_the_ramp_moves_where_checks_run_not_what_they_find():
+    """A passing run's report is the same, field for field but its timing, with fail-fast's short
+    first chunks as with the stream's (the measures and checks do not depend on chunk boundaries),
+    in the fixed batch and under serving; the stepped control: a run stopped early differs."""
+    for lifecycle in ("fixed", "serving"):
+        run = resolve(preset("ci-small", steps=300, lifecycle=lifecycle))
+        plain, ramped = (run_checked(run, sync_scan=False, fail_fast=ff) for ff in (False, True))
+        assert plain.passed and ramped.passed and ramped.info.steps == 300
+        assert plain.info.meta["lifecycle"] == lifecycle and (lifecycle == "fixed" or plain.info.meta["events"]["ends"])
+        assert _figures(ramped) == _figures(plain), lifecycle
+    short = run_checked(run, steps=296, sync_scan=False)
+    assert _figures(short) != _figures(plain)  # the comparison sees a difference where there is one
 
 
 def test_fail_fast_leaves_a_passing_run_whole(capsys):
