@@ -122,8 +122,10 @@ def _once(run: DocRun, loaded: bool) -> dict:
 
 def run_env() -> dict:
     """The environment of a documented run: the user's, without the repository's pytest options,
-    at a fixed terminal width (pytest's summary lines are cut to it)."""
-    return {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"} | {"COLUMNS": "100"}
+    at a fixed terminal width (pytest's summary lines are cut to it) and outside CI (pytest prints
+    those lines whole where CI or BUILD_NUMBER is set: _pytest/compat.py running_on_ci)."""
+    dropped = ("PYTEST_ADDOPTS", "CI", "BUILD_NUMBER")
+    return {k: v for k, v in os.environ.items() if k not in dropped} | {"COLUMNS": "100"}
 
 
 def sampled(run: DocRun, output: str) -> list[str]:
