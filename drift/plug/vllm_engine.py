@@ -15,7 +15,10 @@ the runner's ``num_decode_draft_tokens`` (D - 1 per request, -1 for padded rows,
 stages it) and a decode batch's ``CommonAttentionMetadata`` (``query_start_loc`` of D tokens per
 request, 0 per padded row; the block table). What ``build`` returns is copied into the harness's
 ``num_accepted_tokens`` and ``spec_state_indices_tensor`` (drift/flows/in_place/pool.py), which the
-next verify reads: drift's rendering (``vllm-0.33.0``) replaced by vLLM's own code.
+next verify reads: drift's rendering (``vllm-0.33.0``) replaced by vLLM's own code. Under a churning
+lifecycle the update carries the builder as its serving part too (:func:`serving_parts`): the flow
+condenses the batch and pads it to the step's graph bucket (drift/flows/in_place/flow.py: ``arrange``)
+and vLLM's ``build`` forms that step's indices, the step's requests first and its padded rows after.
 
 The configs are vLLM's, built from the preset (:func:`vllm_config`): a ``ModelConfig`` of a
 Qwen3-Next ``config.json`` with the preset's per-rank GDN heads and layers (written to a temporary
@@ -144,8 +147,8 @@ class VllmBookkeeping:
         if cfg.drafts != "full":
             raise LoadError(f"--update {SPEC} verifies every row's D tokens: vLLM's builder reads each row's "
                             "draft count on the host, which drift's update call does not carry")
-        v = _vllm()
-        R, N, D = cfg.num_requests, cfg.num_rows, cfg.num_draft_tokens
+        v = self.v = _vllm()
+        D = cfg.num_draft_tokens
         try:
             with tempfile.TemporaryDirectory(prefix="drift-vllm-") as model:
                 vc = self.vllm_config = vllm_config(v, cfg, model)
@@ -162,28 +165,44 @@ class VllmBookkeeping:
         except Exception as exc:  # drift could not build vLLM's objects: not a regression of them
             raise LoadError(f"--update {SPEC}: building vLLM's config, runner or builder for {cfg.name} raised "
                             f"{exc!r}".replace("\n", " ")[:600]) from exc
-        # The scheduler's host-side view of a decode step: D tokens per request, none per padded row.
-        lens = torch.tensor([D] * R + [0] * (N - R), dtype=I32)
-        qsl = torch.zeros(N + 1, dtype=I32)
-        torch.cumsum(lens, 0, out=qsl[1:])
+        self.harness, self.dev, self._batches = harness, dev, {}
+        self.columns = torch.arange(D, device=dev)
+
+    def batch(self, R: int):
+        """The scheduler's host-side view of a decode step of ``R`` requests in the harness's ``N`` rows:
+        D tokens per request, none per padded row (cached per ``R``); the runner's
+        ``num_decode_draft_tokens`` staged for it (D - 1 per request, -1 per padded row)."""
+        cfg, D, N = self.cfg, self.cfg.num_draft_tokens, self.cfg.num_rows
         self.runner.num_decode_draft_tokens.np[:R] = D - 1  # _prepare_inputs: draft_len per decode request
         self.runner.num_decode_draft_tokens.np[R:] = -1
         self.runner.num_decode_draft_tokens.copy_to_gpu()
-        seq = torch.full((N,), cfg.prefill_len, dtype=I32)  # read only with prefills or prefix caching
-        self.common = v["CommonAttentionMetadata"](
-            query_start_loc=qsl.to(dev), query_start_loc_cpu=qsl, seq_lens=seq.to(dev), num_reqs=N,
-            num_actual_tokens=R * D, max_query_len=D, max_seq_len=int(seq.max()),
-            block_table_tensor=harness.block_table, slot_mapping=torch.zeros(R * D, dtype=torch.int64, device=dev),
-            seq_lens_cpu_upper_bound=seq)
-        self.columns = torch.arange(D, device=dev)
+        if R not in self._batches:
+            lens = torch.tensor([D] * R + [0] * (N - R), dtype=I32)
+            qsl = torch.zeros(N + 1, dtype=I32)
+            torch.cumsum(lens, 0, out=qsl[1:])
+            seq = torch.full((N,), cfg.prefill_len, dtype=I32)  # read only with prefills or prefix caching
+            self._batches[R] = self.v["CommonAttentionMetadata"](
+                query_start_loc=qsl.to(self.dev), query_start_loc_cpu=qsl, seq_lens=seq.to(self.dev), num_reqs=N,
+                num_actual_tokens=R * D, max_query_len=D, max_seq_len=int(seq.max()),
+                block_table_tensor=self.harness.block_table,
+                slot_mapping=torch.zeros(R * D, dtype=torch.int64, device=self.dev), seq_lens_cpu_upper_bound=seq)
+        return self._batches[R]
 
     def step(self, harness, last_correct_step_indices: torch.Tensor) -> None:
-        R, N = self.cfg.num_requests, self.cfg.num_rows
+        """After the verify: the runner's accept counts of the step's ``R`` requests (the harness's
+        ``num_spec_decodes``; the fixed batch: every request), then the builder's indices."""
+        R = harness.num_spec_decodes
         last = last_correct_step_indices[:R].to(torch.int64)
         # the rejection sampler's output: the accepted tokens (any id but -1), then -1 (PLACEHOLDER_TOKEN_ID)
         out = torch.where(self.columns[None, :] <= last[:, None], 1, -1)
         self.runner._update_states_after_model_execute(out, None)
-        md = self.builder.build(0, self.common, num_accepted_tokens=self.runner.num_accepted_tokens.gpu[:N],
+        self.build(harness, self.runner.num_accepted_tokens.gpu)
+
+    def build(self, harness, accepted: torch.Tensor) -> None:
+        """``GDNAttentionMetadataBuilder.build`` over the step's batch (``accepted``: the runner's
+        per-row accept counts it reads), its outputs copied into the harness's buffers."""
+        N = self.cfg.num_rows
+        md = self.builder.build(0, self.batch(harness.num_spec_decodes), num_accepted_tokens=accepted[:N],
                                 num_decode_draft_tokens_cpu=self.runner.num_decode_draft_tokens.cpu[:N])
         harness.num_accepted_tokens.copy_(md.num_accepted_tokens[:N])
         harness.spec_state_indices_tensor.copy_(md.spec_state_indices_tensor[:N])
@@ -198,9 +217,26 @@ def engine_of(harness, runner_cls=None, builder_cls=None) -> VllmBookkeeping:
     return cache[key]
 
 
+def serving_parts(runner_cls=None, builder_cls=None):
+    """The serving bookkeeping (drift/flows/in_place/updates.py: ``ServingParts``) with vLLM's own GDN
+    builder in the builder's place: under a churning lifecycle the flow forms each step's batch (its
+    requests, then the graph bucket's padded rows) and calls it before the verify, as vLLM's
+    ``_build_attention_metadata`` does, over the per-row accept counts ``_prepare_inputs`` rebuilt (the
+    harness's ``num_accepted_tokens``)."""
+    from ..flows.in_place.updates import ServingParts
+
+    def vllm_builder(harness) -> None:
+        engine_of(harness, runner_cls, builder_cls).build(harness, harness.num_accepted_tokens.clone())
+
+    return ServingParts(builder=vllm_builder)
+
+
 def bookkeeping(self, last_correct_step_indices, mamba_track_indices=None, mamba_steps_to_track=None):
     """vLLM 0.33.0's own runner and builder bookkeeping, called as every update is (module docstring)."""
     engine_of(self).step(self, last_correct_step_indices)
+
+
+bookkeeping.serving = serving_parts()
 
 
 def with_classes(runner_cls=None, builder_cls=None, name: str = "bookkeeping"):
@@ -208,4 +244,5 @@ def with_classes(runner_cls=None, builder_cls=None, name: str = "bookkeeping"):
     def update(self, last_correct_step_indices, mamba_track_indices=None, mamba_steps_to_track=None):
         engine_of(self, runner_cls, builder_cls).step(self, last_correct_step_indices)
     update.__name__ = update.__qualname__ = name
+    update.serving = serving_parts(runner_cls, builder_cls)
     return update

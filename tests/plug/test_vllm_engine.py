@@ -25,6 +25,11 @@ from drift.runner import run_checked
 from drift.runspec import RunSpec
 
 STEPS = 64  # the machinery, not the horizon: a wrong accept count or start block shows at step 0-1
+# The serving lifecycle's first finish and arrival on ci-small fall within 128 steps (its schedule,
+# drift/lifecycles.py: min_steps 16, mean 128): before them the bucket holds every request and no
+# row is padded, so a padded-row bug has nothing to act on (asserted below, not assumed).
+SERVING_STEPS = 128
+LIFECYCLES = ["fixed", "serving"]
 
 
 def _vllm_or_skip():
@@ -36,12 +41,15 @@ def _vllm_or_skip():
         pytest.skip(f"vLLM does not import here: {exc}")
 
 
-def _run(update):
-    # The fixed batch these runs were written for: under the serving lifecycle (drift run's default
-    # since issue 28) the padded-row builder mutant below passes -- a gap noted for the next round.
-    run = RunSpec(preset="ci-small", flow="vllm", steps=STEPS, update=update,
-                  lifecycle="fixed").resolve().replace(track_interval=0)
-    return run_checked(run, sync_scan=False)  # the scan's virtual device cannot hold vLLM's buffers (refused below)
+def _run(update, lifecycle="fixed"):
+    steps = SERVING_STEPS if lifecycle == "serving" else STEPS
+    run = RunSpec(preset="ci-small", flow="vllm", steps=steps, update=update,
+                  lifecycle=lifecycle).resolve().replace(track_interval=0)
+    rep = run_checked(run, sync_scan=False)  # the scan's virtual device cannot hold vLLM's buffers (refused below)
+    if lifecycle == "serving":
+        events = rep.info.meta["events"]
+        assert max(events["padded_rows"]) > 0 and events["ends"]["finish"] > 0, events
+    return rep
 
 
 def _mutant(cls: type, method: str, line: str, mutated: str) -> type:
@@ -60,26 +68,31 @@ def vllm():
     return _vllm_or_skip()
 
 
-def test_vllms_own_builder_and_runner_pass_the_vllm_flow(vllm):
-    rep = _run(vllm_engine.bookkeeping)
+@pytest.mark.parametrize("lifecycle", LIFECYCLES)
+def test_vllms_own_builder_and_runner_pass_the_vllm_flow(vllm, lifecycle):
+    """Under serving, vLLM's builder forms each step's indices (the update's ``serving`` parts), over the
+    batch drift's engine condensed and padded to its graph bucket."""
+    rep = _run(vllm_engine.bookkeeping, lifecycle)
     assert rep.passed, [(c.name, c.detail) for c in rep.checks if c.failed]
 
 
-def test_a_one_line_mutation_of_the_runner_fails(vllm):
+@pytest.mark.parametrize("lifecycle", LIFECYCLES)
+def test_a_one_line_mutation_of_the_runner_fails(vllm, lifecycle):
     """The accept count off by one (the root token not counted): the next verify starts a block early."""
     runner = _mutant(vllm["runner_cls"], "_update_states_after_model_execute",  # GPUModelRunner's, inherited
                      "(output_token_ids != -1).sum(dim=1)", "(output_token_ids[:, 1:] != -1).sum(dim=1)")
-    rep = _run(vllm_engine.with_classes(runner_cls=runner, name="runner_mutant"))
+    rep = _run(vllm_engine.with_classes(runner_cls=runner, name="runner_mutant"), lifecycle)
     failed = {c.name for c in rep.checks if c.failed}
     assert "committed state" in failed, failed
 
 
-def test_a_one_line_mutation_of_the_builder_fails(vllm):
+@pytest.mark.parametrize("lifecycle", LIFECYCLES)
+def test_a_one_line_mutation_of_the_builder_fails(vllm, lifecycle):
     """Padded rows given block 1 instead of the NULL block: the verify writes a block a row owns, or a spare."""
     builder = _mutant(vllm["GDNAttentionMetadataBuilder"], "build",
                       "spec_state_indices_tensor[num_spec_decodes:].fill_(NULL_BLOCK_ID)",
                       "spec_state_indices_tensor[num_spec_decodes:].fill_(NULL_BLOCK_ID + 1)")
-    rep = _run(vllm_engine.with_classes(builder_cls=builder, name="builder_mutant"))
+    rep = _run(vllm_engine.with_classes(builder_cls=builder, name="builder_mutant"), lifecycle)
     assert not rep.passed, [(c.name, c.detail) for c in rep.checks]
 
 

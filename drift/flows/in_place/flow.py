@@ -24,7 +24,7 @@ import torch
 
 from ...config import Config
 from ...dtypes import as_bits
-from ...errors import ConfigError, UpdateRaised, what_raised
+from ...errors import ConfigError, LoadError, UpdateRaised, what_raised
 from ...sim import kernels
 from ...sim.pool import STALE
 from ..base import FlowKind
@@ -238,6 +238,8 @@ class InPlaceBlockFlow(FlowKind):
         """A part of the serving bookkeeping under test: one that raises fails the run (UpdateRaised)."""
         try:
             return fn(*args)
+        except LoadError:  # a part that cannot run here (refused, exit 2), not a regression of it
+            raise
         except Exception as exc:
             raise UpdateRaised(f"the serving bookkeeping under test ({what}: "
                                f"{getattr(fn, '__qualname__', fn)}) raised {what_raised(exc)}") from exc
