@@ -15,6 +15,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 import zipfile
 from pathlib import Path
 
@@ -438,8 +440,11 @@ def test_a_raised_keyboard_interrupt_is_code_a_signal_is_not():
         raise KeyboardInterrupt
 
     def signalled():  # the default handler raises it where the loop happens to be
-        os.kill(os.getpid(), signal.SIGINT)
-        for _ in range(10 ** 6):
+        # to this thread (os.kill may hand it to a torch worker thread that a loaded box leaves
+        # descheduled past a fixed-length loop), and wait for it rather than for a loop count
+        signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
             pass
 
     caught = []
