@@ -258,7 +258,9 @@ class OutputBound(Check):
     * carried: ``E||E_t q_t||^2 = w_t env2_prev`` with ``w_t = rho2(<= t) sum_k q_tk^2 c_k`` (the
       committed error, contracted through token t, read by q_t; ``c_k`` the share of its energy in
       key column k), held to ``BOUND_CONSTANT`` times the root of it plus FLUCTUATION_Z standard
-      deviations, like the state;
+      deviations. An output reads the error row by row (V terms, not the state's K V), so it
+      fluctuates more: ``Var <= W^2 (var2 + 2 rho_V (env2^2 + var2))`` with ``W = sum_t w_t`` and
+      ``rho_V = sum_v r_v^2`` the error energy's concentration over the V rows;
     * rounding: round to nearest moves each output by at most half its ulp: at most
       ``sqrt(sum_t ||ulp_bf16(o_t)||^2 / 4)``, a hard bound;
 
@@ -279,7 +281,8 @@ class OutputBound(Check):
     def consume_bound(self, chunk: MetricsChunk, prev_env: np.ndarray, prev_var: np.ndarray, constant: float) -> None:
         if not self.applies:
             return
-        carried = constant * np.sqrt(chunk.out_w * (prev_env + FLUCTUATION_Z * np.sqrt(prev_var)))
+        spread = prev_var + 2.0 * chunk.out_rows * (prev_env ** 2 + prev_var)  # docs/bounds.md §8
+        carried = constant * np.sqrt(chunk.out_w * (prev_env + FLUCTUATION_Z * np.sqrt(spread)))
         bound = carried + np.sqrt(chunk.out_round2) + COMPUTE_FLOOR * np.sqrt(chunk.out_ref2)
         ratio = np.where(chunk.out_ref2 > 0, np.sqrt(chunk.out_err2) / np.maximum(bound, 1e-300), 0.0)
         self._update(ratio, chunk.step0)

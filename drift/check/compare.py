@@ -178,7 +178,7 @@ class Comparison:
         simulation computed it), a prefix hit's (its source's snapshot truth, the twin's track state
         when the source was last tracked, extended by the hit's own prompt tokens); a resumed request's
         truth is the twin's own (nothing changes): :func:`restart_lanes`."""
-        from .measures import key_columns, ulp_sq
+        from .measures import key_columns, row_concentration, state_rows2, ulp_sq
 
         self._process()  # the twin at the end of the last step
         restart_lanes(self.twin, self.sim, view.starts, self._snapshot_truth)
@@ -195,6 +195,8 @@ class Comparison:
                             for i, lane in enumerate(every)}
         if getattr(self, "col_frac", None) is not None:
             self.col_frac.index_copy_(1, idx.to(self.col_frac.device), key_columns(u2).to(self.col_frac.device))
+            rows = row_concentration(state_rows2(u2), u2.sum((-1, -2)))
+            self.row_conc.index_copy_(1, idx.to(self.row_conc.device), rows.to(self.row_conc.device))
 
     def _keep_snapshot_truths(self, batch) -> None:
         """The twin's track state of every tracked request, by request id (the truth a prefix hit on it
@@ -334,6 +336,7 @@ class Comparison:
                 "twin_state": saveable(self.twin.state), "twin_window": saveable(self.twin.window),
                 "consumers": [c.state_dict() if hasattr(c, "state_dict") else None for c in self.consumers],
                 "age": saveable(self.age), "col_frac": saveable(getattr(self, "col_frac", None)),
+                "row_conc": saveable(getattr(self, "row_conc", None)),
                 "snapshot_truth": [[q, P, saveable(st), saveable(w)] for q, (P, st, w) in self._snapshot_truth.items()],
                 **({"measures": carried} if (carried := {m.key: st for m in self.measures
                                                          if m.save is not None and (st := m.save(self))}) else {})}
@@ -349,6 +352,8 @@ class Comparison:
             self._snapshot_truth = OrderedDict((int(q), (int(P), st, w)) for q, P, st, w in state["snapshot_truth"])
             if state.get("col_frac") is not None and getattr(self, "col_frac", None) is not None:
                 self.col_frac.copy_(state["col_frac"])
+                if state.get("row_conc") is not None:
+                    self.row_conc.copy_(state["row_conc"])
         for c, cs in zip(self.consumers, state["consumers"]):
             if cs is not None:
                 c.load_state_dict(cs)

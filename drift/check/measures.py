@@ -144,6 +144,19 @@ def key_columns(u2: torch.Tensor) -> torch.Tensor:
     return col / col.sum(-1, keepdim=True).clamp(min=1e-300)
 
 
+def row_concentration(rows2: torch.Tensor, u2_sum: torch.Tensor) -> torch.Tensor:
+    """``sum_v r_v^2`` ``[L, R, HV]`` (float64): the concentration of a store rounding's error energy
+    over the state's V rows, ``r_v`` row v's share (``1/V`` for an even spread, 1 for one row), from
+    ``rows2 = sum_v (sum_k ulp_vk^2)^2`` and ``u2_sum = sum ulp^2``: how much an output, which reads
+    the error row by row, fluctuates around its expectation (docs/bounds.md §8)."""
+    return rows2 / u2_sum.square().clamp(min=1e-300)
+
+
+def state_rows2(u2: torch.Tensor) -> torch.Tensor:
+    """``sum_v (sum_k ulp_vk^2)^2`` over a block's rows ``[..., V, K]`` -> ``[...]``."""
+    return u2.sum(-1).square().sum(-1)
+
+
 # ----------------------------------------------------------------------- committed state
 STATE_SUMS = ("err2", "ref2", "run2", "ulp2_run", "ulp4_run", "ulp2_bf16")  # native column order
 
@@ -152,20 +165,23 @@ def state_sums_torch(run: torch.Tensor, truth: torch.Tensor, dtype: torch.dtype)
     """The committed-state reductions, torch reducer: ``run`` the committed states ``[..., L, R, HV,
     V, K]`` (the state dtype; one step or a batch of them), ``truth`` the twin's (float64). Returns
     the float64 sums ``[..., L, R, HV]`` by name (:data:`STATE_SUMS`), ``finite`` ``[..., L, R, HV]``
-    bool, and the run's key-column shares of its rounding energy ``[..., L, R, HV, K]``."""
+    bool, the run's key-column shares of its rounding energy ``[..., L, R, HV, K]`` and its row
+    concentration ``[..., L, R, HV]`` (:func:`row_concentration`)."""
     run = run.to(truth.device, F64)
     u2 = ulp_sq(run, dtype)
     sums = {"err2": (run - truth).square().sum((-1, -2)), "ref2": truth.square().sum((-1, -2)),
             "run2": run.square().sum((-1, -2)), "ulp2_run": u2.sum((-1, -2)),
             "ulp4_run": u2.square().sum((-1, -2)), "ulp2_bf16": ulp2_sum(truth, torch.bfloat16)}
-    return sums, torch.isfinite(run).all(-1).all(-1), key_columns(u2)
+    rows = row_concentration(state_rows2(u2), sums["ulp2_run"])
+    return sums, torch.isfinite(run).all(-1).all(-1), key_columns(u2), rows
 
 
 def state_sums_native(run: torch.Tensor, truth: torch.Tensor, dtype: torch.dtype):
     """The same as :func:`state_sums_torch` in one pass of drift.sim.native's C kernel (CPU)."""
     m, col = native.state_metrics(run.contiguous(), truth, store_dtype(dtype).mantissa_bits)
     sums = {name: m[..., j] for j, name in enumerate(STATE_SUMS)}
-    return sums, m[..., 6] > 0, col / col.sum(-1, keepdim=True).clamp(min=1e-300)
+    rows = row_concentration(m[..., 6], sums["ulp2_run"])
+    return sums, m[..., 7] > 0, col / col.sum(-1, keepdim=True).clamp(min=1e-300), rows
 
 
 def _state_start(comp) -> None:
@@ -175,6 +191,7 @@ def _state_start(comp) -> None:
     comp.ulp2_initial = u2.sum((-1, -2)).cpu().numpy()
     comp.ulp4_initial = u2.square().sum((-1, -2)).cpu().numpy()
     comp.col_frac = key_columns(u2)  # of the last committed state compared
+    comp.row_conc = row_concentration(state_rows2(u2), u2.sum((-1, -2)))  # likewise
     comp.native_state_sums = (dev.type == "cpu" and native.available()
                               and store_dtype(pool.temporal.dtype).native)
 
@@ -182,15 +199,17 @@ def _state_start(comp) -> None:
 def _state_batch(comp, batch: Batch) -> None:
     """Every step's committed state against the twin's, in one pass (each state block's sums are
     its own: the same numbers as step by step). Leaves ``scratch["col_before"]`` ``[n, L, R, HV,
-    K]``: the key-column shares of the state each step started from."""
+    K]`` and ``scratch["rows_before"]`` ``[n, L, R, HV]``: the key-column shares and the row
+    concentration of the state each step started from."""
     run, truth, dtype = batch.snap["run"], batch.twin.state, comp.sim.pool.temporal.dtype
     native_ok = comp.native_state_sums and type(run) is torch.Tensor and run.device.type == "cpu"
-    sums, finite, col = (state_sums_native if native_ok else state_sums_torch)(run, truth, dtype)
+    sums, finite, col, rows = (state_sums_native if native_ok else state_sums_torch)(run, truth, dtype)
     for name, value in sums.items():
         comp.buf[name][batch.rows] = value
     comp.buf["finite"][batch.rows] = finite
     batch.scratch["col_before"] = torch.cat([comp.col_frac[None], col[:-1]])
-    comp.col_frac = col[-1]
+    batch.scratch["rows_before"] = torch.cat([comp.row_conc[None], rows[:-1]])
+    comp.col_frac, comp.row_conc = col[-1], rows[-1]
 
 
 MEASURES.register("state", Measure(
@@ -230,6 +249,7 @@ def _bound_batch(comp, batch: Batch) -> None:
     # q_t: E||E q||^2 = sum_k q_k^2 E||E[:, k]||^2 = ||E||_F^2 sum_k q_k^2 c_k, c_k the share of
     # the error energy in key column k (that of the last store's rounding; 1/K when even).
     buf["out_w"][rows] = (qc * torch.cumprod(c, 3) * mm).sum(3)
+    buf["out_rows"][rows] = batch.scratch["rows_before"]
     suffix = torch.flip(torch.cumprod(torch.flip(c, [3]), 3), [3])  # prod_{t >= j}
     after = torch.cat([suffix[..., 1:, :], torch.ones_like(suffix[..., :1, :])], 3)  # prod_{t > j}
     last = (m.sum(2) - 1).clamp(min=0)  # [n, R] index of the last accepted token
@@ -246,7 +266,8 @@ MEASURES.register("bound_terms", Measure(
           "logdecay",  # sum of g over the accepted tokens: log of the pure decay of this step
           "round_w",   # store roundings this step, each weighted by the contraction that follows it
           "tok_w",     # the same for the fp32 compute of every accepted token
-          "out_w"),    # sum over accepted tokens of rho2(<= t) sum_k q_tk^2 c_k: how the committed error reaches them
+          "out_w",     # sum over accepted tokens of rho2(<= t) sum_k q_tk^2 c_k: how the committed error reaches them
+          "out_rows"),  # sum_v r_v^2 of the state the step started from: how unevenly the outputs read that error
     needs=("state",), on_batch=_bound_batch))
 
 

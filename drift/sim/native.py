@@ -291,8 +291,8 @@ def decode_f64(state: torch.Tensor, num_tokens: list[int], q: torch.Tensor, k: t
 
 def state_metrics(run: torch.Tensor, truth: torch.Tensor, mantissa_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per state block of ``run`` (dense bfloat16 or float32 ``[..., V, K]``) against ``truth`` (dense
-    float64, same shape): ``m [..., 7]`` = err2, ref2, run2, ulp2_run, ulp4_run, ulp2_bf16(truth),
-    finite, and ``col [..., K]`` (the run's ulp^2 per key column); ulps on the grid with
+    float64, same shape): ``m [..., 8]`` = err2, ref2, run2, ulp2_run, ulp4_run, ulp2_bf16(truth),
+    ulp2_rows2 (sum over the V rows of each row's ulp^2 sum, squared), finite, and ``col [..., K]`` (the run's ulp^2 per key column); ulps on the grid with
     ``mantissa_bits`` significant bits for the run, bf16's for the truth. Float64 sums."""
     lib = _load()
     if lib is None:
@@ -306,7 +306,7 @@ def state_metrics(run: torch.Tensor, truth: torch.Tensor, mantissa_bits: int) ->
     V, K = run.shape[-2:]
     lead = run.shape[:-2]
     items = run.numel() // (V * K) if run.numel() else 0
-    m = torch.empty(*lead, 7, dtype=torch.float64)
+    m = torch.empty(*lead, 8, dtype=torch.float64)
     col = torch.empty(*lead, K, dtype=torch.float64)
     nthreads = max(1, min(torch.get_num_threads(), max(items, 1)))
     acc = torch.empty(nthreads, 7 * K, dtype=torch.float64)  # per-thread column sums

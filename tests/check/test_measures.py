@@ -28,7 +28,7 @@ def test_the_native_state_pass_equals_the_torch_reducer(dtype):
     run = (truth + 1e-3 * torch.randn(truth.shape, generator=gen, dtype=torch.float64)).to(dtype)
     run[0, 0, 0, 0, 0] = 0.0  # the ulp of an exact zero is 0 in both
     run[1, 2, 3, 5, 1] = float("nan")  # one non-finite head
-    (a, fa, ca), (b, fb, cb) = state_sums_torch(run, truth, dtype), state_sums_native(run, truth, dtype)
+    (a, fa, ca, ra), (b, fb, cb, rb) = state_sums_torch(run, truth, dtype), state_sums_native(run, truth, dtype)
     assert torch.equal(fa, fb) and not fa[1, 2, 3] and fa.sum() == fa.numel() - 1
     finite = fa[..., None].expand_as(ca)
     for name in a:
@@ -36,6 +36,9 @@ def test_the_native_state_pass_equals_the_torch_reducer(dtype):
         # far below 1e-12 relative; a wrong term (a missing square, another dtype's ulp) is order one
         torch.testing.assert_close(b[name][fa], a[name][fa], rtol=1e-12, atol=0.0, msg=name)
     torch.testing.assert_close(cb[finite], ca[finite], rtol=1e-12, atol=1e-300)
+    # the row concentration: between 1/V (even) and 1 (one row), the same in both reducers
+    torch.testing.assert_close(rb[fa], ra[fa], rtol=1e-12, atol=0.0)
+    assert (ra[fa] >= 1.0 / truth.shape[-2] - 1e-12).all() and (ra[fa] <= 1.0).all()
 
 
 def test_each_registered_check_declares_measures_that_exist():

@@ -530,8 +530,9 @@ static void metric_row(int64_t K, const double *restrict xs, const double *restr
 
 /* Per item w = (l * R + r) * HV + hv, the comparison of a run's committed state ([V][K] blocks of
  * run: element type rdt (0 float32, 1 bfloat16), dense [L, R, HV, V, K]) with the truth's (truth:
- * dense float64 [L, R, HV, V, K]): m[w * 7 + j] for j = err2, ref2, run2, ulp2_run, ulp4_run (ulp on
- * the run dtype's grid, rp significant bits), ulp2_bf16 of the truth, finite (1 or 0); col[w * K + c]
+ * dense float64 [L, R, HV, V, K]): m[w * 8 + j] for j = err2, ref2, run2, ulp2_run, ulp4_run (ulp on
+ * the run dtype's grid, rp significant bits), ulp2_bf16 of the truth, ulp2_rows2 (the sum over the V
+ * rows of each row's ulp^2 sum, squared), finite (1 or 0); col[w * K + c]
  * the run's ulp^2 summed over the V rows of key column c. Sums run per key column over the rows
  * (independent lanes the compiler vectorises), then over the columns in order. */
 static void metric_items(int64_t w0, int64_t w1, int64_t K, int64_t V, const void *run, int rdt, int rp,
@@ -543,6 +544,7 @@ static void metric_items(int64_t w0, int64_t w1, int64_t K, int64_t V, const voi
         double *restrict cw = col + w * K;
         for (int64_t c = 0; c < 6 * K; ++c) acc[c] = 0.0;
         for (int64_t c = 0; c < K; ++c) cw[c] = 0.0;
+        double rows2 = 0.0;
         for (int64_t row = 0; row < V; ++row) {
             const int64_t base = w * KV + row * K;
             const double *restrict y = truth + base;
@@ -554,13 +556,23 @@ static void metric_items(int64_t w0, int64_t w1, int64_t K, int64_t V, const voi
                 for (int64_t c = 0; c < K; ++c) xs[c] = (double)s32[c];
             }
             metric_row(K, xs, y, ae, ar, ax, cw, a4, ab, an, rp);
+            /* this row's ulp^2, four lanes then in order: the row concentration of the rounding energy */
+            double r0 = 0.0, r1 = 0.0, r2 = 0.0, r3 = 0.0;
+            int64_t c = 0;
+            for (; c + 4 <= K; c += 4) {
+                r0 += ulp2(xs[c], rp); r1 += ulp2(xs[c + 1], rp); r2 += ulp2(xs[c + 2], rp); r3 += ulp2(xs[c + 3], rp);
+            }
+            for (; c < K; ++c) r0 += ulp2(xs[c], rp);
+            const double rs = (r0 + r1) + (r2 + r3);
+            rows2 += rs * rs;
         }
         double err2 = 0, ref2 = 0, run2 = 0, u2 = 0, u4 = 0, ub = 0, bad = 0;
         for (int64_t c = 0; c < K; ++c) {
             err2 += ae[c]; ref2 += ar[c]; run2 += ax[c]; u2 += cw[c]; u4 += a4[c]; ub += ab[c]; bad += an[c];
         }
-        double *restrict mw = m + w * 7;
-        mw[0] = err2; mw[1] = ref2; mw[2] = run2; mw[3] = u2; mw[4] = u4; mw[5] = ub; mw[6] = bad == 0.0;
+        double *restrict mw = m + w * 8;
+        mw[0] = err2; mw[1] = ref2; mw[2] = run2; mw[3] = u2; mw[4] = u4; mw[5] = ub; mw[6] = rows2;
+        mw[7] = bad == 0.0;
     }
 }
 
