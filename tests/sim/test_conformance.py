@@ -348,8 +348,9 @@ def test_sglang_replayssm_kernels_match_drifts_ring_flow_and_run_the_checks():
           (x[:, :R] == truncated).float().mean().item())
     rep = run_checked(resolve(cfg.replace(steps=8), "drift.plug.replayssm_engine:sglang_commit",
                               "sglang-replayssm-triton"), sync_scan=False)
+    own = run_checked(resolve(cfg.replace(steps=8)), sync_scan=False)  # drift's rendering, same steps
     print("run", " ".join(f"{c.key}={c.passed}" for c in rep.checks),
-          find_result(rep.checks, "output_bound").worst)
+          find_result(own.checks, "output_bound").worst, find_result(rep.checks, "output_bound").worst)
     """)
     verify, commit, run = (line.split() for line in out.strip().splitlines()[-3:])
     o_rel, pad, g_diff, d_rel, k_rel, d_off = map(float, verify[1:])
@@ -366,11 +367,14 @@ def test_sglang_replayssm_kernels_match_drifts_ring_flow_and_run_the_checks():
     # The same fold in another fp32 summation order straddles a bf16 rounding boundary for a few
     # elements (measured 0.99997 equal): one ulp at most. Truncation drops half an ulp on average.
     assert same_cursors and equal >= 0.995 and worst <= 1.0 and equal_trunc < 0.8, commit
-    verdicts = dict(kv.split("=") for kv in run[1:-1])
+    verdicts = dict(kv.split("=") for kv in run[1:-2])
     state_side = ("finite_states", "golden", "committed_state", "outputs", "conv_windows", "tracked_snapshots",
                   "drift_bound", "untouched_slots")
     assert all(verdicts[k] == "True" for k in state_side), run
-    # The output bound (docs/bounds.md) models fp32 operands; the kernel's bf16 q operand overshoots
-    # it (measured 1.14 after 8 steps). This asserts the finding (docs/semantics.md §6): if it passes,
-    # SGLang compensated the output path, and the docs must say so.
-    assert verdicts["output_bound"] == "False" and float(run[-1]) > 1.0, run
+    # The kernel's output path multiplies q rounded to bf16 with the bf16 checkpoint, a 2^-9 relative
+    # rounding drift's op does not make (docs/semantics.md §6): over the same 8 steps its output error
+    # sits higher against the same output bound than drift's rendering's (measured 0.997 against 0.660,
+    # 1.51x, 2026-12-06; the state checks above agree). 1.3x keeps about 40% of that excess as margin:
+    # if SGLang compensates the output path, the two meet and the docs must say so.
+    own, kernel = float(run[-2]), float(run[-1])
+    assert kernel >= 1.3 * own, run
