@@ -511,8 +511,9 @@ static inline double ulp2(double x, int p) {
 }
 
 /* One state row of K elements into the per-column sums (separate restrict parameters, so the
- * compiler knows the sums do not alias and vectorises over the columns). */
-static void metric_row(int64_t K, const double *restrict xs, const double *restrict y, double *restrict ae,
+ * compiler knows the sums do not alias and vectorises over the columns); each xs[c] is replaced by
+ * its ulp^2 on the run's grid, which the caller sums per row. */
+static void metric_row(int64_t K, double *restrict xs, const double *restrict y, double *restrict ae,
                        double *restrict ar, double *restrict ax, double *restrict cw, double *restrict a4,
                        double *restrict ab, double *restrict an, int rp) {
     for (int64_t c = 0; c < K; ++c) {
@@ -525,6 +526,7 @@ static void metric_row(int64_t K, const double *restrict xs, const double *restr
         a4[c] += q * q;
         ab[c] += ulp2(y[c], 8);
         an[c] += (double)(((bits64(x) >> 52) & 0x7FF) == 0x7FF); /* Inf or NaN: all exponent bits set */
+        xs[c] = q;
     }
 }
 
@@ -556,13 +558,14 @@ static void metric_items(int64_t w0, int64_t w1, int64_t K, int64_t V, const voi
                 for (int64_t c = 0; c < K; ++c) xs[c] = (double)s32[c];
             }
             metric_row(K, xs, y, ae, ar, ax, cw, a4, ab, an, rp);
-            /* this row's ulp^2, four lanes then in order: the row concentration of the rounding energy */
+            /* this row's ulp^2 (metric_row left it in xs), four lanes then in order: the row
+             * concentration of the rounding energy */
             double r0 = 0.0, r1 = 0.0, r2 = 0.0, r3 = 0.0;
             int64_t c = 0;
             for (; c + 4 <= K; c += 4) {
-                r0 += ulp2(xs[c], rp); r1 += ulp2(xs[c + 1], rp); r2 += ulp2(xs[c + 2], rp); r3 += ulp2(xs[c + 3], rp);
+                r0 += xs[c]; r1 += xs[c + 1]; r2 += xs[c + 2]; r3 += xs[c + 3];
             }
-            for (; c < K; ++c) r0 += ulp2(xs[c], rp);
+            for (; c < K; ++c) r0 += xs[c];
             const double rs = (r0 + r1) + (r2 + r3);
             rows2 += rs * rs;
         }
