@@ -756,6 +756,10 @@ class Simulation:
                     raise  # a signal
                 raise UpdateRaised(f"the update under test ({self.update.spec}) raised {what_raised(exc)} at "
                                    f"decode step {self.step}") from exc
+            unreadable = self.flow.unreadable_update()
+            if unreadable:
+                raise UpdateRaised(f"the update under test ({self.update.spec}) {unreadable}, at decode step "
+                                   f"{self.step}")
             self._lap("update")
             if self.guard is not None:
                 self.guard.after(s, touched)

@@ -284,6 +284,12 @@ class FlowKind(abc.ABC):
     def after_verify(self, last: torch.Tensor) -> None:
         """What the kind keeps of this step's accepted steps (int64 ``[N]``, -1 padded) before the update."""
 
+    def unreadable_update(self) -> str:
+        """What the update under test just left that the engine's next verify cannot read (an index past
+        the blocks it may address), as a phrase ("left ..."); "" when nothing. The simulation fails the
+        run on it (UpdateRaised, exit 1: the update's regression), before anything reads the index."""
+        return ""
+
     def kernel_slots(self) -> np.ndarray:
         """int64 ``[n]``: the slots whose committed state the verify kernel writes by the kind's rule.
         The slot guard (drift/simulate.py: SlotGuard) holds every other slot's state, and every slot's

@@ -179,6 +179,19 @@ class InPlaceBlockFlow(FlowKind):
         bits_bad = (as_bits(got) != as_bits(held)).sum((0, 2, 3, 4))
         return lanes, got.clone(), pool.conv[:, dest, :cfg.conv_kernel - 1].clone(), bits_bad
 
+    def unreadable_update(self) -> str:
+        """An accept count past the row's D state indices (``n > D``) or negative, in a lane's row: vLLM's
+        fused_recurrent reads ``ssm_state_indices[b, n - 1]`` (ops/fused_recurrent.py, 0.33.0), outside the
+        row's D blocks (another row's index, or none). One host read of the ``[R]`` counts per step."""
+        D = self.cfg.num_draft_tokens
+        n = self.harness.num_accepted_tokens.index_select(0, self._lane_rows).to(torch.int64)
+        bad = ((n < 0) | (n > D)).nonzero().flatten().tolist()
+        if not bad:
+            return ""
+        return (f"left num_accepted_tokens = {int(n[bad[0]])} in row {int(self._lane_rows[bad[0]])}, outside 0..D = "
+                f"{D}: the next verify would read ssm_state_indices[row, n - 1] past the row's {D} blocks (an "
+                "accept count off by one?)")
+
     def _next_start(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each lane's blocks ``[R, D]`` and the column its next verify starts from (``n - 1``), at its row."""
         h, rows = self.harness, self._lane_rows

@@ -131,3 +131,28 @@ def test_the_stream_boundary_is_vllms_block_boundary(drafts):
     src_col = -(-(num_computed + num_scheduled) // I) - 1
     same = (want >= 0) & (aligned // I - 1 == src_col)
     assert (same == ((want >= 0) & (want == num_draft))).all() and same.any()
+
+
+@pytest.mark.parametrize("shift, fails", [(1, True), (0, False)])
+def test_an_accept_count_past_the_rows_blocks_fails_the_run_naming_the_update(shift, fails):
+    """An update that leaves num_accepted_tokens one too high (D + 1 once a row accepts all D) is the
+    update's regression (exit 1), said as such, not an IndexError inside drift's comparison; the same
+    bookkeeping without the shift (the control) passes."""
+    from drift.errors import UpdateRaised
+    from drift.flows.in_place.updates import bookkeeping, kept_tokens
+    from drift.runner import run_checked
+    from drift.runspec import RunSpec
+
+    def accept(self, last):
+        R = self.num_spec_decodes
+        self.num_accepted_tokens[:R].copy_(kept_tokens(last)[:R] + shift)
+        self.num_accepted_tokens[R:].fill_(1)
+
+    run = RunSpec(preset="ci-small", flow="vllm", steps=32, lifecycle="fixed",
+                  update=bookkeeping(accept=accept, name=f"accept_plus{shift}")).resolve()
+    if not fails:
+        assert run_checked(run, sync_scan=False).passed
+        return
+    with pytest.raises(UpdateRaised, match=r"accept_plus1\) left num_accepted_tokens = 5 in row \d, outside "
+                                           r"0\.\.D = 4: .*past the row's 4 blocks.*, at decode step \d+"):
+        run_checked(run, sync_scan=False)
