@@ -15,6 +15,7 @@ command (``--update``), ``"drift-"`` for pytest (``--drift-update``) -- pytest-b
   --trace FILE    replay a captured trace   --loop         wrap positions past the trace's end
   --flow F        state flow (FLOWS)        --no-graph     eager steps (no capture)
   --lifecycle L   how requests come and go (LIFECYCLES: serving, or fixed)
+  --track-interval T  prefix-cache tracking every T positions (0: off)
 
 and one option per flow-kind option (``FlowKind.OPTIONS``: the ReplaySSM design's
 ``--ring-records``, ``--fold-contraction``, ``--fold-cadence``), generated from the registry: a kind
@@ -33,7 +34,7 @@ from typing import Callable, Iterable, Optional
 from .config import DEFAULT_PRESET, DRAFTS, PATTERNS, PRESETS, PROFILES, ROUNDINGS, SEED_MAX
 from .flows.registry import FLOW_KINDS, FLOWS, UPDATES, default_update, flows_of
 from .lifecycles import DEFAULT_LIFECYCLE, LIFECYCLES
-from .plug.loader import KERNELS
+from .plug.loader import ENGINE_UPDATES, KERNELS
 from .runspec import MODES
 
 
@@ -46,6 +47,17 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return value
+
+
+def track_interval_int(text: str) -> int:
+    """An integer >= 0 (0: tracking off)."""
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"track interval {text!r} is not an integer >= 0 (0: tracking off)")
     return value
 
 
@@ -102,8 +114,12 @@ SPECS: dict[str, dict] = {
                       "linear_num_key_heads / TP); the value heads must be a multiple"),
     "value-heads": dict(type=positive_int, metavar="HV", help="GDN value heads per rank (linear_num_value_heads "
                         "/ TP); value head h reads key head h // (HV / HK), as the engines' kernels"),
+    "track-interval": dict(type=track_interval_int, metavar="T", help="the engine's prefix-cache tracking: "
+                           "every T-th token position a request's state is also kept (SGLang's mamba_track_interval; "
+                           "vLLM's mamba_block_size in align mode); 0: tracking off (vLLM's mamba_cache_mode none)"),
     "mode": dict(type=_choice(MODES, "mode"), metavar="M", help="mtp or sequential (non-MTP) decode"),
     "update": dict(metavar="SPEC", help=lambda: f"update under test: a built-in ({', '.join(UPDATES)}), "
+                   f"an engine's own code where it imports ({', '.join(ENGINE_UPDATES)}), "
                    "mutant:<name>, package.module:qualname or path/to/file.py:qualname (default: the flow's "
                    "own built-in: " + "; ".join(f"{default_update(kind)} under {', '.join(flows_of(kind))}"
                                                 for kind in FLOW_KINDS if flows_of(kind)) + "; without --flow, "
@@ -176,7 +192,7 @@ SPECS.update({o: dict(type=_flow_option(o), metavar="C", help=lambda o=o: flow_o
 # The shared options (every entry point that runs a simulation has them; docs/extending.md): the
 # options that make a Config, and those plus what is under test.
 CONFIG_OPTIONS = ("preset", "steps", "seed", "device", "profile", "rounding", "pattern", "drafts", "flow",
-                  "draft-tokens", "key-heads", "value-heads", "lifecycle") + flow_option_names()
+                  "draft-tokens", "key-heads", "value-heads", "lifecycle", "track-interval") + flow_option_names()
 RUN_OPTIONS = CONFIG_OPTIONS + ("update", "update-factory", "kernel", "mode", "trace", "loop", "no-graph")
 DEFAULTS: dict[str, object] = {"preset": DEFAULT_PRESET, "device": "cpu", "update": None,
                                "kernel": "portable", "mode": "mtp", "loop": False}

@@ -208,7 +208,8 @@ def preflight(run: Resolved) -> Resolved:
     """What a run is refused for (exit 2) before any check runs, beyond resolving it: its states
     must fit this machine, (MTP) its update must read only what drift's harness provides -- found
     by calling it on the host-sync scan's representative steps (virtual device), as the scan that
-    starts every ``drift run`` does -- and every check must build. An update that raises there is
+    starts every ``drift run`` does, and asking its ``preflight(cfg)`` where it has one (LoadError:
+    a config it cannot run) -- and every check must build. An update that raises there is
     code under test failing, a regression the run itself reports (exit 1), not refused here.
     Returns ``run``."""
     from .sim.pool import check_fits
@@ -216,6 +217,9 @@ def preflight(run: Resolved) -> Resolved:
     from .errors import UpdateRaised
 
     check_fits(run.cfg)
+    refuse = getattr(run.update.fn, "preflight", None) if run.update is not None else None
+    if refuse is not None and run.mode == "mtp":  # what the update itself cannot run (drift/plug/vllm_engine.py)
+        refuse(run.cfg)
     if run.mode == "mtp":
         try:
             scan_update(run, device=None)

@@ -2,7 +2,7 @@
 
 The ``drift`` command, the pytest plugin and the nightly each read the shared options
 (drift/options.py: ``--preset --steps --seed --device --profile --rounding --pattern --drafts --flow
---draft-tokens --key-heads --value-heads --lifecycle --update --update-factory --kernel --mode --trace
+--draft-tokens --key-heads --value-heads --lifecycle --track-interval --update --update-factory --kernel --mode --trace
 --loop --no-graph``; ``--drift-`` prefixed in pytest) into a :class:`RunSpec`; :meth:`RunSpec.config` turns
 it into the validated :class:`Config` and :meth:`RunSpec.resolve` into a :class:`Resolved` run (the
 code under test loaded and accepted by the config's flow kind), which is all the layers below take.
@@ -26,7 +26,8 @@ from .plug.loader import Kernel, Update, entry_flow_options, load_kernel, load_u
 
 # Spec field -> the Config field it sets (None: not a Config field).
 CONFIG_FIELDS = {"steps": "steps", "seed": "seed", "device": "device", "rounding": "store_rounding",
-                 "pattern": "pattern", "drafts": "drafts", "flow": "flow", "lifecycle": "lifecycle"}
+                 "pattern": "pattern", "drafts": "drafts", "flow": "flow", "lifecycle": "lifecycle",
+                 "track_interval": "track_interval"}
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class RunSpec:
     key_heads: Optional[int] = None
     value_heads: Optional[int] = None
     lifecycle: Optional[str] = None  # None: drift.lifecycles.DEFAULT_LIFECYCLE (fixed with a trace)
+    track_interval: Optional[int] = None
     update: Optional[str] = None
     update_factory: Optional[str] = None
     kernel: Optional[str] = None

@@ -28,6 +28,8 @@ def _failures(rep) -> str:
 def test_update_is_sync_free(drift_run, tracking):
     run = drift_run if tracking else drift_run.replace(track_interval=0)
     res = sync_check(run.replace(device="cpu"), sample=RUN_SAMPLE)
+    if not res.applicable:  # an engine's objects on real device buffers, and no accelerator here: said, not passed
+        pytest.skip(res.detail)
     assert res.passed, f"{run.update.spec}: {res.where}; {res.detail}"
 
 

@@ -44,6 +44,10 @@ from .vllm_kernel import VllmQwenAdapter, VllmTritonAdapter
 REQUIRED = ("self", "last_correct_step_indices", "mamba_track_indices", "mamba_steps_to_track")
 # Names earlier drift releases used for the built-in updates, for a message that points at the new one.
 RENAMED = {"guarded": "sglang-31659", "sync_free": "sglang-32130", "device_select": "sglang-0.5.23"}
+# An engine's own code, which drift drives through an adapter where the engine imports, by a short name:
+# name -> (the adapter's spec, the flow kind it is written for). Not a built-in: no table runs it by
+# default (it needs the engine installed). README: In an engine's CI.
+ENGINE_UPDATES = {"vllm:builder": ("drift.plug.vllm_engine:bookkeeping", "in-place")}
 
 
 @dataclass(frozen=True)
@@ -314,6 +318,16 @@ def mutant(spec: str, target: str) -> Mutant:
     return m
 
 
+# Engine methods an update spec may name by mistake, each known by a parameter only it takes: what it
+# is, and how drift runs it instead (vllm/v1/attention/backends/gdn_attn.py: GDNAttentionMetadataBuilder.build
+# and vllm/v1/worker/gpu_model_runner.py: _update_states_after_model_execute, vLLM 0.33.0).
+NOT_AN_UPDATE = {
+    "common_attn_metadata": "vLLM's attention-metadata builder (build(common_prefix_len, common_attn_metadata, ...))",
+    "output_token_ids": "vLLM's model-runner step (_update_states_after_model_execute(output_token_ids, "
+                        "scheduler_output))",
+}
+
+
 def _check_signature(fn: Callable, spec: str) -> tuple[str, ...]:
     if inspect.ismethod(fn):
         raise LoadError(f"update spec {spec!r} resolves to a bound method; name the function through "
@@ -323,6 +337,11 @@ def _check_signature(fn: Callable, spec: str) -> tuple[str, ...]:
     except (TypeError, ValueError) as exc:
         raise LoadError(f"update spec {spec!r}: cannot read its signature ({exc})") from exc
     params = list(sig.parameters.values())
+    engine = next((NOT_AN_UPDATE[p.name] for p in params if p.name in NOT_AN_UPDATE), None)
+    if engine:
+        raise LoadError(f"update spec {spec!r} is {engine}, not an update: drift calls an update as "
+                        f"{fn.__name__}({', '.join(REQUIRED)}); vLLM's own runner and builder run together as "
+                        "the update vllm:builder (drift/plug/vllm_engine.py, where vLLM imports)")
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     has_varargs = any(p.kind == p.VAR_POSITIONAL for p in params)
     if len(positional) < 4 and not has_varargs:
@@ -359,6 +378,9 @@ def load_update(spec: "str | Callable | Update", factory: Optional[str] = None,
     elif spec in RENAMED:
         raise LoadError(f"update spec {spec!r} was renamed: use {RENAMED[spec]!r} (built-ins: "
                         f"{', '.join(UPDATES)})")
+    elif spec in ENGINE_UPDATES:
+        target, kind = ENGINE_UPDATES[spec]
+        fn, name, text, kinds = resolve_spec(target, "update"), spec, spec, (kind,)
     elif spec.startswith(MUTANT_PREFIX):
         m = mutant(spec, "update")
         fn, name, text, flow, serving = m.fn, spec, spec, m.flow, m.serving
@@ -375,7 +397,8 @@ def load_update(spec: "str | Callable | Update", factory: Optional[str] = None,
         source = f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}"
     except (TypeError, OSError):
         source = ""
-    resolved = isinstance(spec, str) and not spec.startswith(MUTANT_PREFIX) and spec not in UPDATES
+    resolved = (isinstance(spec, str) and not spec.startswith(MUTANT_PREFIX) and spec not in UPDATES
+                and spec not in ENGINE_UPDATES)
     owner = _owner(fn, spec if resolved else None) if resolved or callable(spec) else None
     return Update(name=name, spec=text, fn=fn, extra=extra, source=source, owner=owner, kinds=kinds, flow=flow,
                   serving=serving if serving is not None else getattr(fn, "serving", None))

@@ -58,6 +58,7 @@ from ..errors import LoadError
 
 ENGINE = "vllm (0.33.0 was modelled)"
 SPEC = "drift.plug.vllm_engine:bookkeeping"
+NAME = "vllm:builder"  # its built-in name (drift/flows/in_place/__init__.py)
 I32 = torch.int32
 
 
@@ -77,7 +78,7 @@ def _vllm() -> dict[str, Any]:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
         import vllm
     except ImportError as exc:
-        raise LoadError(f"--update {SPEC} needs an installed {ENGINE} that imports here: importing it raised "
+        raise LoadError(f"the update {NAME} needs an installed {ENGINE} that imports here: importing it raised "
                         f"{exc!r}; on a CPU install vLLM --no-deps and its CPU-side dependencies "
                         "(docs/reference.md: vLLM's own bookkeeping)") from None
     runner_cls = GPUModelRunner
@@ -129,6 +130,19 @@ def _one_process_world(v: dict) -> None:
     v["ensure_model_parallel_initialized"](1, 1)
 
 
+def check_config(cfg) -> None:
+    """LoadError (exit 2) where ``cfg`` asks what vLLM's objects cannot run here (module docstring); drift's
+    preflight calls it before any test or step (the update's ``preflight``)."""
+    if cfg.track_interval > 0:
+        raise LoadError(f"the update {NAME} runs vLLM's bookkeeping without prefix caching: its align copy "
+                        "(mamba_utils.postprocess_mamba_fused_kernel) is a Triton kernel over raw data pointers, "
+                        "which no CPU runs; run it with tracking off: --track-interval 0 (pytest: "
+                        "--drift-track-interval 0)")
+    if cfg.drafts != "full":
+        raise LoadError(f"the update {NAME} verifies every row's D tokens: vLLM's builder reads each row's draft "
+                        "count on the host, which drift's update call does not carry; drop --drafts ragged")
+
+
 class VllmBookkeeping:
     """vLLM's runner and GDN metadata builder for one harness (module docstring)."""
 
@@ -137,16 +151,9 @@ class VllmBookkeeping:
         cfg = self.cfg = pool.cfg
         dev = pool.device
         if dev.type == "meta":
-            raise LoadError(f"--update {SPEC}: vLLM's objects hold real device buffers, so the host-sync scan's "
-                            "virtual device cannot run them: scan on an accelerator, or run without the scan "
-                            "(drift.runner.run_checked(..., sync_scan=False))")
-        if cfg.track_interval > 0:
-            raise LoadError(f"--update {SPEC} runs vLLM's bookkeeping without prefix caching: its align copy "
-                            "(mamba_utils.postprocess_mamba_fused_kernel) is a Triton kernel over raw data "
-                            "pointers, which no CPU runs; run it with tracking off (track_interval = 0)")
-        if cfg.drafts != "full":
-            raise LoadError(f"--update {SPEC} verifies every row's D tokens: vLLM's builder reads each row's "
-                            "draft count on the host, which drift's update call does not carry")
+            raise LoadError(f"the update {NAME}: vLLM's objects hold real device buffers, so the host-sync scan's "
+                            "virtual device cannot run them (the scan runs it on an accelerator only: DEVICE_ONLY)")
+        check_config(cfg)
         v = self.v = _vllm()
         D = cfg.num_draft_tokens
         try:
@@ -163,7 +170,7 @@ class VllmBookkeeping:
                     self.builder = (builder_cls or v["GDNAttentionMetadataBuilder"])(
                         spec, [f"model.layers.{i}.linear_attn" for i in range(cfg.num_layers)], vc, dev)
         except Exception as exc:  # drift could not build vLLM's objects: not a regression of them
-            raise LoadError(f"--update {SPEC}: building vLLM's config, runner or builder for {cfg.name} raised "
+            raise LoadError(f"the update {NAME}: building vLLM's config, runner or builder for {cfg.name} raised "
                             f"{exc!r}".replace("\n", " ")[:600]) from exc
         self.harness, self.dev, self._batches = harness, dev, {}
         self.columns = torch.arange(D, device=dev)
@@ -237,6 +244,8 @@ def bookkeeping(self, last_correct_step_indices, mamba_track_indices=None, mamba
 
 
 bookkeeping.serving = serving_parts()
+bookkeeping.DEVICE_ONLY = True  # real device buffers: the host-sync scan runs on an accelerator only
+bookkeeping.preflight = check_config
 
 
 def with_classes(runner_cls=None, builder_cls=None, name: str = "bookkeeping"):
@@ -245,4 +254,5 @@ def with_classes(runner_cls=None, builder_cls=None, name: str = "bookkeeping"):
         engine_of(self, runner_cls, builder_cls).step(self, last_correct_step_indices)
     update.__name__ = update.__qualname__ = name
     update.serving = serving_parts(runner_cls, builder_cls)
+    update.DEVICE_ONLY, update.preflight = True, check_config
     return update

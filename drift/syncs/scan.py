@@ -169,8 +169,9 @@ def scan_update(run: Resolved, steps: int = 4, device: Optional[str] = "auto", s
     :func:`sampled_steps` of the run's horizon) on the virtual device and, when there is an
     accelerator (:func:`_device_pass`), again on it with its sync debug mode armed; padded rows and
     tracking as configured (``track_interval = 0`` passes ``None`` as the simulation does). An update
-    declaring ``DEVICE_ONLY`` (it launches an engine's device kernels, which take no virtual tensor:
-    drift/plug/flashinfer_replayssm.py) runs on the accelerator alone when there is one."""
+    declaring ``DEVICE_ONLY`` (it launches an engine's device kernels, or holds an engine's device
+    buffers, which take no virtual tensor: drift/plug/flashinfer_replayssm.py, drift/plug/vllm_engine.py)
+    runs on the accelerator alone, and without one is not scanned (no pass)."""
     cfg, upd = run.cfg, run.update
     chosen, last, trk = representative_steps(cfg, steps)
     more, last2, trk2 = sampled_steps(cfg, sample, chosen)
@@ -181,10 +182,11 @@ def scan_update(run: Resolved, steps: int = 4, device: Optional[str] = "auto", s
     passes: dict[str, SyncReport] = {}
     targets: list[tuple[str, Optional[torch.device]]] = [("virtual", None)]
     accel = _device_pass(cfg, device)
+    device_only = getattr(upd.fn, "DEVICE_ONLY", False)  # device kernels or buffers that take no virtual tensor
     if accel is not None:
         targets.append((accel, resolve_device(accel)))
-        if getattr(upd.fn, "DEVICE_ONLY", False):  # it launches device kernels that take no virtual tensor
-            targets = targets[1:]
+    if device_only:
+        targets = targets[1:]  # none without an accelerator: the scan has no pass (sync_check: n/a)
     for name, dev in targets:
         if dev is None:
             harness, wrap = virtual_harness(cfg), to_virtual
@@ -208,6 +210,11 @@ def scan_update(run: Resolved, steps: int = 4, device: Optional[str] = "auto", s
     return UpdateScan(upd.name, chosen, tracking, cfg.num_padded, cfg.track_interval > 0, passes, len(more))
 
 
+NOT_SCANNED = ("not scanned: the update {spec} runs an engine's objects on real device buffers (DEVICE_ONLY), "
+               "which the virtual device cannot hold, and this machine has no accelerator; run on one "
+               "(--device cuda, or --drift-device cuda) to scan it")
+
+
 def sync_check(run: Resolved, steps: int = 4, device: Optional[str] = "auto", sample: int = 0) -> CheckResult:
     """The "host syncs" check of ``drift run``: passed iff the update of ``run`` causes no host-device
     sync in :func:`scan_update`'s steps (virtual device, plus the accelerator pass when there
@@ -216,6 +223,10 @@ def sync_check(run: Resolved, steps: int = 4, device: Optional[str] = "auto", sa
     ``file:line``; extra: steps checked, syncs per pass, detectors, the first events."""
     cfg = run.cfg
     scan = scan_update(run, steps, device, sample)
+    if not scan.passes:  # a DEVICE_ONLY update on a machine without an accelerator: nothing was scanned
+        return CheckResult(CHECKS.title("host_syncs"), passed=True, worst=None, limit=0.0, where="",
+                           detail=NOT_SCANNED.format(spec=run.update.spec), key="host_syncs",
+                           extra={"applicable": False, "syncs": 0, "steps_checked": 0})
     n = len(scan.steps)
     per_step = max((len(r.events) / n for r in scan.passes.values()), default=0.0) if n else math.nan
     detectors = sorted({d for r in scan.passes.values() for d in r.detectors})

@@ -227,3 +227,23 @@ def test_a_file_that_fails_to_import_names_the_spec(tmp_path):
     with pytest.raises(LoadError, match=r"importing .*broken.py raised RuntimeError\('boom at import'\)") as exc:
         load_update(spec)
     assert repr(spec) in str(exc.value)
+
+
+class _VllmShapedBuilder:  # vLLM 0.33.0's signatures (gdn_attn.py, gpu_model_runner.py), no vLLM needed
+    def build(self, common_prefix_len, common_attn_metadata, num_accepted_tokens=None,
+              num_decode_draft_tokens_cpu=None, fast_build=False):
+        raise AssertionError("never called")
+
+    def _update_states_after_model_execute(self, output_token_ids, scheduler_output):
+        raise AssertionError("never called")
+
+
+@pytest.mark.parametrize("method, words", [
+    ("build", "vLLM's attention-metadata builder"),
+    ("_update_states_after_model_execute", "vLLM's model-runner step")])
+def test_vllms_own_methods_named_as_an_update_are_refused_pointing_at_vllm_builder(method, words):
+    """The builder's build takes four positional parameters, so the signature alone let it through and
+    it failed as a regression (exit 1) on its first call; refused now (LoadError: exit 2 / 4)."""
+    with pytest.raises(LoadError, match=f"{words}.*not an update.*the update vllm:builder"):
+        load_update(getattr(_VllmShapedBuilder, method))
+
