@@ -447,3 +447,20 @@ def test_serving_run_past_the_golden_horizon_says_so(serving_golden):
     rep = run_checked(resolve(cfg, "sglang-0.5.23"), steps=SERVING_STEPS + 40, sync_scan=False)
     assert _golden_row(rep).verdict == "PASS"
     assert f"past the {SERVING_STEPS} steps the golden data was made for" in rep.reference and "twin alone" in rep.reference
+
+
+def test_the_gates_golden_is_required_where_it_applies_and_none_where_it_cannot(tmp_path):
+    """drift_golden fails (never skips) for a PR-gating preset's own config, and gives None -- the run then
+    compares with its float64 twin, as drift run does -- where the config leaves the preset's requests
+    (tracking off under the serving lifecycle) or the preset has no golden (a deployment preset). It
+    failed those with "no golden data" (exit 1), a setup difference read as a regression."""
+    test = tmp_path / "test_uses_golden.py"
+    test.write_text("from drift.config import preset\n"
+                    "def test_required(drift_golden):\n"
+                    "    assert drift_golden(preset('ci-small', lifecycle='serving')) is not None\n"
+                    "def test_not_applicable(drift_golden):\n"
+                    "    assert drift_golden(preset('ci-small', lifecycle='serving', track_interval=0)) is None\n"
+                    "    assert drift_golden(preset('qwen3.5-397b-tp16')) is None\n")
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test)], cwd=tmp_path,
+                         capture_output=True, text=True)
+    assert res.returncode == 0 and "2 passed" in res.stdout, res.stdout[-2000:]
