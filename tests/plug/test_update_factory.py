@@ -73,3 +73,57 @@ def test_the_gate_takes_the_factory(tmp_path):
                           "--drift-update-factory", factory("make_wrong")],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 1 and "committed state" in res.stdout, res.stdout[-2000:]
+
+
+def _shipped_sglang_init():
+    """SGLang 0.5.23's own ``HybridLinearAttnBackend.__init__``, compiled from the installed source (its module
+    does not import without SGLang's server dependencies), with the names it reads from that module: the
+    graph config unpublished (``check_cuda_graph_backend`` is False then, cuda_graph_config.py), a logger."""
+    import ast
+    import importlib.util
+    import logging
+    import types
+
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or spec.origin is None:
+        pytest.skip("sglang is not installed (.ci/run installs sglang==0.5.23 --no-deps)")
+    path = Path(spec.origin).parent / "srt" / "layers" / "attention" / "hybrid_linear_attn_backend.py"
+    tree = ast.parse(path.read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "HybridLinearAttnBackend")
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    scope = {"check_cuda_graph_backend": lambda phase, backend: False, "logger": logging.getLogger("sglang-init"),
+             "Phase": types.SimpleNamespace(PREFILL="prefill"), "Backend": types.SimpleNamespace(BREAKABLE="breakable"),
+             "AttentionBackend": object, "MambaAttnBackendBase": object}
+    exec(compile(ast.Module([init], []), str(path), "exec"), scope)
+    return scope["__init__"]
+
+
+def test_the_readmes_sglang_factory_builds_through_sglangs_own_constructor():
+    """The README's ci_factory.py recipe, run as written against SGLang 0.5.23's shipped constructor: it read
+    needs_cpu_seq_lens of the stand-in and of drift's linear backend, which had neither (a user trial's
+    AttributeError, exit 2)."""
+    import re
+    import textwrap
+    import sys
+    import types
+
+    from drift import preset
+    from drift.flows.registry import state_flow
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    recipe = re.search(r"# ci_factory.py\n(.*?)```", readme, re.S).group(1)
+    shipped = type("AscendHybridLinearAttnBackend", (), {"__init__": _shipped_sglang_init()})
+    name = "sglang.srt.hardware_backend.npu.attention.ascend_hybrid_linear_attn_backend"
+    fake = types.ModuleType(name)
+    fake.AscendHybridLinearAttnBackend = shipped
+    saved = {k: sys.modules.get(k) for k in (name,)}
+    sys.modules[name] = fake
+    try:
+        scope: dict = {}
+        exec(compile(textwrap.dedent(recipe), "README.md:ci_factory.py", "exec"), scope)
+    finally:
+        for k, v in saved.items():
+            sys.modules.pop(k) if v is None else sys.modules.__setitem__(k, v)
+    harness = state_flow(preset("ci-small"), __import__("torch").device("cpu")).harness
+    backend = scope["make"](harness)
+    assert backend.linear_attn_backend is harness.linear_attn_backend and backend.needs_cpu_seq_lens is True

@@ -42,11 +42,22 @@ class _ReqToTokenPool:
 
 
 class _LinearAttnBackend:
-    __slots__ = ("forward_metadata", "req_to_token_pool")
+    """The linear-attention backend the update reads (no ``__slots__``: an ``--update-factory`` may set
+    what else the engine's update reads of it)."""
+
+    # What HybridLinearAttnBackend.__init__ reads of its linear backend (sglang 0.5.23,
+    # srt/layers/attention/hybrid_linear_attn_backend.py: __init__), at SGLang's own defaults
+    # (base_attn_backend.py: AttentionBackend.needs_cpu_seq_lens = True; hybrid_linear_attn_backend.py:
+    # MambaAttnBackendBase.supports_prefill_graph_extend -> False), so an engine's subclass is built
+    # through its own constructor (README: The class built as the engine builds it).
+    needs_cpu_seq_lens = True
 
     def __init__(self, forward_metadata: _ForwardMetadata, req_to_token_pool: _ReqToTokenPool):
         self.forward_metadata = forward_metadata
         self.req_to_token_pool = req_to_token_pool
+
+    def supports_prefill_graph_extend(self) -> bool:
+        return False
 
 
 class SGLangHarness(Harness):
@@ -62,9 +73,9 @@ class SGLangHarness(Harness):
     PROVIDED = ("self.linear_attn_backend.forward_metadata.mamba_cache_indices and "
                 "self.linear_attn_backend.req_to_token_pool.get_speculative_mamba2_params_all_layers() "
                 "(docs/semantics.md §2)")
-    HOW_TO_PROVIDE = ("give the attribute a class-level default in your backend class, read it with "
-                      "getattr(self, name, default), or extend drift.flows.copy_commit.harness.SGLangHarness if "
-                      "the real backend has more that the update needs")
+    HOW_TO_PROVIDE = ("build your backend with --update-factory FILE.py:make, where make(harness) sets it as "
+                      "the engine does, on your object or on harness.linear_attn_backend (README: The class built "
+                      "as the engine builds it), or give the attribute a class-level default in your backend class")
 
     def __init__(self, pool: StatePool):
         self._drift_pool = pool
