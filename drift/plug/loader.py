@@ -234,9 +234,14 @@ class Update:
                             "it must return "
                             f"the {self.owner.__qualname__} the update {self.spec} runs on") from exc
         if not isinstance(inst, self.owner):
+            same_name = any(c.__qualname__ == self.owner.__qualname__ for c in type(inst).__mro__)
+            hint = (f"; it is a class of the same name from another module ({type(inst).__module__}: the file spec "
+                    f"{self.spec} was loaded as its own module, and the factory imported the file again): name the "
+                    "update as a module (PYTHONPATH=DIR, module:Class.method), or define make in the update's file"
+                    if same_name else "; return the engine's object")
             raise LoadError(f"--update-factory {self.factory_spec}: make(harness) returned a "
                             f"{type(inst).__qualname__}, not a {self.owner.__qualname__} (the class of --update "
-                            f"{self.spec}); return the engine's object")
+                            f"{self.spec}){hint}")
         return inst
 
     def _lacks(self, exc: AttributeError, harness, me) -> Optional[HarnessLacks]:

@@ -127,3 +127,18 @@ def test_the_readmes_sglang_factory_builds_through_sglangs_own_constructor():
     harness = state_flow(preset("ci-small"), __import__("torch").device("cpu")).harness
     backend = scope["make"](harness)
     assert backend.linear_attn_backend is harness.linear_attn_backend and backend.needs_cpu_seq_lens is True
+
+
+def test_a_factory_that_imports_the_update_file_again_is_told_how_to_name_it(capsys, tmp_path):
+    """A file spec is loaded as its own module; a factory that imports the same file by module name gets a
+    second class of the same name. Refused (exit 2) saying so and what to do, not "a X, not a X"."""
+    import shutil
+
+    for name in ("engine_init.py", "ascend_subclass.py", "ascend_backend.py"):
+        shutil.copy(FIXTURES / name, tmp_path / name)
+    (tmp_path / "fac.py").write_text(f"import sys\nsys.path.insert(0, {str(tmp_path)!r})\nfrom engine_init import make\n")
+    rc = main(["run", "--steps", "8", "--quiet", "--update",
+               f"{tmp_path / 'engine_init.py'}:InitBackend.update_mamba_state_after_mtp_verify",
+               "--update-factory", f"{tmp_path / 'fac.py'}:make"])
+    err = capsys.readouterr().err
+    assert rc == EXIT_USAGE and "a class of the same name from another module" in err and "Traceback" not in err, err
