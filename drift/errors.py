@@ -213,11 +213,12 @@ def display_path(filename: str) -> str:
 
 
 def what_raised(exc: BaseException) -> str:
-    """``exc`` as a message says it: its repr, and for one that would end the process where it was
-    raised (``SystemExit(0) (which would end the process; raised at f.py:3)``)."""
-    if isinstance(exc, Exception):
-        return repr(exc)
+    """``exc`` as a message says it: its repr and the line that raised it (``RuntimeError('x') (raised at
+    f.py:3)``), and for one that would end the process, that too (``SystemExit(0) (which would end the
+    process; raised at f.py:3)``)."""
     where = raised_at(exc)
+    if isinstance(exc, Exception):
+        return f"{exc!r} (raised at {where})" if where else repr(exc)
     return f"{exc!r} (which would end the process{'; raised at ' + where if where else ''})"
 
 

@@ -73,6 +73,10 @@ RUNS: tuple[DocRun, ...] = (
     DocRun("nightly-1000", "drift nightly --steps 1000 --variant rne", "the nightly's `rne` entry "
            "(qwen3.5-397b-tp16 cut to 4 layers) over 1,000 steps",
            (*DRIFT, "nightly", "--quiet", "--steps", "1000", "--variant", "rne", "--report", "nightly-report")),
+    DocRun("nightly-1000-variants", "drift nightly --steps 1000 (its four store variants)", "the nightly's four "
+           "store variants (rne, stochastic, fp32, sequential) of qwen3.5-397b-tp16 cut to 4 layers, 1,000 steps each",
+           (*DRIFT, "nightly", "--quiet", "--steps", "1000", "--variant", "rne", "--variant", "stochastic",
+            "--variant", "fp32", "--variant", "sequential", "--report", "nightly-report")),
     DocRun("collect", "python -m pytest --collect-only -q", "from a checkout: the tests the suite collects",
            (PY, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"), in_checkout=True,
            readme=True, sample=r"^\d+(/\d+)? tests? collected"),
@@ -214,12 +218,15 @@ def load_record() -> dict:
 def nightly_rate(record: dict) -> str:
     """What a nightly entry costs, from the measured ``nightly-1000`` run (setup included, so an
     upper bound on the per-step cost of a long run)."""
-    e = record["runs"]["nightly-1000"]
-    wall = e["quiet"]["wall_s"]
+    e, a = record["runs"]["nightly-1000"], record["runs"]["nightly-1000-variants"]
+    wall, wall_all = e["quiet"]["wall_s"], a["quiet"]["wall_s"]
     rate = 1000 / wall
-    hours = 100_000 / rate / 3600
-    return (f"Measured {e['date']} on {e['cores']} cores (load {'-'.join(f'{x:g}' for x in e['quiet']['load'])}): "
-            f"1,000 steps of the `rne` entry in {duration(wall)}, at least {rate:.0f} steps/s with its setup, so "
-            f"100,000 steps take at most about {hours:.1f} hours per entry and the four store variants about "
-            f"{4 * hours:.0f} hours on one such machine (the kernel-commit design entries of the default matrix "
-            "cost more: docs/teeth.md); `--shard K/N` splits them.")
+    hours, hours_all = 100_000 / rate / 3600, wall_all * 100 / 3600
+    load = lambda r: "-".join(f"{x:g}" for x in r["quiet"]["load"])  # noqa: E731
+    return (f"Measured {e['date']} on {e['cores']} cores (load {load(e)}): 1,000 steps of the `rne` entry in "
+            f"{duration(wall)}, at least {rate:.0f} steps/s with its setup, so 100,000 steps take at most about "
+            f"{hours:.1f} hours for that entry; the four store variants, 1,000 steps each, took {duration(wall_all)} "
+            f"({a['date']}, load {load(a)}: the `stochastic` entry runs the torch-op verify, which the native C kernel "
+            f"does not cover, and costs several `rne` entries), so about {hours_all:.0f} hours at 100,000 steps on "
+            "one such machine (the kernel-commit design entries of the default matrix cost more: docs/teeth.md); "
+            "`--shard K/N` splits them.")

@@ -140,7 +140,7 @@ def test_an_update_that_raises_fails_the_run_with_its_message(tmp_path, capsys):
     plugin.write_text("def update(self, last, track, steps):\n    raise ValueError('boom')\n")
     assert main(RUN + ["--update", f"{plugin}:update"]) == EXIT_FAIL
     err = capsys.readouterr().err
-    assert "raised ValueError('boom') at decode step 0" in err
+    assert f"raised ValueError('boom') (raised at {plugin}:2) at decode step 0" in err  # its line named
 
 
 # ------------------------------------------------------------- help, version
