@@ -33,7 +33,8 @@ from .devices import resolve_device
 from .errors import (EXIT_FAIL, EXIT_PASS, ConfigError, DriftError, Terminated, UpdateRaised, clear_interrupt, ended_by_code,
                      interrupt, no_process_exit, raise_if_interrupted, what_raised)
 from .fileio import locked, output_file, output_files, refuse_overwriting, writable_dir
-from .options import CONFIG_OPTIONS, RUN_OPTIONS, add_options, dest, flow_option_names, positive_int
+from .options import (CONFIG_OPTIONS, RUN_OPTIONS, add_options, dest, flow_option_names, non_negative_int,
+                      positive_int)
 from .plug.mutants import MUTANTS
 from .runspec import Resolved, RunSpec
 from .version import __version__
@@ -145,7 +146,7 @@ def add_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bench-steps", type=positive_int, default=20, help="timed steps per block of the vectorised simulator")
     p.add_argument("--naive-steps", type=positive_int, default=3, help="timed steps of the naive loop (median kept)")
     p.add_argument("--repeats", type=positive_int, default=5, help="timed blocks of --bench-steps steps (median kept)")
-    p.add_argument("--stage-steps", type=_non_negative_int,
+    p.add_argument("--stage-steps", type=non_negative_int,
                    help="steps per stage profile of the eager and the checked step (0: none; default 4)")
     p.add_argument("--gate", action="store_true",
                    help="exit 1 when a median misses its target (bandwidth ratio 0.15, speedup 10x)")
@@ -160,16 +161,6 @@ def _benchmarked_flow(text: str) -> str:
     if text not in benchmarked_flows():
         raise argparse.ArgumentTypeError(f"flow {text!r} is not benchmarked; allowed: {', '.join(benchmarked_flows())}")
     return text
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except (TypeError, ValueError):
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0")
-    return value
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -50,14 +50,14 @@ def positive_int(text: str) -> int:
     return value
 
 
-def track_interval_int(text: str) -> int:
-    """An integer >= 0 (0: tracking off)."""
+def non_negative_int(text: str) -> int:
+    """An integer >= 0 (``--track-interval 0``: tracking off)."""
     try:
         value = int(text)
     except (TypeError, ValueError):
         value = -1
     if value < 0:
-        raise argparse.ArgumentTypeError(f"track interval {text!r} is not an integer >= 0 (0: tracking off)")
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0")
     return value
 
 
@@ -114,7 +114,7 @@ SPECS: dict[str, dict] = {
                       "linear_num_key_heads / TP); the value heads must be a multiple"),
     "value-heads": dict(type=positive_int, metavar="HV", help="GDN value heads per rank (linear_num_value_heads "
                         "/ TP); value head h reads key head h // (HV / HK), as the engines' kernels"),
-    "track-interval": dict(type=track_interval_int, metavar="T", help="the engine's prefix-cache tracking: "
+    "track-interval": dict(type=non_negative_int, metavar="T", help="the engine's prefix-cache tracking: "
                            "every T-th token position a request's state is also kept (SGLang's mamba_track_interval; "
                            "vLLM's mamba_block_size in align mode); 0: tracking off (vLLM's mamba_cache_mode none)"),
     "mode": dict(type=_choice(MODES, "mode"), metavar="M", help="mtp or sequential (non-MTP) decode"),
