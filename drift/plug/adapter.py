@@ -49,9 +49,11 @@ def engine_function(module: str, function: str, kernel: str, engine: str, needed
     if triton is not None and not hasattr(triton, "next_power_of_2"):
         # An engine may hand out a placeholder when it finds no usable triton (vLLM's triton_utils with
         # HAS_TRITON false): the module imports, and every call would fail.
-        where = ("" if triton_interpreter.interpreting() else "; the engines probe their platform for it (a GPU): "
-                 "on a CPU runner TRITON_INTERPRET=1 runs the kernel through triton's interpreter, with the "
-                 "installed triton handed to the engine")
+        where = ("; the engine had turned triton off before drift could hand it the interpreter (vLLM's "
+                 "triton_utils/importing.py finds no active GPU driver on a CPU: it was imported first, by "
+                 "another part of the run)" if triton_interpreter.interpreting() else
+                 "; the engines probe their platform for it (a GPU): on a CPU runner TRITON_INTERPRET=1 runs the "
+                 "kernel through triton's interpreter, with the installed triton handed to the engine")
         raise LoadError(f"{who}: {module} imported without a usable triton (the engine gave its "
                         f"placeholder){where}; install triton where the engine can import it")
     return fn

@@ -26,6 +26,7 @@ fp32 values, the widening is a bit shift.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -114,6 +115,28 @@ def _sglang_after(mod: types.ModuleType) -> None:
 PARENTS = {"sglang": (_sglang, _sglang_after), "vllm": (_vllm, _unalias_exp)}
 
 
+@contextlib.contextmanager
+def _vllm_keeps_triton(package: str):
+    """Around the first import of an installed vLLM under the interpreter on a machine without CUDA:
+    ``CUDA_VISIBLE_DEVICES=""``. vLLM 0.33.0's ``vllm/triton_utils/importing.py`` turns triton off
+    (``HAS_TRITON = False``, placeholders for ``triton`` and ``tl``) unless it finds exactly one active
+    driver -- none on a CPU runner, and the interpreter is not one -- except where the visible devices
+    are set and empty (its "distributed environment", where 0 drivers are allowed). The variable is
+    restored once the import is done."""
+    if package != "vllm" or "vllm.triton_utils" in sys.modules or torch.cuda.is_available():
+        yield
+        return
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
 def import_kernel_module(module: str) -> types.ModuleType:
     """``importlib.import_module(module)``; under the interpreter, first the interpreter's gaps
     mended, and where the module does not import as installed (a ``--no-deps`` engine: ImportError)
@@ -128,7 +151,8 @@ def import_kernel_module(module: str) -> types.ModuleType:
     package = module.split(".")[0]
     stub, after = PARENTS.get(package, (None, None))
     try:
-        mod = importlib.import_module(module)
+        with _vllm_keeps_triton(package):
+            mod = importlib.import_module(module)
     except ImportError:
         if stub is None or stubbed(package):
             raise

@@ -147,3 +147,22 @@ def torch_has_accelerator() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def test_vllms_triton_kernel_runs_under_the_interpreter_where_vllm_is_fully_installed(vllm, tmp_path):
+    """--kernel vllm-triton with TRITON_INTERPRET=1 in vLLM's own environment: vLLM's triton_utils turns
+    triton off on a CPU (no active driver) unless the visible devices are set and empty, which drift
+    sets around that import (drift/plug/triton_interpreter.py: _vllm_keeps_triton); it was refused
+    saying triton was unusable while triton was installed (a user trial)."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.fail("triton is not installed in the vLLM environment (.ci/run installs drift's triton extra)")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    res = subprocess.run([sys.executable, "-m", "drift", "run", "--flow", "vllm", "--kernel", "vllm-triton", "--steps",
+                          "2", "--lifecycle", "fixed", "--quiet"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
