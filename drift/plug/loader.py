@@ -45,9 +45,9 @@ REQUIRED = ("self", "last_correct_step_indices", "mamba_track_indices", "mamba_s
 # Names earlier drift releases used for the built-in updates, for a message that points at the new one.
 RENAMED = {"guarded": "sglang-31659", "sync_free": "sglang-32130", "device_select": "sglang-0.5.23"}
 # An engine's own code, which drift drives through an adapter where the engine imports, by a short name:
-# name -> (the adapter's spec, the flow kind it is written for). Not a built-in: no table runs it by
-# default (it needs the engine installed). README: In an engine's CI.
-ENGINE_UPDATES = {"vllm:builder": ("drift.plug.vllm_engine:bookkeeping", "in-place")}
+# name -> (the adapter's spec, the flow it is written for). Not a built-in: no table runs it by default
+# (it needs the engine installed). README: In an engine's CI.
+ENGINE_UPDATES = {"vllm:builder": ("drift.plug.vllm_engine:bookkeeping", "vllm")}
 
 
 @dataclass(frozen=True)
@@ -179,6 +179,7 @@ class Update:
     flow: str = ""
     factory: Optional[Callable[[Any], Any]] = None  # make(harness) -> the owner's instance (--update-factory)
     factory_spec: str = ""
+    factory_option: str = "--update-factory"  # as the front end spells it (--drift-update-factory under pytest)
     # The engine's serving bookkeeping the update runs with under a churning lifecycle (a serving mutant's
     # broken one, drift/plug/mutants.py, or what the update's function carries as ``serving``: the vllm
     # flow's drift.flows.in_place.updates.ServingParts); None: its flow kind's own (drift/flows/slots.py
@@ -230,7 +231,7 @@ class Update:
         except (Exception, *ENDS_PROCESS) as exc:  # sys.exit in the CI's glue: refused as a raise is, not a FAIL
             if not isinstance(exc, Exception) and not ended_by_code(exc):
                 raise  # a signal
-            raise LoadError(f"--update-factory {self.factory_spec}: make(harness) raised {exc!r} at {raised_at(exc)}; "
+            raise LoadError(f"{self.factory_option} {self.factory_spec}: make(harness) raised {exc!r} at {raised_at(exc)}; "
                             "it must return "
                             f"the {self.owner.__qualname__} the update {self.spec} runs on") from exc
         if not isinstance(inst, self.owner):
@@ -239,7 +240,7 @@ class Update:
                     f"{self.spec} was loaded as its own module, and the factory imported the file again): name the "
                     "update as a module (PYTHONPATH=DIR, module:Class.method), or define make in the update's file"
                     if same_name else "; return the engine's object")
-            raise LoadError(f"--update-factory {self.factory_spec}: make(harness) returned a "
+            raise LoadError(f"{self.factory_option} {self.factory_spec}: make(harness) returned a "
                             f"{type(inst).__qualname__}, not a {self.owner.__qualname__} (the class of --update "
                             f"{self.spec}){hint}")
         return inst
@@ -264,7 +265,7 @@ class Update:
                 f"that engine, pass --flow {elsewhere[0]}." if elsewhere else "")
         if on_instance:
             owner = self.owner.__qualname__
-            hint += (f" Or build the {owner} as the engine does, with --update-factory FILE.py:make where FILE.py "
+            hint += (f" Or build the {owner} as the engine does, with --update-factory FILE.py:make (pytest: --drift-update-factory) where FILE.py "
                      f"holds the one line `make = lambda harness: {owner}(...)` (its own __init__), or "
                      f"`def make(harness): o = {owner}.__new__({owner}); o.{name} = ...; return o` "
                      "(docs/reference.md: The engine's class, built as it builds it).")
@@ -371,7 +372,7 @@ def load_update(spec: "str | Callable | Update", factory: Optional[str] = None,
         if not callable(make):
             raise LoadError(f"{opt('update-factory')} {factory} resolves to a {type(make).__name__}, not a "
                             "callable make(harness)")
-        return dataclasses.replace(upd, factory=make, factory_spec=factory)
+        return dataclasses.replace(upd, factory=make, factory_spec=factory, factory_option=opt("update-factory"))
     if isinstance(spec, Update):
         return spec
     sgl_kernels()  # code under test imports its kernels at module import time
@@ -384,8 +385,8 @@ def load_update(spec: "str | Callable | Update", factory: Optional[str] = None,
         raise LoadError(f"update spec {spec!r} was renamed: use {RENAMED[spec]!r} (built-ins: "
                         f"{', '.join(UPDATES)})")
     elif spec in ENGINE_UPDATES:
-        target, kind = ENGINE_UPDATES[spec]
-        fn, name, text, kinds = resolve_spec(target, "update"), spec, spec, (kind,)
+        target, its_flow = ENGINE_UPDATES[spec]
+        fn, name, text, kinds = resolve_spec(target, "update"), spec, spec, (FLOWS[its_flow].kind,)
     elif spec.startswith(MUTANT_PREFIX):
         m = mutant(spec, "update")
         fn, name, text, flow, serving = m.fn, spec, spec, m.flow, m.serving

@@ -184,7 +184,9 @@ class InPlaceBlockFlow(FlowKind):
         fused_recurrent reads ``ssm_state_indices[b, n - 1]`` (ops/fused_recurrent.py, 0.33.0), outside the
         row's D blocks (another row's index, or none). One host read of the ``[R]`` counts per step."""
         D = self.cfg.num_draft_tokens
-        n = self.harness.num_accepted_tokens.index_select(0, self._lane_rows).to(torch.int64)
+        if self.pool.device.type == "meta":  # a run on the virtual device (no values to read)
+            return ""
+        n = self.harness.num_accepted_tokens.index_select(0, self._lane_rows).to(torch.int64).cpu()
         bad = ((n < 0) | (n > D)).nonzero().flatten().tolist()
         if not bad:
             return ""
