@@ -328,6 +328,12 @@ def cmd_nightly(args: argparse.Namespace) -> int:
     if (out / "report.json").exists() and not (args.resume or args.force):
         raise ConfigError(f"--report {out} already holds a report (report.json); pass --resume to continue that "
                           "run, --force to overwrite it, or another --report directory")
+    interrupted = sorted(p.name for p in (out / "checkpoints").glob("*") if p.is_file()) \
+        if (out / "checkpoints").is_dir() else []
+    if interrupted and not (args.resume or args.force):  # a killed run's work: never thrown away unasked
+        raise ConfigError(f"--report {out} holds the checkpoints of a run that did not finish ({len(interrupted)} "
+                          f"files in {out / 'checkpoints'}); pass --resume to continue it, --force to start over "
+                          "(they are then replaced), or another --report directory")
     steps_text = f"{steps} steps" if steps is not None else "the whole trace"
     with locked(out, "drift nightly"):
         print(f"drift nightly: {len(mine)} of {len(entries)} entries (shard {k}/{n}), {steps_text} each, "
