@@ -515,6 +515,19 @@ def test_a_checkpoint_of_another_configuration_is_set_aside(tmp_path):
     assert nightly.load_resume_state(tmp_path, entry, io.StringIO(), want)["identity"] == want
 
 
+def test_an_interrupted_nightlys_checkpoints_are_never_thrown_away_unasked(tmp_path, capsys):
+    """A killed nightly leaves checkpoints and no report.json; running again without --resume deleted them
+    and started over, saying nothing (a user trial). Refused now (exit 2) naming --resume and --force;
+    the files are untouched."""
+    ckpt = tmp_path / "out" / "checkpoints"
+    ckpt.mkdir(parents=True)
+    (ckpt / "entry.ckpt").write_bytes(b"a killed run's state")
+    assert main(NIGHTLY + ["--steps", "8", "--report", str(tmp_path / "out")]) == EXIT_USAGE
+    err = err_of(capsys)
+    assert "checkpoints of a run that did not finish" in err and "--resume" in err and "--force" in err, err
+    assert (ckpt / "entry.ckpt").read_bytes() == b"a killed run's state"
+
+
 def test_a_report_directory_is_never_silently_overwritten_or_shared(nightly_dir, capsys):
     before = (nightly_dir / "report.json").read_bytes()
     assert main(NIGHTLY + ["--steps", "8", "--report", str(nightly_dir)]) == EXIT_USAGE
@@ -801,3 +814,19 @@ def test_a_nightly_refuses_an_extension_check_that_cannot_be_built(tmp_path, mon
     assert main(NIGHTLY + ["--steps", "16", "--report", str(tmp_path / "n")]) == EXIT_USAGE
     assert "its build returned NoneType" in err_of(capsys)
     assert not (tmp_path / "n" / "report.json").exists()
+
+
+def test_a_run_too_short_to_cross_a_tracking_boundary_is_a_usage_error_in_both_front_ends(capsys, tmp_path):
+    """Whether a boundary falls within the run is the stream's schedule alone (tracking every 16 positions,
+    ci-small's prefill 24: one step of at most 4 tokens crosses none), never the code under test: exit 2
+    (pytest: 4) naming --steps and --track-interval, no longer a FAILED tracked-snapshot check (exit 1; a
+    user trial). A run long enough (the control) passes."""
+    assert main(["run", "--steps", "1", "--lifecycle", "fixed", "--quiet"]) == EXIT_USAGE
+    err = err_of(capsys)
+    assert "no tracking boundary fell within the 1 steps run" in err and "--track-interval 0" in err, err
+    assert main(["run", "--steps", "1", "--lifecycle", "fixed", "--track-interval", "0", "--quiet"]) == EXIT_PASS
+    gate = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs", "drift",
+                           "--drift-preset", "ci-small", "--drift-steps", "1", "--drift-lifecycle", "fixed"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    out = gate.stdout + gate.stderr
+    assert gate.returncode == 4 and "no tracking boundary fell within" in out and "Traceback" not in out, out[-2000:]

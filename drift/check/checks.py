@@ -24,6 +24,7 @@ from typing import Optional
 import numpy as np
 
 from ..checkpoint import Stateful
+from ..errors import ConfigError
 from ..simulate import StopRun
 from .compare import MetricsChunk
 from .metrics import norm_floor, rel_err
@@ -170,12 +171,14 @@ class TrackCheck(Check):
         # A trace replayed without --loop ends where the trace ends: a longer run is not possible.
         self.fixed_horizon = bool(sim.cfg.trace) and not sim.cfg.trace_loop
         self.interval = sim.cfg.track_interval
+        self.horizon, self.steps_seen = sim.cfg.steps, 0
 
     def consume(self, chunk: MetricsChunk) -> None:
         if not self.enabled:
             return
         tracked = chunk.track >= 0  # [S, R]
         self.tracked += int(tracked.sum())
+        self.steps_seen = max(self.steps_seen, chunk.step0 + tracked.shape[0])
         rel = rel_err(chunk.trk_err2, chunk.trk_ref2, self.floor)
         rel = np.where(tracked[:, None, :, None], rel, 0.0)
         self._update(rel, chunk.step0)
@@ -197,9 +200,14 @@ class TrackCheck(Check):
                                f"not exercised: no tracking boundary (track interval {self.interval}) within the "
                                "positions of this trace; pass --loop with more --steps to run past its end, or a "
                                "preset with a shorter track interval", extra={"applicable": False})
-        if self.tracked == 0:
-            return CheckResult(self.name, False, None, self.limit, "",
-                               "tracking is on but no boundary was crossed: lengthen the run")
+        if self.tracked == 0 and self.steps_seen < self.horizon:  # stopped early (fail-fast): another check failed
+            return CheckResult(self.name, True, None, self.limit, "",
+                               f"not exercised: the run stopped at step {self.steps_seen}, before a tracking "
+                               "boundary", extra={"applicable": False})
+        if self.tracked == 0:  # the stream's schedule alone decides it, not the code under test: a usage error
+            raise ConfigError(f"tracking is on (every {self.interval} positions) but no tracking boundary fell within "
+                              f"the {self.horizon} steps run, so the tracked-snapshot check would compare nothing: "
+                              "lengthen the run (--steps), or turn tracking off (--track-interval 0)")
         res = super().result()
         msgs = [res.detail] if res.detail else []
         if self.bits_fail:
