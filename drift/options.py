@@ -134,9 +134,7 @@ SPECS: dict[str, dict] = {
                    "mutant:<name>, package.module:qualname or path/to/file.py:qualname"),
     "lifecycle": dict(type=_choice(LIFECYCLES, "lifecycle"), metavar="L",
                       help=lambda: "how requests come and go between steps (docs/semantics.md §12): "
-                                   + "; ".join(f"{n} ({LIFECYCLES[n].description})" for n in LIFECYCLES)
-                                   + f" (default: {DEFAULT_LIFECYCLE}; fixed with --trace or under a flow whose kind "
-                                     "models no churn)"),
+                                   + "; ".join(f"{n} ({LIFECYCLES[n].description})" for n in LIFECYCLES)),
     "flow": dict(type=_choice(FLOWS, "flow"), metavar="F",
                  help=lambda: "how the engine keeps MTP state between steps (docs/semantics.md §6): "
                               + "; ".join(f"{n} ({FLOWS[n].engine})" for n in FLOWS)),
@@ -224,7 +222,10 @@ def add_options(addoption: Callable, names: Iterable[str], prefix: str = "", rep
             text = (default_text or {}).get(name)
             if text is not None:
                 kw["help"] += f" (default: {text})"
-            elif name in ("update", "lifecycle") or name in flow_option_names():
+            elif name == "lifecycle":
+                kw["help"] += (f" (default: {DEFAULT_LIFECYCLE}; fixed with --trace or under a flow whose kind models "
+                               "no churn)")
+            elif name == "update" or name in flow_option_names():
                 pass  # its help says the default (it depends on the flow, or on --trace)
             elif name == "trace":
                 kw["help"] += " (default: none, the synthetic stream)" if default is None else f" (default: {default})"
