@@ -68,6 +68,7 @@ from drift.runspec import RunSpec
 from drift.devices import resolve_device
 from drift.errors import EXIT_USAGE, DeviceUnavailable, DriftError, no_process_exit
 from drift.options import DEFAULTS, RUN_OPTIONS, add_options, dest
+from drift.plug.loader import ENGINE_UPDATES
 from drift.plug.extensions import load_extensions
 from drift.runner import preflight
 from drift.runspec import Resolved
@@ -221,8 +222,24 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("drift_preset", gate_presets(metafunc.config.getoption))
     if "drift_update" in metafunc.fixturenames:
         specs = metafunc.config.getoption(dest(PREFIX, "update")) or [DEFAULTS["update"]]
-        ids = [s.rsplit(":", 1)[-1][:60] if s else "the-flows-update" for s in specs]  # None: the flow's default
-        metafunc.parametrize("drift_update", specs, ids=ids)
+        flow = metafunc.config.getoption(dest(PREFIX, "flow"), None)
+        metafunc.parametrize("drift_update", specs, ids=[update_id(s, flow) for s in specs])
+
+
+def update_id(spec, flow) -> str:
+    """A test id that names the update: a built-in's (or the flow's default's) name, else the file's or
+    module's last name and the qualname (``my_backend.Backend.update``), at most 60 characters."""
+    from drift.flows.registry import FLOWS, default_update
+
+    if not spec:  # the flow's own built-in
+        return default_update(FLOWS[flow].kind) if flow in FLOWS else "the-flows-update"
+    where, colon, qualname = str(spec).rpartition(":")
+    if str(spec).startswith("mutant:"):
+        return qualname[:60]
+    if not colon or not where or spec in ENGINE_UPDATES:
+        return str(spec).replace(":", "-")[:60]  # no ':' in an id (pytest's -k reads it)
+    stem = where.replace("\\", "/").rsplit("/", 1)[-1].removesuffix(".py").rsplit(".", 1)[-1]
+    return f"{stem}.{qualname}"[:60]
 
 
 @pytest.fixture

@@ -346,3 +346,16 @@ def test_pytest_keeps_the_rewrite_marks_the_plugin_narrows():
     hooks = [h for h in sys.meta_path if type(h).__name__ == "AssertionRewritingHook"]
     assert hooks, "pytest's assertion rewriting hook is not installed (run without --assert=plain)"
     assert all(isinstance(getattr(h, "_must_rewrite", None), set) for h in hooks)
+
+
+@pytest.mark.parametrize("spec, flow, expected", [
+    (None, "vllm", "vllm-0.33.0"), ("plus1_update.py:update", None, "plus1_update.update"),
+    ("ci/my_backend.py:Backend.update", None, "my_backend.Backend.update"),
+    ("sglang.srt.npu.ascend:Asc.update", None, "ascend.Asc.update"), ("mutant:step_plus1", None, "step_plus1"),
+    ("vllm:builder", "vllm", "vllm-builder"), ("sglang-32130", None, "sglang-32130")])
+def test_a_gate_tests_id_names_its_update(spec, flow, expected):
+    """Two file specs with the same qualname were update0 / update1, and the vllm flow's default the-flows-update
+    (a user trial): the id names the file or module and the qualname, or the built-in."""
+    from drift.pytest_plugin import update_id
+
+    assert update_id(spec, flow) == expected

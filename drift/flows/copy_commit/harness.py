@@ -73,7 +73,8 @@ class SGLangHarness(Harness):
     PROVIDED = ("self.linear_attn_backend.forward_metadata.mamba_cache_indices and "
                 "self.linear_attn_backend.req_to_token_pool.get_speculative_mamba2_params_all_layers() "
                 "(docs/semantics.md §2)")
-    HOW_TO_PROVIDE = ("build your backend with --update-factory FILE.py:make, where make(harness) sets it as "
+    HOW_TO_PROVIDE = ("build your backend with --update-factory FILE.py:make (pytest: --drift-update-factory), "
+                      "where make(harness) sets it as "
                       "the engine does, on your object or on harness.linear_attn_backend (README: The class built "
                       "as the engine builds it), or give the attribute a class-level default in your backend class")
 
