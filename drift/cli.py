@@ -107,7 +107,7 @@ def add_run(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .jobs.report import REPORT_FILES, progress_printer, summary_text, write_report
+    from .jobs.report import REPORT_FILES, progress_printer, summary_text, write_failure_report, write_report
     from .runner import run_checked
     from .syncs.scan import RUN_SAMPLE
 
@@ -123,8 +123,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         golden, _ = load_golden(cfg)
     progress = None if args.quiet else progress_printer(f"drift run {cfg.name}")
     with locked(report_dir, "drift run") if report_dir is not None else contextlib.nullcontext():
-        rep = run_checked(run, progress=progress, vs_sequential=args.vs_sequential, golden=golden,
-                          sync_first=not args.all_checks, fail_fast=args.fail_fast, sync_sample=RUN_SAMPLE)
+        try:
+            rep = run_checked(run, progress=progress, vs_sequential=args.vs_sequential, golden=golden,
+                              sync_first=not args.all_checks, fail_fast=args.fail_fast, sync_sample=RUN_SAMPLE)
+        except UpdateRaised as exc:  # the code under test ended the run: the report says so (main prints it)
+            if report_dir is not None:
+                for path in write_failure_report(str(exc), run, report_dir):
+                    print(f"wrote {path}")
+            raise
         print(summary_text(rep))
         if report_dir is not None:
             for path in write_report(rep, report_dir):

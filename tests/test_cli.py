@@ -141,6 +141,11 @@ def test_an_update_that_raises_fails_the_run_with_its_message(tmp_path, capsys):
     assert main(RUN + ["--update", f"{plugin}:update"]) == EXIT_FAIL
     err = capsys.readouterr().err
     assert f"raised ValueError('boom') (raised at {plugin}:2) at decode step 0" in err  # its line named
+    # with --report the CI's artifacts say what failed (they were an empty directory)
+    assert main(RUN + ["--update", f"{plugin}:update", "--report", str(tmp_path / "r")]) == EXIT_FAIL
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert report["verdict"] == "fail" and "raised ValueError('boom')" in report["error"] and report["checks"] == []
+    assert "raised ValueError('boom')" in (tmp_path / "r" / "report.md").read_text()
 
 
 # ------------------------------------------------------------- help, version

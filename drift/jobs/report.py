@@ -131,6 +131,26 @@ def write_report(rep, directory: str | Path) -> list[Path]:
     return [out / "report.json", out / "report.md"] + ([out / RUN_PLOT] if plot else [])
 
 
+def write_failure_report(message: str, run, directory: str | Path) -> list[Path]:
+    """The report of a run the code under test ended (UpdateRaised, exit 1) before any check could report:
+    report.json (``verdict`` fail, ``error`` the one line ``drift run`` prints, no checks) and report.md, as
+    one unit (an old plot removed), so a CI job's artifacts say what failed."""
+    from ..runner import versions
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = run.cfg
+    data = {"schema": 1, "verdict": "fail", "config": {**cfg.to_dict(), "profile": cfg.profile},
+            "run": {"update": run.update.spec if run.update is not None else "(sequential decode)",
+                    "verify_kernel": run.kernel.name if run.kernel is not None else ""},
+            "error": message, "reference": None, "checks": [], "versions": versions()}
+    with staged(out, REPORT_FILES) as stage:
+        atomic_write_json(stage / "report.json", data)
+        atomic_write_text(stage / "report.md", f"# drift run {cfg.name}: FAIL\n\n{message}\n\nNo check reported: "
+                                               "the code under test ended the run first.\n")
+    return [out / "report.json", out / "report.md"]
+
+
 class _Lines:
     """A file for tqdm in logs: each refresh becomes its own line instead of a carriage return."""
 
