@@ -371,6 +371,12 @@ def diagnose(run: Resolved, check: str, step: int, layer: int, row: int, head: i
         if cause in ("store rounding", "unexplained") and src.call == "the verify kernel":
             blame = src  # the right place, a wrong value: its writer
     text = f"{where}: {sentence}; {wrote}"
+    if cause in ("wrong step", "skipped commit") and blame.call == "the verify kernel" and run.update is not None:
+        # The kernel wrote that token's state where it should; which token's state is committed (the start
+        # the next verify reads) is the update's bookkeeping -- an accept count that did not change this
+        # step changed no probe, so the kernel's write is the last (vLLM's flow: the update sets the count).
+        text += (f"; which token's state the next verify starts from is the update's bookkeeping: "
+                 f"{run.update.spec}" + (f" at {display_path(run.update.source)}" if run.update.source else ""))
     return Diagnosis(check, where, blame.call, blame.where, blame.op, cause, text, writes)
 
 

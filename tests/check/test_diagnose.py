@@ -103,3 +103,21 @@ def test_a_replay_that_raises_says_so_and_leaves_the_verdict(monkeypatch):
         from torch.utils._python_dispatch import _get_current_dispatch_mode
 
         assert _get_current_dispatch_mode() is None  # no recorder left on the mode stack
+
+
+def test_an_accept_count_that_did_not_change_points_at_the_update_too():
+    """vLLM's flow: one too few accepted (at least 1) leaves the count unchanged on some steps, so the last write
+    of the committed state is the kernel's (it wrote that token's state where it should); the diagnosis says
+    the start is the update's bookkeeping and names it (it named the kernel alone: a user trial)."""
+    from drift.flows.in_place.updates import bookkeeping, kept_tokens
+
+    def accept_minus1(self, last):
+        R = self.num_spec_decodes
+        self.num_accepted_tokens[:R].copy_((kept_tokens(last)[:R] - 1).clamp(min=1))
+        self.num_accepted_tokens[R:].fill_(1)
+
+    run = resolve(preset("ci-small").replace(flow="vllm", steps=64), bookkeeping(accept=accept_minus1, name="minus1"),
+                  None)
+    d = run_checked(run, sync_scan=False, fail_fast=True).extra["diagnosis"]
+    assert d["cause"] == "wrong step", d["text"]
+    assert "the next verify starts from is the update's bookkeeping: minus1" in d["text"], d["text"]
