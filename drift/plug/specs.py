@@ -53,8 +53,10 @@ def module_from_file(path: str, spec: str, what: str) -> types.ModuleType:
         if not isinstance(exc, Exception) and not ended_by_code(exc):
             raise  # a signal
         fix = "; fix the module or remove it from DRIFT_EXTENSIONS" if what == "extension" else ""
-        raise LoadError(f"{what} spec {spec!r}: importing {full} raised {exc!r} at "
-                        f"{raised_at(exc, full)}{fix}") from exc
+        at, inner = raised_at(exc, full), raised_at(exc)
+        if inner and inner != at and not isinstance(exc, ImportError):  # raised in a module the file imports
+            at = f"{inner} (imported from {at})"
+        raise LoadError(f"{what} spec {spec!r}: importing {full} raised {exc!r} at {at}{fix}") from exc
     finally:
         if sys.path and sys.path[0] == here:
             del sys.path[0]

@@ -247,3 +247,11 @@ def test_vllms_own_methods_named_as_an_update_are_refused_pointing_at_vllm_build
     with pytest.raises(LoadError, match=f"{words}.*not an update.*the update vllm:builder"):
         load_update(getattr(_VllmShapedBuilder, method))
 
+
+
+def test_an_error_in_a_module_the_spec_file_imports_names_that_modules_line(tmp_path):
+    """It named the spec file's import line alone (a user trial); now the line that raised, then where from."""
+    (tmp_path / "drift_sibling_raises.py").write_text("X = 1\ny = undefined_name\n")
+    (tmp_path / "upd.py").write_text("import drift_sibling_raises\n\ndef update(self, a, b, c):\n    pass\n")
+    with pytest.raises(LoadError, match=r"drift_sibling_raises\.py:2 \(imported from .*upd\.py:1\)"):
+        load_update(f"{tmp_path / 'upd.py'}:update")
