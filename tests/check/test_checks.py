@@ -13,6 +13,7 @@ import pytest
 
 from helpers import bad_spec, checks_of, small_cfg
 from drift.config import PROFILES
+from drift.errors import ConfigError
 from drift.check.checks import SEMANTIC_TOL, Check, StateCheck, TrackCheck, untouched_result
 from drift.check.compare import MetricsChunk
 from drift.check.measures import MEASURES
@@ -149,6 +150,7 @@ class _Comparison:  # what Check.start reads: comparison.sim.cfg / .mode / .flow
         class cfg:
             head_v_dim = 16
             track_interval = 16
+            steps = 2  # _chunk()'s steps: the whole run
             trace, trace_loop = "", False
         mode = "mtp"
 
@@ -173,17 +175,35 @@ def test_state_check_locates_the_first_failure():
     assert "step 2" in r.detail
 
 
-def test_track_check_with_tracking_on_but_no_boundary_fails():
+def test_track_check_with_tracking_on_but_no_boundary_is_a_usage_error():
+    """The stream's schedule alone decides whether a boundary falls within the run: a run that can be
+    lengthened and crossed none is refused (ConfigError: exit 2), naming --steps and --track-interval."""
     c = TrackCheck()
     c.start(_Comparison)
     c.consume(_chunk())
-    assert not c.result().passed
+    with pytest.raises(ConfigError, match=r"no tracking boundary fell within the 2 steps run.*--track-interval 0"):
+        c.result()
+
+
+def test_track_check_of_a_run_stopped_before_a_boundary_is_not_exercised():
+    """A fail-fast run that stopped (another check failed) before its first boundary: n/a, saying so, so the
+    failure that stopped it is what the run reports."""
+    class comparison:
+        class sim(_Comparison.sim):
+            class cfg(_Comparison.sim.cfg):
+                steps = 4096
+
+    c = TrackCheck()
+    c.start(comparison)
+    c.consume(_chunk())
+    r = c.result()
+    assert not r.failed and not r.applicable and "stopped at step 2, before a tracking boundary" in r.detail
 
 
 @pytest.mark.parametrize("loop", [False, True])
 def test_track_check_on_a_trace_that_cannot_reach_a_boundary_is_not_exercised(loop):
     """A trace replayed to its end cannot be lengthened: no boundary there is n/a, not a FAIL; a looped
-    trace can run longer, so there it still fails (lengthen the run)."""
+    trace can run longer, so there it is the usage error (lengthen the run)."""
     class comparison:
         class sim(_Comparison.sim):
             class cfg(_Comparison.sim.cfg):
@@ -192,10 +212,13 @@ def test_track_check_on_a_trace_that_cannot_reach_a_boundary_is_not_exercised(lo
     c = TrackCheck()
     c.start(comparison)
     c.consume(_chunk())
+    if loop:
+        with pytest.raises(ConfigError, match="lengthen the run"):
+            c.result()
+        return
     r = c.result()
-    assert r.failed == loop and r.applicable == loop
-    if not loop:
-        assert "not exercised" in r.detail and "--loop" in r.detail
+    assert not r.failed and not r.applicable
+    assert "not exercised" in r.detail and "--loop" in r.detail
 
 
 def test_untouched_result_verdicts():
