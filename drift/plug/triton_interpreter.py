@@ -126,6 +126,9 @@ def _vllm_keeps_triton(package: str):
     if package != "vllm" or "vllm.triton_utils" in sys.modules or torch.cuda.is_available():
         yield
         return
+    # vLLM's CPU platform, as drift/plug/vllm_engine.py sets it (else vLLM cannot infer a device type when
+    # the same run puts vLLM's own bookkeeping under test, --update vllm:builder)
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     before = os.environ.get("CUDA_VISIBLE_DEVICES")
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     try:

@@ -136,8 +136,8 @@ def check_config(cfg) -> None:
     if cfg.track_interval > 0:
         raise LoadError(f"the update {NAME} runs vLLM's bookkeeping without prefix caching: its align copy "
                         "(mamba_utils.postprocess_mamba_fused_kernel) is a Triton kernel over raw data pointers, "
-                        "which no CPU runs; run it with tracking off: --track-interval 0 (pytest: "
-                        "--drift-track-interval 0)")
+                        "which no CPU runs and drift's adapter does not drive on any device; run it with tracking "
+                        "off: --track-interval 0 (pytest: --drift-track-interval 0)")
     if cfg.drafts != "full":
         raise LoadError(f"the update {NAME} verifies every row's D tokens: vLLM's builder reads each row's draft "
                         "count on the host, which drift's update call does not carry; drop --drafts ragged")

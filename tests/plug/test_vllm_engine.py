@@ -149,11 +149,14 @@ def torch_has_accelerator() -> bool:
     return torch.cuda.is_available()
 
 
-def test_vllms_triton_kernel_runs_under_the_interpreter_where_vllm_is_fully_installed(vllm, tmp_path):
+@pytest.mark.parametrize("update", [[], ["--update", "vllm:builder", "--track-interval", "0"]],
+                         ids=["drifts-bookkeeping", "vllms-own"])
+def test_vllms_triton_kernel_runs_under_the_interpreter_where_vllm_is_fully_installed(vllm, tmp_path, update):
     """--kernel vllm-triton with TRITON_INTERPRET=1 in vLLM's own environment: vLLM's triton_utils turns
     triton off on a CPU (no active driver) unless the visible devices are set and empty, which drift
     sets around that import (drift/plug/triton_interpreter.py: _vllm_keeps_triton); it was refused
-    saying triton was unusable while triton was installed (a user trial)."""
+    saying triton was unusable while triton was installed (a user trial). With vLLM's own bookkeeping under
+    test too, the kernel's import comes first and sets vLLM's CPU platform as the bookkeeping does."""
     import importlib.util
     import subprocess
     import sys
@@ -162,7 +165,8 @@ def test_vllms_triton_kernel_runs_under_the_interpreter_where_vllm_is_fully_inst
         pytest.fail("triton is not installed in the vLLM environment (.ci/run installs drift's triton extra)")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     env.pop("CUDA_VISIBLE_DEVICES", None)
+    env.pop("VLLM_TARGET_DEVICE", None)
     res = subprocess.run([sys.executable, "-m", "drift", "run", "--flow", "vllm", "--kernel", "vllm-triton", "--steps",
-                          "2", "--lifecycle", "fixed", "--quiet"], cwd=tmp_path, env=env, capture_output=True,
+                          "2", "--lifecycle", "fixed", "--quiet", *update], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=600)
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
