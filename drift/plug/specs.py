@@ -54,8 +54,10 @@ def module_from_file(path: str, spec: str, what: str) -> types.ModuleType:
             raise  # a signal
         fix = "; fix the module or remove it from DRIFT_EXTENSIONS" if what == "extension" else ""
         at, inner = raised_at(exc, full), raised_at(exc)
-        if inner and inner != at and not isinstance(exc, ImportError):  # raised in a module the file imports
-            at = f"{inner} (imported from {at})"
+        ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # drift's package: a refusal of ours
+        if (inner and inner != at and not isinstance(exc, ImportError)
+                and not os.path.abspath(inner.rsplit(":", 1)[0]).startswith(ours + os.sep)):
+            at = f"{inner} (imported from {at})"  # raised in a module the file imports
         raise LoadError(f"{what} spec {spec!r}: importing {full} raised {exc!r} at {at}{fix}") from exc
     finally:
         if sys.path and sys.path[0] == here:
