@@ -359,3 +359,12 @@ def test_a_gate_tests_id_names_its_update(spec, flow, expected):
     from drift.pytest_plugin import update_id
 
     assert update_id(spec, flow) == expected
+
+
+def test_with_tracking_off_the_gates_tracking_sync_test_says_the_other_one_scans_it(tmp_path):
+    """--drift-track-interval 0: the tracking and no-tracking sync tests would scan the same run twice under
+    a misleading id; the tracking one skips saying why, the no-tracking one and the precision test pass."""
+    run = _pytest("--pyargs", "drift", "--drift-preset", "ci-small", "--drift-steps", "16", "--drift-lifecycle",
+                  "fixed", "--drift-track-interval", "0", "-rs", cwd=tmp_path)
+    assert run.returncode == 0 and "2 passed" in run.stdout, run.stdout[-2000:]
+    assert "tracking is off in this run (--drift-track-interval 0): the no-tracking test scans it" in run.stdout
