@@ -653,6 +653,11 @@ class Simulation:
         else:
             out = self._compute(chunk.x[s], chunk.a[s], chunk.b[s], chunk.last_steps[s], chunk.track_steps[s],
                                 s, touched[s] if touched is not None else None, chunk.drafts[s])
+        if self.mode == "mtp":  # here, not in _compute: a captured step may not read the device from the host
+            unreadable = self.flow.unreadable_update()
+            if unreadable:
+                raise UpdateRaised(f"the update under test ({self.update.spec}) {unreadable}, at decode step "
+                                   f"{self.step}")
         view = StepView(step=self.step, index=s, x=chunk.x[s], a=chunk.a[s], b=chunk.b[s],
                         last_steps=chunk.last_steps[s], track_steps=chunk.track_steps[s], out=out,
                         pre=chunk.pre[s], accept=chunk.accept[s], track=chunk.track_host[s],
@@ -756,10 +761,6 @@ class Simulation:
                     raise  # a signal
                 raise UpdateRaised(f"the update under test ({self.update.spec}) raised {what_raised(exc)} at "
                                    f"decode step {self.step}") from exc
-            unreadable = self.flow.unreadable_update()
-            if unreadable:
-                raise UpdateRaised(f"the update under test ({self.update.spec}) {unreadable}, at decode step "
-                                   f"{self.step}")
             self._lap("update")
             if self.guard is not None:
                 self.guard.after(s, touched)
