@@ -9,6 +9,7 @@ time, as a :class:`MetricsChunk` to its consumers (checks, bound model, curves).
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
 
 import numpy as np
@@ -20,6 +21,7 @@ from ..sim.twin import F64, Float64Twin
 from ..simulate import StopRun
 from .golden import Golden, load_golden
 from .measures import MEASURES, Batch, declared
+from .pipeline import OrderedWorker, worth_a_worker
 
 BATCH_BYTES = 64 << 20  # per-step snapshots held between comparisons (a batch is at most a chunk)
 
@@ -49,6 +51,27 @@ class MetricsChunk:
     @property
     def steps(self) -> np.ndarray:
         return self.step0 + np.arange(self.count)
+
+
+@dataclass
+class TakenStep:
+    """One decode step as the comparison took it when the step ended (:meth:`Comparison._take`).
+
+    views: the run's committed states, outputs, conv windows and true inputs per lane (the run's device
+    and dtypes; copies where the step is compared on the worker); pre / accept / track ``[R]`` host int;
+    starts: StepView.starts; lanes: (request, start, source, live) host ``[R]`` under a churning
+    lifecycle, else None; extra: what each measure's ``snapshot`` took of the run.
+    """
+
+    step: int
+    index: int  # the step's row in its input chunk
+    pre: np.ndarray
+    accept: np.ndarray
+    track: np.ndarray
+    starts: dict
+    lanes: Optional[tuple]
+    views: dict
+    extra: dict
 
 
 class Consumer(Protocol):
@@ -88,10 +111,14 @@ class Comparison:
     golden: a :class:`~drift.check.golden.Golden`, ``None`` to look one up for the config, or
     ``False`` for none. The twin runs on the run's device, or on the CPU when that device
     lacks float64 (NPU). fail_fast: end the run (StopRun) after the first chunk in which a
-    consumer recorded a failure (its ``first_fail``).
+    consumer recorded a failure (its ``first_fail``). pipelined: compare each step on a worker thread
+    while the simulation runs the next (drift.check.pipeline), where the run has a core for it
+    (:func:`~drift.check.pipeline.worth_a_worker`) and no twin listener (they run on the worker and
+    would race the observers that feed them); the same figures either way.
     """
 
     fail_fast = False
+    pipelined = True
 
     def __init__(self, consumers: Sequence[Consumer] = (), golden: Golden | None | bool = None):
         self.consumers = list(consumers)
@@ -131,6 +158,8 @@ class Comparison:
         self._snapshot_cap = 4 * (R + cfg.serving.prefix_cache + 1)
         self._snap = None  # per-step snapshots of the current batch (allocated at the first step)
         self._pending = []
+        self._worker: Optional[OrderedWorker] = None  # made at the first step, when pipelined
+        self._pipelined = self.pipelined and not self.twin_listeners and worth_a_worker(sim.device, dev)
         self.golden_positions = 0  # committed positions validated against golden
         self.golden_checkpoints = 0
         self.golden_limit = None
@@ -170,24 +199,25 @@ class Comparison:
     def lane_truth(self, lane: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The twin's state ``[L, HV, V, K]`` and window ``[L, Kc-1, C]`` of ``lane`` after the last step the
         simulation ran (float64, CPU): what a resumed request's re-prefill must store."""
+        self._drain()
         self._process()
         return self.twin.state[:, lane].cpu(), self.twin.window[:, lane].cpu()
 
-    def _start_lanes(self, view) -> None:
+    def _start_lanes(self, starts: dict) -> None:
         """The twin's lanes whose request starts at this step begin at its true start: a prefill's (the
         simulation computed it), a prefix hit's (its source's snapshot truth, the twin's track state
         when the source was last tracked, extended by the hit's own prompt tokens); a resumed request's
-        truth is the twin's own (nothing changes): :func:`restart_lanes`."""
+        truth is the twin's own (nothing changes): :func:`restart_lanes`. ``starts``: StepView.starts."""
         from .measures import key_columns, row_concentration, state_rows2, ulp_sq
 
         self._process()  # the twin at the end of the last step
-        restart_lanes(self.twin, self.sim, view.starts, self._snapshot_truth)
-        for lane in view.starts:
+        restart_lanes(self.twin, self.sim, starts, self._snapshot_truth)
+        for lane in starts:
             self.age[lane] = 0
         # The size of the start's one rounding (the bound's starting envelope, as a run's first store) and the
         # key-column shares of the state the step starts from: the true start's ulps in the state dtype
         # (the stored start is the truth rounded once).
-        every = sorted(view.starts)
+        every = sorted(starts)
         idx = torch.from_numpy(np.asarray(every, np.int64)).to(self.twin.device)
         dtype = self.sim.pool.temporal.dtype
         u2 = ulp_sq(self.twin.state.index_select(1, idx).to(dtype).to(F64), dtype)  # [L, n, HV, V, K]
@@ -213,24 +243,54 @@ class Comparison:
             self._snapshot_truth.pop(next(iter(self._snapshot_truth)))
 
     def on_step(self, view) -> None:
-        """Snapshot the step (a few device copies); the comparison itself runs once per batch of
-        up to ``batch`` steps (:data:`BATCH_BYTES` of snapshots, at most a chunk). Under a churning
-        lifecycle a step where a request starts ends the batch before it (the twin's lane restarts)."""
-        plan = view.schedule
+        """Take the step (:meth:`_take`: a few device copies) and compare it (:meth:`_compare_step`): on the
+        worker thread where the run has one (:meth:`on_start`), else here."""
+        if not self._pipelined:
+            self._compare_step(self._take(view, copy=False))
+            return
+        step = self._take(view, copy=True)
+        if self._worker is None:  # at most BATCH_BYTES of taken steps wait for it
+            size = sum(t.numel() * t.element_size() for t in step.views.values())
+            self._worker = OrderedWorker(self._compare_step, BATCH_BYTES // max(size, 1), "drift-comparison")
+        self._worker.submit(step)
+
+    def _drain(self) -> None:
+        """Wait for the worker to compare every step taken so far (raising what it raised)."""
+        if self._worker is not None:
+            self._worker.drain()
+
+    def _take(self, view, copy: bool) -> "TakenStep":
+        """What the comparison needs of the step that just ran, taken before the next step changes the run:
+        the run's views (copies when ``copy``: compared later, on the worker), the host schedule, and the
+        snapshots of the measures that read the run (``Measure.snapshot``)."""
+        plan, lanes = view.schedule, None
         if plan is not None:
-            if view.starts:
-                self._start_lanes(view)
-            live = plan.request[view.index] >= 0
+            request = plan.request[view.index].copy()
+            lanes = (request, plan.start[view.index].copy(), plan.source[view.index].copy(), request >= 0)
+        views = self._views(view)
+        if copy:
+            views = {k: t.clone() for k, t in views.items()}
+        return TakenStep(step=view.step, index=view.index, pre=view.pre.copy(), accept=view.accept.copy(),
+                         track=view.track.copy(), starts=view.starts, lanes=lanes, views=views,
+                         extra={m.key: m.snapshot(self, view) for m in self.measures if m.snapshot is not None})
+
+    def _compare_step(self, step: "TakenStep") -> None:
+        """Buffer the step; the comparison itself runs once per batch of up to ``batch`` steps
+        (:data:`BATCH_BYTES` of snapshots, at most a chunk). Under a churning lifecycle a step where a
+        request starts ends the batch before it (the twin's lane restarts)."""
+        if step.lanes is not None:
+            if step.starts:
+                self._start_lanes(step.starts)
+            request, start, source, live = step.lanes
             self.age = np.where(live, self.age + 1, self.age)
             L, HV = self.sim.cfg.num_layers, self.sim.cfg.num_v_heads
             start_ulp = np.zeros((2, L, len(live), HV))  # ulp^2 and ulp^4 sums of a start's rounding
-            for lane, (u2, u4) in (self._start_ulps.items() if view.starts else ()):
+            for lane, (u2, u4) in (self._start_ulps.items() if step.starts else ()):
                 start_ulp[0, :, lane], start_ulp[1, :, lane] = u2, u4
-            lifecycle = (plan.request[view.index].copy(), plan.start[view.index].copy(), plan.source[view.index].copy(),
-                         np.where(live, self.age - 1, -1), live, start_ulp)
+            lifecycle = (request, start, source, np.where(live, self.age - 1, -1), live, start_ulp)
         else:
             lifecycle = None
-        views = self._views(view)
+        views = step.views
         if self._snap is None:  # the twin's committed state of each step is held too, when kept
             per_step = sum(t.numel() * t.element_size() for t in views.values()) + (
                 self.twin.state.numel() * self.twin.state.element_size() if self.keep_states else 0)
@@ -240,10 +300,10 @@ class Comparison:
         j = len(self._pending)
         for k, t in views.items():
             self._snap[k][j].copy_(t)
-        extra = {m.key: m.snapshot(self, view) for m in self.measures if m.snapshot is not None}
-        self._host.append((view.step, view.pre.copy(), view.accept.copy(), view.track.copy(), lifecycle))
-        self._pending.append((view.index, view.pre.copy(), view.accept.copy(), view.track.copy(), extra,
-                              view.step, lifecycle))
+        extra = {**step.extra, **{m.key: m.twin_snapshot(self, step) for m in self.measures
+                                  if m.twin_snapshot is not None}}
+        self._host.append((step.step, step.pre, step.accept, step.track, lifecycle))
+        self._pending.append((step.index, step.pre, step.accept, step.track, extra, step.step, lifecycle))
         if len(self._pending) == self.batch:
             self._process()
 
@@ -261,7 +321,7 @@ class Comparison:
             n=n, snap={k: v[:n].to(dev) for k, v in self._snap.items()}, idx=[p[0] for p in pending],
             pre=np.stack([p[1] for p in pending]), accept=np.stack([p[2] for p in pending]),
             marks=[self._marks(p[1], p[2]) for p in pending],
-            extra={m.key: [p[4][m.key] for p in pending] for m in self.measures if m.snapshot is not None})
+            extra={key: [p[4][key] for p in pending] for key in pending[0][4]})
         stepwise = [m.on_step for m in self.measures if m.on_step is not None]
 
         def after_twin_step(j: int) -> None:
@@ -294,6 +354,7 @@ class Comparison:
 
     # ------------------------------------------------------------------ flush
     def flush(self) -> None:
+        self._drain()
         self._process()
         if not self._host:
             return
@@ -325,12 +386,14 @@ class Comparison:
             raise stop
 
     def on_end(self) -> None:
+        self._drain()
         for c in self.consumers:
             c.finish()
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """Counters and the twin's state (taken between chunks, after a flush)."""
+        self._drain()
         return {"golden_positions": self.golden_positions, "golden_checkpoints": self.golden_checkpoints,
                 "beyond_golden_steps": self.beyond_golden_steps,
                 "twin_state": saveable(self.twin.state), "twin_window": saveable(self.twin.window),

@@ -54,7 +54,11 @@ class Measure:
     states: bool = False  # reads the twin's committed state of every step (batch.twin.state)
     deltas: bool = False  # reads each token's delta and key (batch.twin.delta / .key)
     start: Optional[Callable[[Any], None]] = None
+    # what it takes of a step: snapshot(comp, view) of the run, as the step ends (before the next step
+    # changes the run); twin_snapshot(comp, taken) of the twin, in order with the twin, once the lanes
+    # that start at the step have restarted (taken: drift.check.compare.TakenStep)
     snapshot: Optional[Callable[[Any, Any], Any]] = None
+    twin_snapshot: Optional[Callable[[Any, Any], Any]] = None
     on_step: Optional[Callable[[Any, "Batch", int], None]] = None
     on_batch: Optional[Callable[[Any, "Batch"], None]] = None
     # what it carries from one batch to the next, for a checkpoint (a nightly's resume): save(comp)
@@ -566,9 +570,9 @@ def _golden_starts(comp, view):
     return found
 
 
-def _golden_snapshot(comp, view) -> tuple:
+def _golden_snapshot(comp, taken) -> tuple:
     """What the golden measure takes at a step: (the step, :func:`_golden_starts`' findings)."""
-    return view.step, _golden_starts(comp, view)
+    return taken.step, _golden_starts(comp, taken)
 
 
 def _golden_batch(comp, batch: Batch) -> None:
@@ -665,4 +669,4 @@ MEASURES.register("golden", Measure(
           "gold_out_dev"),  # the same for the outputs of the accepted tokens (max over them)
     row=("gold_ckpt_bad", "gold_ckpt_dev",
          "gold_sched_bad"),  # churn: a start, or a request's step, that is not in the schedule golden was made for
-    states=True, start=_golden_start, snapshot=_golden_snapshot, on_batch=_golden_batch))
+    states=True, start=_golden_start, twin_snapshot=_golden_snapshot, on_batch=_golden_batch))

@@ -303,7 +303,8 @@ def stage_profile(cfg: Config, steps: int = STAGE_STEPS) -> dict:
     * ``eager_step``: the step :func:`bench` times (no observers, no slot guard);
     * ``checked_step``: the step ``drift run`` pays (:class:`drift.runner.CheckedRun`: slot guard,
       the float64 twin, the state metrics and the checks), with ``observers`` split into the
-      twin's recurrence (``float64 twin``) and the rest (``metrics and checks``).
+      twin's recurrence (``float64 twin``) and the rest (``metrics and checks``), all on this thread
+      (a run overlaps them with the next steps on a worker where it can: drift.check.pipeline).
 
     Each after a warm-up step (a checked run: the twin's prefill and the golden load happen
     before the profile). Where the checked step is captured in a device graph it is not split."""
@@ -314,6 +315,7 @@ def stage_profile(cfg: Config, steps: int = STAGE_STEPS) -> dict:
     sim.run(steps=1)
     out["eager_step"] = _clocked(sim, steps, None)
     checked = CheckedRun(resolve(cfg))
+    checked.comparison.pipelined = False  # the stages split in one thread (a worker's would overlap the step's)
     if checked.sim.graph_status.state != "eager":  # a replayed graph is one unit: nothing to split
         out["checked_step"] = {"note": f"not split: {checked.sim.graph_status.note}"}
         return out

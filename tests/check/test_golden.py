@@ -368,16 +368,16 @@ def test_shipped_serving_golden_agrees_with_the_twin(name, steps):
 
 
 def _perturb_starts(monkeypatch, before=None, after=None):
-    """The comparison's lane resets (Comparison._start_lanes) with ``before(comp, view)`` run ahead of
-    them and ``after(comp, view)`` after them: a twin whose lane reset is wrong."""
+    """The comparison's lane resets (Comparison._start_lanes) with ``before(comp, starts)`` run ahead of
+    them and ``after(comp, starts)`` after them: a twin whose lane reset is wrong."""
     orig = Comparison._start_lanes
 
-    def start_lanes(comp, view):
+    def start_lanes(comp, starts):
         if before is not None:
-            before(comp, view)
-        orig(comp, view)
+            before(comp, starts)
+        orig(comp, starts)
         if after is not None:
-            after(comp, view)
+            after(comp, starts)
 
     monkeypatch.setattr(Comparison, "_start_lanes", start_lanes)
 
@@ -395,9 +395,9 @@ def test_a_prefix_hit_restored_from_the_wrong_source_fails_golden(serving_golden
     took the wrong source would): golden fails at that start, naming its step, lane and request."""
     cfg, sched = serving_golden
 
-    def wrong_source(comp, view):
+    def wrong_source(comp, starts):
         comp._process()  # the twin through the steps before (which may track the source once more)
-        for start, _, _ in view.starts.values():
+        for start, _, _ in starts.values():
             if start.code == START_PREFIX:
                 other = next(q for q in reversed(comp._snapshot_truth) if q != start.source)
                 comp._snapshot_truth[start.source] = (start.p0, *comp._snapshot_truth[other][1:])
@@ -414,8 +414,8 @@ def test_a_resume_that_resets_the_lane_fails_golden(serving_golden, monkeypatch)
     its own: golden fails at the resume, naming its step, lane and request."""
     cfg, sched = serving_golden
 
-    def reset_resumes(comp, view):
-        lanes = [lane for lane, (start, _, _) in view.starts.items() if start.code == START_RESUME]
+    def reset_resumes(comp, starts):
+        lanes = [lane for lane, (start, _, _) in starts.items() if start.code == START_RESUME]
         if lanes:
             state, window = comp.twin.state[:, lanes], comp.twin.window[:, lanes]
             comp.twin.reset_lanes(np.array(lanes), torch.zeros_like(state), torch.zeros_like(window))

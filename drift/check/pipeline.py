@@ -1,0 +1,98 @@
+"""A background worker that runs one function over items in the order they were submitted.
+
+The comparison hands it each step the simulation ran (:meth:`drift.check.compare.Comparison.on_step`)
+so that the float64 twin and the measures run on a second core while the simulation computes the
+next steps. Torch and drift's C kernels release the GIL while they compute, so the two threads
+overlap. The same operations run in the same order on the same values: the figures do not change.
+
+Rules that keep it safe:
+
+* ``submit`` blocks once ``limit`` items wait (memory stays bounded: each holds one step's copies);
+* ``drain`` waits until every submitted item was handled, then raises the first error a handler
+  raised (with its own traceback), as does every later ``submit`` or ``drain``: the items after it
+  are dropped unhandled (what they would compare no longer follows from what was compared);
+* the thread ends after :data:`IDLE_S` seconds without work, so an abandoned run (its caller raised
+  between steps) leaves no thread behind; the next ``submit`` starts a new one.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from typing import Any, Callable, Optional
+
+import torch
+
+IDLE_S = 0.5  # a worker with nothing to do for this long ends (a later submit starts another)
+
+
+def worth_a_worker(*devices: torch.device) -> bool:
+    """Whether a background thread can take work off this process's main thread: every device is the
+    CPU (an accelerator's queue already overlaps host and device), torch computes on one intra-op thread
+    (more would contend with the worker for the cores, drift.openmp.run_threads), and this process may
+    run on at least two CPUs."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return all(d.type == "cpu" for d in devices) and torch.get_num_threads() == 1 and cpus >= 2
+
+
+class OrderedWorker:
+    """Runs ``handle(item)`` for each submitted item, in order, on one background thread."""
+
+    def __init__(self, handle: Callable[[Any], None], limit: int, name: str = "drift-worker"):
+        self._handle = handle
+        self._limit = max(1, int(limit))
+        self._name = name
+        self._items: deque = deque()
+        self._busy = 0  # submitted and not yet handled (or dropped)
+        self._error: Optional[BaseException] = None
+        self._thread: Optional[threading.Thread] = None
+        self._cond = threading.Condition()
+
+    def submit(self, item: Any) -> None:
+        """Queue ``item`` (waiting while ``limit`` items wait); raises a handler's earlier error."""
+        with self._cond:
+            while len(self._items) >= self._limit and self._error is None:
+                self._cond.wait()
+            self._raise_error()
+            self._items.append(item)
+            self._busy += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def drain(self) -> None:
+        """Wait until every submitted item was handled; raise the first error a handler raised."""
+        with self._cond:
+            while self._busy:
+                self._cond.wait()
+            self._raise_error()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                if not self._items:
+                    self._cond.wait_for(lambda: bool(self._items), timeout=IDLE_S)
+                    if not self._items:
+                        self._thread = None  # under the lock: a submit from now on starts another
+                        return
+                item = self._items.popleft()
+                failed = self._error is not None
+                self._cond.notify_all()  # a submit waiting for room
+            if not failed:
+                try:
+                    self._handle(item)
+                except BaseException as exc:  # handed to the caller at its next submit or drain
+                    with self._cond:
+                        self._error = self._error or exc
+            with self._cond:
+                self._busy -= 1
+                self._cond.notify_all()

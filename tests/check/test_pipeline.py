@@ -1,0 +1,129 @@
+"""The comparison's worker thread (drift/check/pipeline.py): items in order, errors handed back,
+bounded memory, no thread left behind; and a pipelined run's figures equal, field for field, those of
+the same run compared on the main thread (a worker that loses one step is seen)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from drift.check import compare, pipeline
+from drift.check.pipeline import OrderedWorker, worth_a_worker
+from drift.config import preset
+from drift.runner import run_checked
+from drift.runspec import resolve
+
+
+def test_items_are_handled_in_order_on_another_thread():
+    seen, threads = [], set()
+    worker = OrderedWorker(lambda i: (seen.append(i), threads.add(threading.current_thread().name)), limit=3)
+    for i in range(50):
+        worker.submit(i)
+    worker.drain()
+    assert seen == list(range(50)) and threads == {"drift-worker"}
+
+
+def test_a_handlers_error_reaches_the_caller_and_the_items_after_it_are_dropped():
+    seen = []
+
+    def handle(i):
+        if i == 3:
+            raise ValueError("bad item 3")
+        seen.append(i)
+
+    worker = OrderedWorker(handle, limit=100)
+    for i in range(8):
+        worker.submit(i)
+    with pytest.raises(ValueError, match="bad item 3") as info:
+        worker.drain()
+    assert any(f.name == "handle" for f in info.traceback)  # the handler's own frame
+    assert seen == [0, 1, 2]
+    with pytest.raises(ValueError, match="bad item 3"):  # it stays raised: the rest no longer follows
+        worker.submit(9)
+
+
+def test_submit_waits_while_limit_items_wait():
+    gate, handled = threading.Event(), []
+    worker = OrderedWorker(lambda i: (gate.wait(5), handled.append(i)), limit=2)
+    worker.submit(0)  # taken by the thread, which waits on the gate
+    worker.submit(1)
+    worker.submit(2)  # two wait: the next submit must block
+    done = threading.Event()
+    threading.Thread(target=lambda: (worker.submit(3), done.set()), daemon=True).start()
+    assert not done.wait(0.3)  # still blocked: memory stays bounded
+    gate.set()
+    assert done.wait(5)
+    worker.drain()
+    assert handled == [0, 1, 2, 3]
+
+
+def test_an_idle_worker_ends_and_a_later_submit_starts_another(monkeypatch):
+    monkeypatch.setattr(pipeline, "IDLE_S", 0.05)
+    seen = []
+    worker = OrderedWorker(seen.append, limit=4, name="drift-idle-test")
+    worker.submit(1)
+    worker.drain()
+    deadline = time.monotonic() + 5
+    while any(t.name == "drift-idle-test" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(t.name == "drift-idle-test" for t in threading.enumerate())  # an abandoned run leaves none
+    worker.submit(2)
+    worker.drain()
+    assert seen == [1, 2]
+
+
+def test_a_worker_only_where_it_has_a_core_to_itself(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(pipeline.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert worth_a_worker(cpu, cpu)
+        assert not worth_a_worker(cpu, torch.device("cuda"))  # an accelerator's queue overlaps already
+        torch.set_num_threads(2)
+        assert not worth_a_worker(cpu)  # torch's own threads take the cores
+        torch.set_num_threads(1)
+        monkeypatch.setattr(pipeline.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+        assert not worth_a_worker(cpu)  # one CPU: nothing to overlap with
+    finally:
+        torch.set_num_threads(before)
+
+
+def _figures(rep) -> dict:
+    d = rep.to_dict()
+    d["run"] = {k: v for k, v in d["run"].items() if k not in ("wall_s", "steps_per_s")}
+    return d
+
+
+class _LosesOneStep(OrderedWorker):
+    """A broken pipeline: the 100th step it is handed is never compared."""
+
+    count = 0
+
+    def submit(self, item):
+        type(self).count += 1
+        if type(self).count != 100:
+            super().submit(item)
+
+
+@pytest.mark.parametrize("lifecycle", ["fixed", "serving"])
+def test_a_pipelined_run_has_the_same_figures(monkeypatch, lifecycle):
+    run = resolve(preset("ci-small", steps=300, lifecycle=lifecycle))
+    monkeypatch.setattr(compare.Comparison, "pipelined", False)
+    plain = run_checked(run, sync_scan=False)
+    monkeypatch.setattr(compare.Comparison, "pipelined", True)
+    monkeypatch.setattr(compare, "worth_a_worker", lambda *devices: True)  # whatever this box's cores
+    where = set()
+    take = compare.Comparison._compare_step
+    monkeypatch.setattr(compare.Comparison, "_compare_step",
+                        lambda self, step: (where.add(threading.current_thread().name), take(self, step))[1])
+    piped = run_checked(run, sync_scan=False)
+    assert where == {"drift-comparison"}  # every step compared on the worker
+    assert plain.passed and _figures(piped) == _figures(plain), lifecycle
+    monkeypatch.setattr(compare, "OrderedWorker", _LosesOneStep)
+    _LosesOneStep.count = 0
+    lossy = run_checked(run, sync_scan=False)
+    assert _figures(lossy) != _figures(plain)  # the comparison of figures sees a step gone missing
