@@ -30,13 +30,18 @@ IDLE_S = 0.5  # a worker with nothing to do for this long ends (a later submit s
 def worth_a_worker(*devices: torch.device) -> bool:
     """Whether a background thread can take work off this process's main thread: every device is the
     CPU (an accelerator's queue already overlaps host and device), torch computes on one intra-op thread
-    (more would contend with the worker for the cores, drift.openmp.run_threads), and this process may
-    run on at least two CPUs."""
+    (more would contend with the worker for the cores, drift.openmp.run_threads), and this process has
+    at least two CPUs to itself: those it may run on, shared out among pytest-xdist's workers when it
+    is one of them (``PYTEST_XDIST_WORKER_COUNT``: each runs its own tests on the same CPUs)."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cpus = os.cpu_count() or 1
-    return all(d.type == "cpu" for d in devices) and torch.get_num_threads() == 1 and cpus >= 2
+    try:
+        sharing = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    except ValueError:
+        sharing = 1
+    return all(d.type == "cpu" for d in devices) and torch.get_num_threads() == 1 and cpus // sharing >= 2
 
 
 class OrderedWorker:

@@ -77,6 +77,7 @@ def test_an_idle_worker_ends_and_a_later_submit_starts_another(monkeypatch):
 
 def test_a_worker_only_where_it_has_a_core_to_itself(monkeypatch):
     cpu = torch.device("cpu")
+    monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)  # this suite's own workers
     monkeypatch.setattr(pipeline.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     before = torch.get_num_threads()
     try:
@@ -86,6 +87,11 @@ def test_a_worker_only_where_it_has_a_core_to_itself(monkeypatch):
         torch.set_num_threads(2)
         assert not worth_a_worker(cpu)  # torch's own threads take the cores
         torch.set_num_threads(1)
+        monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+        assert not worth_a_worker(cpu)  # two test workers on two CPUs: each has one
+        monkeypatch.setattr(pipeline.os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
+        assert worth_a_worker(cpu)  # two each
+        monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT")
         monkeypatch.setattr(pipeline.os, "sched_getaffinity", lambda pid: {0}, raising=False)
         assert not worth_a_worker(cpu)  # one CPU: nothing to overlap with
     finally:
