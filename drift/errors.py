@@ -169,21 +169,25 @@ def no_process_exit():
 
 
 def raised_at(exc: BaseException, within: str = "") -> str:
-    """``file:line`` where ``exc`` was raised (its traceback's innermost frame; for an ``os._exit``
-    the caller's); '' without one. ``within``: a file whose innermost frame is named instead when
-    the exception passed through it (an extension's line, not the registry's that refused it)."""
+    """``file:line`` where ``exc`` was raised (its traceback's innermost frame outside Python's frozen
+    import machinery: an ``import`` that failed is named at its own line; for an ``os._exit`` the
+    caller's); '' without one. ``within``: a file whose innermost frame is named instead when the
+    exception passed through it (an extension's line, not the registry's that refused it)."""
     where = getattr(exc, "where", None)
     if isinstance(where, str) and where and not within:
         return where
-    tb, found = exc.__traceback__, ""
+    tb, found, innermost = exc.__traceback__, "", ""
     while tb is not None:
-        here = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
-        if within and os.path.abspath(tb.tb_frame.f_code.co_filename) == os.path.abspath(within):
+        name = tb.tb_frame.f_code.co_filename
+        here = f"{name}:{tb.tb_lineno}"
+        if within and os.path.abspath(name) == os.path.abspath(within):
             found = here
-        if tb.tb_next is None:
-            return found or (where if isinstance(where, str) and where else here)
+        if not name.startswith("<frozen ") or not innermost:
+            innermost = here
         tb = tb.tb_next
-    return found
+    if found or not innermost:
+        return found
+    return where if isinstance(where, str) and where else innermost
 
 
 def code_frames(start: Optional[types.FrameType], internal: Callable[[str], bool],

@@ -96,6 +96,11 @@ def resolve_spec(spec: str, what: str = "update", shown: str = "") -> Any:
         except (Exception, *ENDS_PROCESS) as exc:
             if not isinstance(exc, Exception) and not ended_by_code(exc):
                 raise  # a signal
+            missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+            if missing and (target == missing or target.startswith(missing + ".")):  # the spec's own module
+                raise LoadError(f"{what} spec {shown!r}: no module {missing!r} can be imported here (not "
+                                f"installed in this Python, or not on its path: sys.path, PYTHONPATH); a file is "
+                                f"named by its path, path/to/file.py:qualname") from exc
             raise LoadError(f"{what} spec {shown!r}: importing module {target!r} raised {exc!r} at "
                             f"{raised_at(exc)}") from exc
     obj = module

@@ -208,7 +208,7 @@ def test_load_errors_name_the_spec_and_what_was_expected(plugin_file, qualname, 
 
 @pytest.mark.parametrize("spec, expected", [
     ("/nonexistent/dir/upd.py:fn", r"file '/nonexistent/dir/upd.py' not found .*expected path/to/file.py:qualname"),
-    ("no_such_module_for_drift:fn", r"importing module 'no_such_module_for_drift' raised ModuleNotFoundError"),
+    ("no_such_module_for_drift:fn", r"no module 'no_such_module_for_drift' can be imported here"),
     ("sglang-0.5.2", r"not a built-in \(" + re.escape(", ".join(UPDATES)) + r"\).*expected "
                      r"package.module:qualname or path/to/file.py:qualname"),
     ("sync_free", r"'sync_free' was renamed: use 'sglang-32130'"),
@@ -247,6 +247,25 @@ def test_vllms_own_methods_named_as_an_update_are_refused_pointing_at_vllm_build
     with pytest.raises(LoadError, match=f"{words}.*not an update.*the update vllm:builder"):
         load_update(getattr(_VllmShapedBuilder, method))
 
+
+
+def test_a_module_spec_that_is_not_importable_says_so_and_how(tmp_path, monkeypatch):
+    """A module spec naming nothing importable said where importlib's frozen machinery raised
+    (``<frozen importlib._bootstrap>:1140``, a user trial); now that no such module can be imported and
+    how to name one. Its control: a module that exists but imports a missing one is named at that
+    import's own line, not at importlib's."""
+    with pytest.raises(LoadError, match=r"no module 'drift_no_such_pkg' can be imported here .*PYTHONPATH.*"
+                                        r"path/to/file\.py:qualname") as info:
+        load_update("drift_no_such_pkg.mod:update")
+    assert "frozen" not in str(info.value)
+    pkg = tmp_path / "drift_pkg_imports_missing"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "m.py").write_text("X = 1\nimport drift_no_such_module_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(LoadError, match=r"importing module 'drift_pkg_imports_missing\.m' raised "
+                                        r"ModuleNotFoundError.*drift_pkg_imports_missing.m\.py:2$"):
+        load_update("drift_pkg_imports_missing.m:update")
 
 
 def test_an_error_in_a_module_the_spec_file_imports_names_that_modules_line(tmp_path):
