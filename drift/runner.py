@@ -13,12 +13,12 @@ import numpy as np
 import torch
 
 from .check.bounds import BoundCheck
-from .check.checks import Check
+from .check.checks import Check, no_tracking_boundary
 from .check.compare import Comparison
 from .check.registry import CHECKS, RunContext
 from .check.result import CheckResult
 from .config import Config
-from .errors import ENDS_PROCESS, DriftError, LoadError, ended_by_code, raised_at, what_raised
+from .errors import ENDS_PROCESS, ConfigError, DriftError, LoadError, ended_by_code, raised_at, what_raised
 from .openmp import run_threads
 from .runspec import Resolved
 from .sim.shim import kernels_in_use
@@ -225,8 +225,29 @@ def preflight(run: Resolved) -> Resolved:
             scan_update(run, device=None)
         except UpdateRaised:
             pass
-    CheckedRun(run)  # every check built (an extension's that raises there is refused now)
+    checked = CheckedRun(run)  # every check built (an extension's that raises there is refused now)
+    if _crosses_no_tracking_boundary(checked.sim):
+        raise ConfigError(no_tracking_boundary(run.cfg.track_interval, run.cfg.steps))
     return run
+
+
+def _crosses_no_tracking_boundary(sim: Simulation) -> bool:
+    """Whether ``sim``'s run tracks (MTP, a flow that tracks, an interval) and yet its stream's schedule
+    crosses no tracking boundary in its steps: TrackCheck's usage error, found before any step runs. Each
+    step commits at least one token, so a run of at least ``track_interval`` steps crosses one; a shorter
+    one reads its schedule's chunks (host arrays, nothing simulated). A trace that ends first is not
+    refused (its check says not exercised)."""
+    cfg = sim.cfg
+    if (sim.mode != "mtp" or not sim.flow.tracks or cfg.track_interval <= 0 or cfg.steps >= cfg.track_interval
+            or (cfg.trace and not cfg.trace_loop)):
+        return False
+    done = 0
+    while done < cfg.steps:
+        chunk = sim.stream.chunk(min(sim.stream.chunk_steps, cfg.steps - done))
+        if (chunk.track_host >= 0).any():
+            return False
+        done += chunk.count
+    return True
 
 
 def run_checked(run: Resolved, steps: Optional[int] = None, checks: Optional[Sequence[Check]] = None,

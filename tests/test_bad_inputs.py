@@ -820,7 +820,9 @@ def test_a_run_too_short_to_cross_a_tracking_boundary_is_a_usage_error_in_both_f
     """Whether a boundary falls within the run is the stream's schedule alone (tracking every 16 positions,
     ci-small's prefill 24: one step of at most 4 tokens crosses none), never the code under test: exit 2
     (pytest: 4) naming --steps and --track-interval, no longer a FAILED tracked-snapshot check (exit 1; a
-    user trial). A run long enough (the control) passes."""
+    user trial), and refused in the preflight, before any test ran (under pytest it was found at the end of
+    the precision run, after the sync tests, as ``! _pytest.outcomes.Exit``; a re-trial). A run long
+    enough (the control) passes."""
     assert main(["run", "--steps", "1", "--lifecycle", "fixed", "--quiet"]) == EXIT_USAGE
     err = err_of(capsys)
     assert "no tracking boundary fell within the 1 steps run" in err and "--track-interval 0" in err, err
@@ -830,3 +832,4 @@ def test_a_run_too_short_to_cross_a_tracking_boundary_is_a_usage_error_in_both_f
                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
     out = gate.stdout + gate.stderr
     assert gate.returncode == 4 and "no tracking boundary fell within" in out and "Traceback" not in out, out[-2000:]
+    assert "no tests ran" in out and "_pytest.outcomes.Exit" not in out, out[-2000:]  # the preflight's refusal

@@ -205,9 +205,7 @@ class TrackCheck(Check):
                                f"not exercised: the run stopped at step {self.steps_seen}, before a tracking "
                                "boundary", extra={"applicable": False})
         if self.tracked == 0:  # the stream's schedule alone decides it, not the code under test: a usage error
-            raise ConfigError(f"tracking is on (every {self.interval} positions) but no tracking boundary fell within "
-                              f"the {self.horizon} steps run, so the tracked-snapshot check would compare nothing: "
-                              "lengthen the run (--steps), or turn tracking off (--track-interval 0)")
+            raise ConfigError(no_tracking_boundary(self.interval, self.horizon))
         res = super().result()
         msgs = [res.detail] if res.detail else []
         if self.bits_fail:
@@ -217,6 +215,14 @@ class TrackCheck(Check):
         res.passed = res.passed and not self.bits_fail and not self.conv_fail
         res.detail = "; ".join(msgs) or f"{self.tracked} snapshots compared"
         return res
+
+
+def no_tracking_boundary(interval: int, steps: int) -> str:
+    """The usage error of a run whose schedule crosses no tracking boundary (TrackCheck; the preflight
+    finds it first where it can: drift.runner.preflight)."""
+    return (f"tracking is on (every {interval} positions) but no tracking boundary fell within the {steps} "
+            "steps run, so the tracked-snapshot check would compare nothing: lengthen the run (--steps), or turn "
+            "tracking off (--track-interval 0)")
 
 
 class GoldenCheck(Check):
