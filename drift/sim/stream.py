@@ -232,8 +232,9 @@ class TrueTokens:
         a = (rng.random((TOKEN_BLOCK, L, HV), dtype=np.float32) * 2 - 1) * (SQRT3 * A_JITTER)
         b = (rng.random((TOKEN_BLOCK, L, HV), dtype=np.float32) * 2 - 1) * SQRT3 + np.float32(cfg.beta_bias)
         out = (_to_bf16_grid(x), _to_bf16_grid(a), _to_bf16_grid(b))
-        if len(self._cache) > 4 * max(1, cfg.num_requests):
-            self._cache.pop(next(iter(self._cache)))  # oldest first: positions only grow
+        if len(self._cache) > 4 * max(1, cfg.num_requests):  # oldest first: positions only grow
+            for oldest in list(self._cache)[:1]:  # one read: the comparison's worker thread draws tokens too
+                self._cache.pop(oldest, None)
         self._cache[key] = out
         return out
 
