@@ -279,3 +279,15 @@ def test_the_recorded_design_column_is_what_the_code_measures(index):
     state = next(c for c in rep.checks if c.key == "committed_state")
     assert rep.passed == r["passed"]
     assert f"{bound.worst:.3g}" == f"{r['worst_bound_ratio']:.3g}" and f"{state.worst:.3g}" == f"{r['worst_state_error']:.3g}"
+
+
+def test_the_tradeoff_tables_precision_fail_names_its_checks():
+    """The Markdown table said FAIL where --json names the failed checks (a user trial); now it names them
+    too, the host-sync check aside (its own column). The control: a passing row says PASS alone."""
+    row = {"impl": "x", "flow": "sglang", "syncs_per_step": 1.0, "bytes_per_step": 2 ** 20, "worst_state_error": 3.9,
+           "worst_bound_ratio": 1e3, "no_syncs": False, "batch": "4 requests + 1 padded"}
+    failed = dict(row, precision_ok=False, failed_checks=["committed_state", "host_syncs", "drift_bound"])
+    passed = dict(row, precision_ok=True, failed_checks=["host_syncs"])
+    lines = tradeoff_markdown([failed, passed], CFG).splitlines()[-2:]
+    assert "| FAIL: committed state, drift bound | FAIL |" in lines[0], lines[0]
+    assert "| PASS | FAIL |" in lines[1], lines[1]
