@@ -459,7 +459,7 @@ class Simulation:
         if self.mode != "mtp":
             return "none (sequential decode)"
         if not self.kernel.portable:
-            return self.kernel.name
+            return self.kernel.description
         cfg = self.cfg
         args = self.flow.verify_args(torch.empty(cfg.num_layers, cfg.num_rows, cfg.num_draft_tokens, cfg.conv_channels,
                                                  device="meta"), None, None, cfg.store_rounding, 0)

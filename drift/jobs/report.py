@@ -142,7 +142,7 @@ def write_failure_report(message: str, run, directory: str | Path) -> list[Path]
     cfg = run.cfg
     data = {"schema": 1, "verdict": "fail", "config": {**cfg.to_dict(), "profile": cfg.profile},
             "run": {"update": run.update.spec if run.update is not None else "(sequential decode)",
-                    "verify_kernel": run.kernel.name if run.kernel is not None else ""},
+                    "verify_kernel": run.kernel.description if run.kernel is not None else ""},
             "error": message, "reference": None, "checks": [], "versions": versions()}
     with staged(out, REPORT_FILES) as stage:
         atomic_write_json(stage / "report.json", data)

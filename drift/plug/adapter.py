@@ -152,6 +152,7 @@ class EngineKernelAdapter(LayerOpAdapter):
     ``--kernel`` name and the engine drift modelled; :meth:`load` is its availability probe."""
 
     MODULE = FUNCTION = KERNEL = ENGINE = ""
+    TRITON = True  # the engines' kernels drift adapts are Triton kernels (drift.plug.triton_interpreter)
 
     @classmethod
     def load(cls) -> "EngineKernelAdapter":

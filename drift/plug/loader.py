@@ -424,6 +424,14 @@ class Kernel:
     declared: Any = None  # its entry's flow_options (KernelEntry), else read from fn
 
     @property
+    def description(self) -> str:
+        """What the header and the report say ran: the name, and how it ran where that is not the kernel's
+        own arithmetic (an engine's Triton kernel under drift's mended interpreter: triton_interpreter)."""
+        from .triton_interpreter import how_it_ran
+
+        return self.name + how_it_ran(self.fn)
+
+    @property
     def flow_options(self) -> Any:
         """The flow-kind option choices it implements (drift.flows.base.implements): every one for
         drift's portable op (the flow kind's verify rule writes what the options choose), else its

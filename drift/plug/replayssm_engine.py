@@ -37,6 +37,8 @@ BF16, F32, I32 = torch.bfloat16, torch.float32, torch.int32
 class ReplayVerifyAdapter:
     """SGLang's ReplaySSM verify kernel as a drift verify kernel of the ``ring`` rule (the mapping above)."""
 
+    TRITON = True  # a Triton kernel (drift.plug.triton_interpreter.how_it_ran)
+
     def __init__(self, op):
         self.op = op
         self.__qualname__ = KERNEL

@@ -42,6 +42,17 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+MENDED = ("through Triton's interpreter (TRITON_INTERPRET=1), mended by drift to compute as a GPU does: "
+          "fp32 -> bf16 casts round to nearest even, bf16 dot operands widen to fp32")
+
+
+def how_it_ran(fn) -> str:
+    """What a run's header and report add to the name of ``fn``, a verify kernel: where it is an engine's
+    Triton kernel (``TRITON`` true) run under the interpreter, that and drift's mending (:data:`MENDED`),
+    so a reader knows the kernel's arithmetic was not the interpreter's own; else ''."""
+    return f", {MENDED}" if getattr(fn, "TRITON", False) and interpreting() else ""
+
+
 # ------------------------------------------------------------------ the engines' servers
 STUB = "_drift_stub"  # marks a module drift made in place of an engine's server package
 

@@ -234,7 +234,8 @@ def test_vllm_triton_kernel_matches_drifts_op_and_runs_the_checks():
             same = [(c.key, c.passed, c.worst) for c in got.checks] == [(c.key, c.passed, c.worst) for c in ref.checks]
             near = max(abs(g.worst - r.worst) / max(abs(r.worst), 1e-30) for g, r in zip(got.checks, ref.checks)
                        if g.worst is not None and r.worst is not None)
-            print("run", name, flow, same, near, sorted(c.key for c in got.checks if c.failed))
+            said = "mended by drift" in got.info.verify_kernel and "interpreter" not in ref.info.verify_kernel
+            print("run", name, flow, said, same, near, sorted(c.key for c in got.checks if c.failed))
     """.replace("{tests!r}", repr(str(Path(__file__).resolve().parents[1]))))  # tests/: helpers.py
     lines = out.strip().splitlines()
     ragged = [ln.split() for ln in lines if ln.startswith("ragged ")]
@@ -246,7 +247,7 @@ def test_vllm_triton_kernel_matches_drifts_op_and_runs_the_checks():
     assert float(equal) >= 0.995 and float(o_worst) <= 1.0, ragged
     assert unpacked_untouched == "False", ragged  # negative control: unpacked, the extra tokens are stored
     calls = [ln for ln in lines if not ln.startswith("run ")]
-    runs = [ln.split(maxsplit=4) for ln in lines if ln.startswith("run ")]
+    runs = [ln.split(maxsplit=5) for ln in lines if ln.startswith("run ")]
     assert len(calls) == 4 and len(runs) == 4, out
     for line in calls:
         name, flow, equal, worst, equal_trunc, o_worst = line.split()
@@ -255,9 +256,10 @@ def test_vllm_triton_kernel_matches_drifts_op_and_runs_the_checks():
         # path's fp32 gating moves g by an fp32 ulp or so: the same bound holds (measured below).
         assert float(equal) >= 0.995 and float(worst) <= 1.0 and float(o_worst) <= 1.0, line
         assert float(equal_trunc) < 0.8, line  # against truncation (the unmended interpreter): about half differ
-    for _, name, flow, same, rest in runs:
+    for _, name, flow, said, same, rest in runs:
         near, failed = rest.split(maxsplit=1)
         assert failed == "[]", (name, flow, out)  # mended, the interpreter stores as a GPU: every check passes
+        assert said == "True", (name, flow, out)  # the report says how it ran (drift's own op: no such words)
         if name == "vllm-triton":  # the same fp32 math as drift's op: the same worst values, bit for bit
             assert same == "True", (name, flow, out)
         else:  # g from fp32 softplus/exp in the kernel, not drift's float64 rounded once: worst values
