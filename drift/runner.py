@@ -305,7 +305,7 @@ def sync_failed_report(run: Resolved, syncs: CheckResult, wall_s: float) -> RunR
                           "not run: the host-sync scan runs first and a sync fails the run at once "
                           "(drift run --all-checks runs every check anyway)", {"applicable": False},
                           key="precision_checks")
-    info = RunInfo(steps=0, wall_s=wall_s, mode="mtp", update=update.name, kernels=kernels_in_use(),
+    info = RunInfo(steps=0, wall_s=wall_s, mode="mtp", update=update.description, kernels=kernels_in_use(),
                    device=str(cfg.device), verify_kernel=run.kernel.description,
                    meta={"update_spec": update.spec, "update_source": update.source,
                          "graph_note": "not run: stopped after the host-sync scan"})

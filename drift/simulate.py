@@ -437,7 +437,7 @@ class Simulation:
             obs.on_end()
         return RunInfo(
             steps=done, wall_s=time.perf_counter() - t0, mode=self.mode,
-            update=self.update.name if self.update else "(sequential decode)",
+            update=self.update.description if self.update else "(sequential decode)",
             kernels=kernels_in_use(), device=str(self.device), stopped_early=stopped,
             verify_kernel=self.verify_description(),
             untouched_violation=self.guard.first if self.guard else None,

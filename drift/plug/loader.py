@@ -187,6 +187,14 @@ class Update:
     serving: Any = None
 
     @property
+    def description(self) -> str:
+        """What the header and the report say ran: the name, and how it ran where that is not the code's
+        own arithmetic (an engine's Triton kernels under drift's mended interpreter: triton_interpreter)."""
+        from .triton_interpreter import how_it_ran
+
+        return self.name + how_it_ran(self.fn)
+
+    @property
     def flow_options(self) -> Any:
         """The flow-kind option choices it implements (its function's ``FLOW_OPTIONS``;
         drift.flows.base.implements): None, the kind's defaults alone."""

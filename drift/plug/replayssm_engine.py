@@ -105,3 +105,6 @@ def sglang_commit(self, last_correct_step_indices, mamba_track_indices=None, mam
              write_pos=mp.replayssm_spec_write_pos, cache_base=mp.replayssm_cache_base, is_flush=mp.replayssm_is_flush,
              accept_lens=accept, mamba_track_indices=track, mamba_steps_to_track=steps, null_block_id=-1)
     conv_rollback(Commit(self, accept, last, track, steps))
+
+
+sglang_commit.TRITON = True  # SGLang's Triton commit kernels (drift.plug.triton_interpreter.how_it_ran)

@@ -47,9 +47,9 @@ MENDED = ("through Triton's interpreter (TRITON_INTERPRET=1), mended by drift to
 
 
 def how_it_ran(fn) -> str:
-    """What a run's header and report add to the name of ``fn``, a verify kernel: where it is an engine's
-    Triton kernel (``TRITON`` true) run under the interpreter, that and drift's mending (:data:`MENDED`),
-    so a reader knows the kernel's arithmetic was not the interpreter's own; else ''."""
+    """What a run's header and report add to the name of ``fn``, a verify kernel or an update: where it runs
+    an engine's Triton kernels (``TRITON`` true) under the interpreter, that and drift's mending
+    (:data:`MENDED`), so a reader knows the arithmetic was not the interpreter's own; else ''."""
     return f", {MENDED}" if getattr(fn, "TRITON", False) and interpreting() else ""
 
 

@@ -351,10 +351,16 @@ def test_sglang_replayssm_kernels_match_drifts_ring_flow_and_run_the_checks():
     rep = run_checked(resolve(cfg.replace(steps=8), "drift.plug.replayssm_engine:sglang_commit",
                               "sglang-replayssm-triton"), sync_scan=False)
     own = run_checked(resolve(cfg.replace(steps=8)), sync_scan=False)  # drift's rendering, same steps
+    said = ("mended by drift" in rep.info.update and "mended by drift" in rep.info.verify_kernel
+            and "interpreter" not in own.info.update + own.info.verify_kernel)
+    print("said", said)
     print("run", " ".join(f"{c.key}={c.passed}" for c in rep.checks),
           find_result(own.checks, "output_bound").worst, find_result(rep.checks, "output_bound").worst)
     """)
-    verify, commit, run = (line.split() for line in out.strip().splitlines()[-3:])
+    verify, commit, said, run = (line.split() for line in out.strip().splitlines()[-4:])
+    # The header and report say the engine's kernels ran under drift's mended interpreter (the update's
+    # commit kernels and the verify); drift's own rendering says no such thing (the control).
+    assert said == ["said", "True"], out
     o_rel, pad, g_diff, d_rel, k_rel, d_off = map(float, verify[1:])
     # Outputs: the kernel's output path takes q and the checkpoint as bf16 tensor-core operands (a
     # 16-bit checkpoint: q_tile = q_precise.to(bf16)), 2^-9 relative each; measured 0.005 relative
