@@ -152,7 +152,6 @@ class EngineKernelAdapter(LayerOpAdapter):
     ``--kernel`` name and the engine drift modelled; :meth:`load` is its availability probe."""
 
     MODULE = FUNCTION = KERNEL = ENGINE = ""
-    TRITON = True  # the engines' kernels drift adapts are Triton kernels (drift.plug.triton_interpreter)
 
     @classmethod
     def load(cls) -> "EngineKernelAdapter":
@@ -164,6 +163,8 @@ class FlaKernelAdapter(EngineKernelAdapter):
     """An engine's FLA-style recurrent kernel: drift's inputs in the op's dtypes (:func:`fla_inputs`),
     sliced per layer, and its output ``[B, S, HV, V]`` cast to bf16. A subclass says which indices
     the op takes (:meth:`indices`, once per call) and how it is called for a layer (:meth:`call_op`)."""
+
+    TRITON = True  # the engines' FLA-style kernels are Triton kernels (drift.plug.triton_interpreter.how_it_ran)
 
     def indices(self, args: VerifyArgs, device: torch.device) -> Any:
         raise NotImplementedError  # pragma: no cover

@@ -35,6 +35,7 @@ from .mutants import MUTANTS, Mutant
 from .npu_op import check_op_signature, legacy_adapter, npu_op_adapter, sgl_kernel_npu_op, torch_npu_legacy_op
 from ..sim.shim import sgl_kernels
 from .specs import MUTANT_PREFIX, callable_name, resolve_spec
+from .triton_interpreter import how_it_ran
 from .triton_kernel import TritonAdapter
 from .replayssm_engine import ReplayVerifyAdapter
 from .flashinfer_replayssm import FlashInferVerify, stand_in_kernel as flashinfer_stand_in
@@ -159,8 +160,21 @@ for _k in (
     KERNELS.register(_k.name, _k)
 
 
+class Described:
+    """What the header and the report say ran, for a loaded update or verify kernel (``name``, ``fn``)."""
+
+    name: str
+    fn: Callable[..., Any]
+
+    @property
+    def description(self) -> str:
+        """The name, and how it ran where that is not the code's own arithmetic (an engine's Triton
+        kernels under drift's mended interpreter: drift.plug.triton_interpreter.how_it_ran)."""
+        return self.name + how_it_ran(self.fn)
+
+
 @dataclass
-class Update:
+class Update(Described):
     """A loaded update implementation, callable as the simulation calls it (with the harness).
 
     owner: the class of a ``Class.method`` spec (its ``self`` is then an instance of it), else None.
@@ -185,14 +199,6 @@ class Update:
     # flow's drift.flows.in_place.updates.ServingParts); None: its flow kind's own (drift/flows/slots.py
     # and the like).
     serving: Any = None
-
-    @property
-    def description(self) -> str:
-        """What the header and the report say ran: the name, and how it ran where that is not the code's
-        own arithmetic (an engine's Triton kernels under drift's mended interpreter: triton_interpreter)."""
-        from .triton_interpreter import how_it_ran
-
-        return self.name + how_it_ran(self.fn)
 
     @property
     def flow_options(self) -> Any:
@@ -419,7 +425,7 @@ def load_update(spec: "str | Callable | Update", factory: Optional[str] = None,
 
 
 @dataclass(frozen=True)
-class Kernel:
+class Kernel(Described):
     """A loaded verify kernel: ``fn(args: VerifyArgs) -> bf16 [L, B, S, HV, V]``. ``name``: what ran
     (the report names it); ``rules``: the flow kinds' verify rules it implements (``VerifyRule.name``),
     None where it declares none (it is then taken to store per-token states where ``args.plan()``
@@ -430,14 +436,6 @@ class Kernel:
     rules: Optional[tuple[str, ...]] = None
     portable: bool = False
     declared: Any = None  # its entry's flow_options (KernelEntry), else read from fn
-
-    @property
-    def description(self) -> str:
-        """What the header and the report say ran: the name, and how it ran where that is not the kernel's
-        own arithmetic (an engine's Triton kernel under drift's mended interpreter: triton_interpreter)."""
-        from .triton_interpreter import how_it_ran
-
-        return self.name + how_it_ran(self.fn)
 
     @property
     def flow_options(self) -> Any:
