@@ -11,9 +11,8 @@ private symbol                                               fallback when absen
 ``torch.Tensor._make_wrapper_subclass``                      ``torch.overrides.TorchFunctionMode``
 ``torch._C._disabled_torch_function_impl``                   alone (:data:`DISPATCH_DETECTOR`
                                                              False; drift.syncs.detector)
-``torch.utils._pytree.tree_flatten`` / ``tree_map``          :func:`_flatten` / :func:`_map` below
-                                                             (lists, tuples, namedtuples,
-                                                             torch.Size, dicts)
+``torch.utils._pytree.tree_flatten`` / ``tree_map``          None (tests/syncs/test_compat.py's
+(tests: the oracle of drift's own pytree)                    oracle test fails, naming it)
 ``torch._subclasses.fake_tensor.FakeTensorMode``             None (tests/syncs/test_syncs.py's oracle
                                                              test fails, naming it)
 ``...fake_tensor.DataDependentOutputException``,             placeholder exception classes
@@ -23,6 +22,11 @@ private symbol                                               fallback when absen
                                                              pytorch#185412, 2026: 2.4.1 and
                                                              2.6.0 lack the class)
 ===========================================================  ====================================
+
+The sync detector walks each op's arguments with drift's own pytree (:func:`tree_flatten`,
+:func:`tree_map` below), not torch's: the same leaves on the trees it builds, and about three times
+faster per call (torch's builds a ``TreeSpec`` through its node registry), which is most of the
+host-sync scan's own overhead: several walks per dispatched op.
 
 Only torch is imported here (a bottom-stage module, tests/test_layout.py).
 """
@@ -59,20 +63,24 @@ if disabled_torch_function_impl is None:
 
 
 # --------------------------------------------------------------------- pytree
+_SEQUENCES = (list, tuple, torch.Size)
+
+
 def _is_namedtuple(x: Any) -> bool:
     return isinstance(x, tuple) and hasattr(type(x), "_fields")
 
 
-def _flatten(tree: Any) -> tuple[list[Any], Any]:
-    """Leaves of ``tree`` in order and a spec for :func:`_unflatten`. Containers, as in torch's
+def tree_flatten(tree: Any) -> tuple[list[Any], Any]:
+    """Leaves of ``tree`` in order and a spec for :func:`tree_unflatten`. Containers, as in torch's
     pytree: lists, tuples, namedtuples, ``torch.Size`` and dicts (exactly those types, dicts in
     insertion order); anything else is a leaf."""
     leaves: list[Any] = []
 
     def walk(x: Any) -> Any:
-        if type(x) in (list, tuple, torch.Size) or _is_namedtuple(x):
-            return (type(x), [walk(v) for v in x])
-        if type(x) is dict:
+        kind = type(x)
+        if kind in _SEQUENCES or _is_namedtuple(x):
+            return (kind, [walk(v) for v in x])
+        if kind is dict:
             return (dict, [(k, walk(v)) for k, v in x.items()])
         leaves.append(x)
         return None
@@ -80,7 +88,8 @@ def _flatten(tree: Any) -> tuple[list[Any], Any]:
     return leaves, walk(tree)
 
 
-def _unflatten(leaves: list[Any], spec: Any) -> Any:
+def tree_unflatten(leaves: list[Any], spec: Any) -> Any:
+    """The tree :func:`tree_flatten` took ``spec`` from, with ``leaves`` in its leaves' places."""
     it = iter(leaves)
 
     def build(s: Any) -> Any:
@@ -97,21 +106,30 @@ def _unflatten(leaves: list[Any], spec: Any) -> Any:
     return build(spec)
 
 
-def _map(fn: Callable[[Any], Any], tree: Any) -> Any:
+def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
     """``tree`` with every leaf replaced by ``fn(leaf)`` (new containers; the input is not changed)."""
-    leaves, spec = _flatten(tree)
-    return _unflatten([fn(x) for x in leaves], spec)
+    kind = type(tree)
+    if kind is tuple:
+        return tuple([tree_map(fn, v) for v in tree])
+    if kind is list:
+        return [tree_map(fn, v) for v in tree]
+    if kind is dict:
+        return {k: tree_map(fn, v) for k, v in tree.items()}
+    if kind is torch.Size:
+        return torch.Size([tree_map(fn, v) for v in tree])
+    if _is_namedtuple(tree):
+        return kind(*[tree_map(fn, v) for v in tree])
+    return fn(tree)
 
 
-try:
-    from torch.utils._pytree import tree_flatten, tree_map
+# ------------------------------------------------------------- pytree and fake tensor (tests)
+try:  # the oracle drift's own pytree is held to
+    from torch.utils._pytree import tree_flatten as torch_tree_flatten, tree_map as torch_tree_map
 except ImportError:
-    tree_flatten, tree_map = _flatten, _map  # type: ignore[assignment]
+    torch_tree_flatten = torch_tree_map = None  # type: ignore[assignment]
     _absent("torch.utils._pytree.tree_flatten")
     _absent("torch.utils._pytree.tree_map")
 
-
-# ---------------------------------------------------------------- fake tensor (tests)
 class _NeverRaised(Exception):
     """Stands in for a fake-tensor exception this torch lacks; torch never raises it."""
 

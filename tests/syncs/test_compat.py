@@ -54,7 +54,6 @@ SYMBOLS = {
 _DISPATCH_KEYS = {"TorchDispatchMode", "_make_wrapper_subclass", "_disabled_torch_function_impl"}
 SCENARIOS = {
     "none": [],  # the control: the prelude runs, hides nothing
-    "pytree": ["tree_flatten", "tree_map"],  # the dispatch detector on drift's own pytree
     "wrapper": ["_make_wrapper_subclass"],  # one missing symbol is enough to switch to the fallback
     "all": list(SYMBOLS),
 }
@@ -439,23 +438,27 @@ Pair = namedtuple("Pair", "a b")
 
 
 def test_own_pytree_matches_torchs_on_drifts_trees():
-    """The fallback flatten/map agree with torch's on the trees drift builds (args/kwargs of
-    calls: tuples, lists, dicts, namedtuples, torch.Size; anything else a leaf)."""
+    """drift's flatten/map (what the sync detector walks each op's arguments with) agree with
+    torch's on the trees drift builds (args/kwargs of calls: tuples, lists, dicts, namedtuples,
+    torch.Size; anything else a leaf). torch's pytree is the oracle: this fails where it is absent."""
+    assert compat.torch_tree_flatten is not None and compat.torch_tree_map is not None, (
+        "this torch lacks torch.utils._pytree.tree_flatten / tree_map, the oracle of drift's own pytree")
     t = torch.arange(3)
     tree = ((t, [1, t, {"b": 2, "a": (t,)}]), {"device": torch.device("cpu"), "size": torch.Size([2, 3]),
                                                 "p": Pair(t, None), "s": slice(0, 2)})
-    leaves, _ = compat._flatten(tree)
+    leaves, spec = compat.tree_flatten(tree)
     assert [type(x) for x in leaves] == [torch.Tensor, int, torch.Tensor, int, torch.Tensor, torch.device,
                                          int, int, torch.Tensor, type(None), slice]
-    if "torch.utils._pytree.tree_flatten" not in compat.MISSING_PRIVATE:
-        theirs, _ = compat.tree_flatten(tree)
-        assert len(theirs) == len(leaves) and all(x is y for x, y in zip(theirs, leaves))
-    mapped = compat._map(lambda x: x + 1 if isinstance(x, int) else x, tree)
+    theirs, _ = compat.torch_tree_flatten(tree)
+    assert len(theirs) == len(leaves) and all(x is y for x, y in zip(theirs, leaves))
+    rebuilt = compat.tree_unflatten(leaves, spec)
+    assert rebuilt == tree and rebuilt is not tree and type(rebuilt[1]["p"]) is Pair
+    bump = lambda x: x + 1 if isinstance(x, int) else x  # noqa: E731
+    mapped = compat.tree_map(bump, tree)
     assert mapped[0][1][0] == 2 and mapped[0][1][2] == {"b": 3, "a": (t,)} and isinstance(mapped[1]["p"], Pair)
     assert mapped[1]["size"] == torch.Size([3, 4]) and type(mapped[1]["size"]) is torch.Size
     assert mapped is not tree and tree[0][1][0] == 1 and tree[1]["size"] == torch.Size([2, 3])
-    if "torch.utils._pytree.tree_map" not in compat.MISSING_PRIVATE:
-        assert compat.tree_map(lambda x: x + 1 if isinstance(x, int) else x, tree) == mapped
+    assert compat.torch_tree_map(bump, tree) == mapped
 
 
 def test_compat_flags_are_consistent_with_this_torch():
