@@ -14,13 +14,13 @@ from ..fileio import save_figure
 METADATA = {"Software": None}  # no version stamp: identical reports give identical files
 
 
-def _plt():
-    import matplotlib
+def new_figure(**kwargs):
+    """A matplotlib ``Figure(**kwargs)`` that pyplot never sees: drift does not import pyplot (its
+    import, backend and figure manager are the larger part of a small plot's cost; a bare figure
+    renders with Agg when saved as PNG and is freed with its last reference, no ``close``)."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return Figure(**kwargs)
 
 
 def _curves(entry: dict, name: str, stat: str = "mean") -> Optional[tuple[np.ndarray, np.ndarray]]:
@@ -70,7 +70,7 @@ def _entry_what(entries: list[dict]) -> str:
                     values(lambda e: e.get("verify_kernel", "?")), values(lambda e: e.get("config", {}).get("flow", "?")))
 
 
-def _ratio_figure(plt, groups: list[tuple[str, dict, dict]], title: str):
+def _ratio_figure(groups: list[tuple[str, dict, dict]], title: str):
     """One panel per value head: each group's worst error / bound (over layers and rows) vs step,
     log-log, with the bound at 1 (a check fails above it)."""
     curves = [(label, _worst_ratio(e), style) for label, e, style in groups]
@@ -80,7 +80,8 @@ def _ratio_figure(plt, groups: list[tuple[str, dict, dict]], title: str):
     # At least two decades below the line and one above, so "how far from failing" reads at a glance.
     low = min(1e-2, float(values.min()) / 2) if values.size else 1e-2
     high = max(10.0, float(values.max()) * 2) if values.size else 10.0
-    fig, axes = plt.subplots(1, nheads, figsize=(3.2 * nheads, 3.2), squeeze=False, sharey=True)
+    fig = new_figure(figsize=(3.2 * nheads, 3.2))
+    axes = fig.subplots(1, nheads, squeeze=False, sharey=True)
     for h in range(nheads):
         ax = axes[0, h]
         for label, c, style in curves:
@@ -141,13 +142,12 @@ def nightly_figures(report: dict, baseline: Optional[dict] = None) -> dict:
     """The :func:`planned_plots` of a nightly report as matplotlib figures (name -> figure), each
     the gated quantity per head with the bound line and what ran in its title; with the
     ``baseline`` report, each entry's baseline curve beside it (dashed, labelled)."""
-    plt = _plt()
     entries = report["entries"]
     planned = planned_plots(entries)
     figs = {}
 
     def figure(name: str, groups: list, title: str) -> None:
-        figs[name] = _ratio_figure(plt, _with_baseline(groups, report, baseline),
+        figs[name] = _ratio_figure(_with_baseline(groups, report, baseline),
                                    f"{title}\n{_entry_what([g[1] for g in groups])}")
 
     if RUN_PLOT in planned:
@@ -170,7 +170,6 @@ def nightly_figures(report: dict, baseline: Optional[dict] = None) -> dict:
 
 def _save(fig, path: Path) -> Path:
     save_figure(fig, path, dpi=110, metadata=METADATA)
-    _plt().close(fig)
     return path
 
 
@@ -184,7 +183,7 @@ def run_figure(report: dict):
     if _worst_ratio(report) is None:
         return None
     cfg, run = report["config"], report["run"]
-    return _ratio_figure(_plt(), [(f"{cfg['name']} seed {cfg['seed']}", report, {"color": COLORS[0]})],
+    return _ratio_figure([(f"{cfg['name']} seed {cfg['seed']}", report, {"color": COLORS[0]})],
                          f"Drift vs step: worst error / bound ({cfg['ssm_dtype']} state, {cfg['store_rounding']} "
                          f"store)\n{what_ran(run['update'], run.get('verify_kernel', '?'), cfg.get('flow', '?'))}")
 

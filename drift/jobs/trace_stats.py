@@ -219,16 +219,18 @@ def plot_stats(stats: dict, path: Path) -> Path:
     """One PNG: per head, the trace's and each preset's median decay per token (with its
     quartiles; placed by -ln(decay) on a log axis, so 0.999 and 1e-9 both read, and labelled in
     decay as the table is), beta, key rank / K and value RMS."""
-    from .plots import METADATA, _plt
+    from matplotlib import colormaps
 
-    plt = _plt()
+    from .plots import METADATA, new_figure
+
     groups = [(f"trace L{h['layer']}", h) for h in stats["trace"]["heads"]]
     for name, p in stats["presets"].items():
         groups += [(name, h) for h in p["heads"]]
     sources = list(dict.fromkeys(lbl for lbl, _ in groups))
-    colors = {s: plt.get_cmap("tab10")(i % 10) for i, s in enumerate(sources)}
+    colors = {s: colormaps["tab10"](i % 10) for i, s in enumerate(sources)}
     xs = np.arange(len(groups))
-    fig, axes = plt.subplots(4, 1, figsize=(max(6.0, 0.32 * len(groups) + 2.5), 9.5), sharex=True)
+    fig = new_figure(figsize=(max(6.0, 0.32 * len(groups) + 2.5), 9.5))
+    axes = fig.subplots(4, 1, sharex=True)
     tiny = 1e-300
 
     def logdec(v: float) -> float:
@@ -262,5 +264,4 @@ def plot_stats(stats: dict, path: Path) -> Path:
     fig.tight_layout()
     path = Path(path)
     save_figure(fig, path, dpi=100, metadata=METADATA)
-    plt.close(fig)
     return path
