@@ -68,7 +68,7 @@ def cpu_only(monkeypatch):
 # The longest shared-fixture groups first: under --dist loadgroup a group is one unit of work,
 # so a group that starts last keeps one core busy alone at the end. Collection order is
 # otherwise kept (a stable sort), and every worker sorts the same way.
-FIRST_GROUPS = ("teeth", "compat", "nightly", "precision-bf16-runs")
+FIRST_GROUPS = ("teeth", "front-ends", "compat", "nightly", "precision-bf16-runs")
 
 
 def pytest_collection_modifyitems(config, items: list) -> None:

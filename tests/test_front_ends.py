@@ -27,6 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
 METHOD = f"{FIXTURES / 'ascend_backend.py'}:AscendHybridLinearAttnBackend.update_mamba_state_after_mtp_verify"
 STEPS = 16  # the machinery, not the horizon: every case below shows at step 0
+# One xdist work unit: the battery is a module fixture, which each worker would otherwise compute
+# for itself (two batteries, each two interpreters, racing for the same cores).
+pytestmark = pytest.mark.xdist_group("front-ends")
 
 CODE = '''
 import sys

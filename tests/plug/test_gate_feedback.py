@@ -17,15 +17,15 @@ STEPS = 1024
 PROGRESS = re.compile(r"^drift: \S+test_update_keeps_precision\S*: step (\d+)/(\d+) ", re.M)
 
 
-def _gate(tmp_path, *args):
+def _gate(tmp_path, *args, steps=STEPS):
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs", "drift",
-                           "-k", "precision", "--drift-preset", "ci-small", "--drift-steps", str(STEPS), *args],
+                           "-k", "precision", "--drift-preset", "ci-small", "--drift-steps", str(steps), *args],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
 
 
-def _steps_shown(out: str) -> list[int]:
-    return [int(done) for done, total in PROGRESS.findall(out) if int(total) == STEPS]
+def _steps_shown(out: str, steps: int = STEPS) -> list[int]:
+    return [int(done) for done, total in PROGRESS.findall(out) if int(total) == steps]
 
 
 @pytest.mark.parametrize("stop", [["-x"], ["--drift-fail-fast"]], ids=["x", "drift-fail-fast"])
@@ -48,8 +48,9 @@ def test_without_fail_fast_the_gate_runs_every_step_and_says_so(tmp_path):
 
 
 def test_a_passing_gate_shows_its_progress_with_q(tmp_path):
-    res = _gate(tmp_path)
+    """Two chunks with -q: a line for each; one chunk with -qq, which would print its line at step 256."""
+    res = _gate(tmp_path, steps=512)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-3000:]
-    assert _steps_shown(out)[-1] == STEPS, out[-3000:]
-    assert _gate(tmp_path, "-qq").stdout.count("drift: ") == 0  # -qq: silent, as asked
+    assert _steps_shown(out, 512) == [256, 512], out[-3000:]
+    assert _gate(tmp_path, "-qq", steps=256).stdout.count("drift: ") == 0  # -qq: silent, as asked
