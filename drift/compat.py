@@ -70,15 +70,25 @@ def _is_namedtuple(x: Any) -> bool:
     return isinstance(x, tuple) and hasattr(type(x), "_fields")
 
 
+def _is_structseq_class(kind: type) -> bool:
+    """A C struct sequence type (``torch.return_types.max`` ...): a tuple built from one sequence."""
+    return issubclass(kind, tuple) and all(hasattr(kind, a) for a in ("n_fields", "n_sequence_fields",
+                                                                        "n_unnamed_fields"))
+
+
+def _is_structseq(x: Any) -> bool:
+    return isinstance(x, tuple) and _is_structseq_class(type(x))
+
+
 def tree_flatten(tree: Any) -> tuple[list[Any], Any]:
     """Leaves of ``tree`` in order and a spec for :func:`tree_unflatten`. Containers, as in torch's
-    pytree: lists, tuples, namedtuples, ``torch.Size`` and dicts (exactly those types, dicts in
-    insertion order); anything else is a leaf."""
+    pytree: lists, tuples, namedtuples, struct sequences (``torch.return_types``), ``torch.Size`` and
+    dicts (exactly those types, dicts in insertion order); anything else is a leaf."""
     leaves: list[Any] = []
 
     def walk(x: Any) -> Any:
         kind = type(x)
-        if kind in _SEQUENCES or _is_namedtuple(x):
+        if kind in _SEQUENCES or _is_namedtuple(x) or _is_structseq(x):
             return (kind, [walk(v) for v in x])
         if kind is dict:
             return (dict, [(k, walk(v)) for k, v in x.items()])
@@ -101,7 +111,7 @@ def tree_unflatten(leaves: list[Any], spec: Any) -> Any:
         values = [build(v) for v in items]
         if kind is list:
             return values
-        return kind(values) if kind in (tuple, torch.Size) else kind(*values)
+        return kind(values) if kind in (tuple, torch.Size) or _is_structseq_class(kind) else kind(*values)
 
     return build(spec)
 
@@ -119,6 +129,8 @@ def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
         return torch.Size([tree_map(fn, v) for v in tree])
     if _is_namedtuple(tree):
         return kind(*[tree_map(fn, v) for v in tree])
+    if _is_structseq(tree):
+        return kind([tree_map(fn, v) for v in tree])
     return fn(tree)
 
 

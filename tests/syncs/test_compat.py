@@ -440,25 +440,30 @@ Pair = namedtuple("Pair", "a b")
 def test_own_pytree_matches_torchs_on_drifts_trees():
     """drift's flatten/map (what the sync detector walks each op's arguments with) agree with
     torch's on the trees drift builds (args/kwargs of calls: tuples, lists, dicts, namedtuples,
-    torch.Size; anything else a leaf). torch's pytree is the oracle: this fails where it is absent."""
+    torch.Size, the struct sequences torch's functions return; anything else a leaf). torch's pytree is the
+    oracle: this fails where it is absent."""
     assert compat.torch_tree_flatten is not None and compat.torch_tree_map is not None, (
         "this torch lacks torch.utils._pytree.tree_flatten / tree_map, the oracle of drift's own pytree")
     t = torch.arange(3)
     tree = ((t, [1, t, {"b": 2, "a": (t,)}]), {"device": torch.device("cpu"), "size": torch.Size([2, 3]),
-                                                "p": Pair(t, None), "s": slice(0, 2)})
+                                                "p": Pair(t, None), "s": slice(0, 2), "m": torch.max(t, dim=0)})
     leaves, spec = compat.tree_flatten(tree)
     assert [type(x) for x in leaves] == [torch.Tensor, int, torch.Tensor, int, torch.Tensor, torch.device,
-                                         int, int, torch.Tensor, type(None), slice]
+                                         int, int, torch.Tensor, type(None), slice, torch.Tensor, torch.Tensor]
     theirs, _ = compat.torch_tree_flatten(tree)
     assert len(theirs) == len(leaves) and all(x is y for x, y in zip(theirs, leaves))
     rebuilt = compat.tree_unflatten(leaves, spec)
-    assert rebuilt == tree and rebuilt is not tree and type(rebuilt[1]["p"]) is Pair
+    assert rebuilt[0] == tree[0] and rebuilt is not tree and type(rebuilt[1]["p"]) is Pair
+    assert type(rebuilt[1]["m"]) is type(tree[1]["m"]) and rebuilt[1]["m"][0] is tree[1]["m"][0]
     bump = lambda x: x + 1 if isinstance(x, int) else x  # noqa: E731
     mapped = compat.tree_map(bump, tree)
     assert mapped[0][1][0] == 2 and mapped[0][1][2] == {"b": 3, "a": (t,)} and isinstance(mapped[1]["p"], Pair)
     assert mapped[1]["size"] == torch.Size([3, 4]) and type(mapped[1]["size"]) is torch.Size
+    assert type(mapped[1]["m"]) is type(tree[1]["m"]) and mapped[1]["m"].indices is tree[1]["m"].indices
     assert mapped is not tree and tree[0][1][0] == 1 and tree[1]["size"] == torch.Size([2, 3])
-    assert compat.torch_tree_map(bump, tree) == mapped
+    theirs = compat.torch_tree_map(bump, tree)
+    assert theirs[0] == mapped[0] and type(theirs[1]["m"]) is type(mapped[1]["m"])
+    assert all(x is y for x, y in zip(compat.torch_tree_flatten(theirs)[0], compat.tree_flatten(mapped)[0]))
 
 
 def test_compat_flags_are_consistent_with_this_torch():
