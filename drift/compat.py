@@ -23,7 +23,7 @@ private symbol                                               fallback when absen
                                                              2.6.0 lack the class)
 ===========================================================  ====================================
 
-The sync detector walks each op's arguments with drift's own pytree (:func:`tree_flatten`,
+The sync detector walks each op's arguments with drift's own pytree (:func:`tree_leaves`,
 :func:`tree_map` below), not torch's: the same leaves on the trees it builds, and about three times
 faster per call (torch's builds a ``TreeSpec`` through its node registry), which is most of the
 host-sync scan's own overhead: several walks per dispatched op.
@@ -63,21 +63,54 @@ if disabled_torch_function_impl is None:
 
 
 # --------------------------------------------------------------------- pytree
-_SEQUENCES = (list, tuple, torch.Size)
+# A container type's kind, as torch's pytree treats it: "list", "dict" (exactly those types, dicts in
+# insertion order), "tuple" (tuple, torch.Size: built from one sequence), "struct" (a C struct
+# sequence such as torch.return_types.max: built from one sequence too), "named" (a namedtuple: built
+# from its fields); any other type is a leaf (None). Cached per type: the detector walks every op.
+_KINDS: dict[type, Optional[str]] = {list: "list", dict: "dict", tuple: "tuple", torch.Size: "tuple"}
 
 
-def _is_namedtuple(x: Any) -> bool:
-    return isinstance(x, tuple) and hasattr(type(x), "_fields")
+def _kind(cls: type) -> Optional[str]:
+    try:
+        return _KINDS[cls]
+    except KeyError:
+        pass
+    kind = None
+    if issubclass(cls, tuple):
+        if hasattr(cls, "_fields"):
+            kind = "named"
+        elif all(hasattr(cls, a) for a in ("n_fields", "n_sequence_fields", "n_unnamed_fields")):
+            kind = "struct"
+    _KINDS[cls] = kind
+    return kind
 
 
-def _is_structseq_class(kind: type) -> bool:
-    """A C struct sequence type (``torch.return_types.max`` ...): a tuple built from one sequence."""
-    return issubclass(kind, tuple) and all(hasattr(kind, a) for a in ("n_fields", "n_sequence_fields",
-                                                                        "n_unnamed_fields"))
+def _build(cls: type, kind: str, values: list) -> Any:
+    if kind == "list":
+        return values
+    return cls(*values) if kind == "named" else cls(values)
 
 
-def _is_structseq(x: Any) -> bool:
-    return isinstance(x, tuple) and _is_structseq_class(type(x))
+def tree_leaves(tree: Any) -> list[Any]:
+    """The leaves of ``tree`` in order: :func:`tree_flatten`'s, without building its spec."""
+    leaves: list[Any] = []
+    append = leaves.append
+
+    def walk(x: Any) -> None:
+        kind = _KINDS.get(type(x), False)
+        if kind is False:
+            kind = _kind(type(x))
+        if kind is None:
+            append(x)
+        elif kind == "dict":
+            for v in x.values():
+                walk(v)
+        else:
+            for v in x:
+                walk(v)
+
+    walk(tree)
+    return leaves
 
 
 def tree_flatten(tree: Any) -> tuple[list[Any], Any]:
@@ -87,13 +120,14 @@ def tree_flatten(tree: Any) -> tuple[list[Any], Any]:
     leaves: list[Any] = []
 
     def walk(x: Any) -> Any:
-        kind = type(x)
-        if kind in _SEQUENCES or _is_namedtuple(x) or _is_structseq(x):
-            return (kind, [walk(v) for v in x])
-        if kind is dict:
-            return (dict, [(k, walk(v)) for k, v in x.items()])
-        leaves.append(x)
-        return None
+        cls = type(x)
+        kind = _kind(cls)
+        if kind is None:
+            leaves.append(x)
+            return None
+        if kind == "dict":
+            return (cls, kind, [(k, walk(v)) for k, v in x.items()])
+        return (cls, kind, [walk(v) for v in x])
 
     return leaves, walk(tree)
 
@@ -105,33 +139,25 @@ def tree_unflatten(leaves: list[Any], spec: Any) -> Any:
     def build(s: Any) -> Any:
         if s is None:
             return next(it)
-        kind, items = s
-        if kind is dict:
+        cls, kind, items = s
+        if kind == "dict":
             return {k: build(v) for k, v in items}
-        values = [build(v) for v in items]
-        if kind is list:
-            return values
-        return kind(values) if kind in (tuple, torch.Size) or _is_structseq_class(kind) else kind(*values)
+        return _build(cls, kind, [build(v) for v in items])
 
     return build(spec)
 
 
 def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
     """``tree`` with every leaf replaced by ``fn(leaf)`` (new containers; the input is not changed)."""
-    kind = type(tree)
-    if kind is tuple:
-        return tuple([tree_map(fn, v) for v in tree])
-    if kind is list:
-        return [tree_map(fn, v) for v in tree]
-    if kind is dict:
+    cls = type(tree)
+    kind = _KINDS.get(cls, False)
+    if kind is False:
+        kind = _kind(cls)
+    if kind is None:
+        return fn(tree)
+    if kind == "dict":
         return {k: tree_map(fn, v) for k, v in tree.items()}
-    if kind is torch.Size:
-        return torch.Size([tree_map(fn, v) for v in tree])
-    if _is_namedtuple(tree):
-        return kind(*[tree_map(fn, v) for v in tree])
-    if _is_structseq(tree):
-        return kind([tree_map(fn, v) for v in tree])
-    return fn(tree)
+    return _build(cls, kind, [tree_map(fn, v) for v in tree])
 
 
 # ------------------------------------------------------------- pytree and fake tensor (tests)

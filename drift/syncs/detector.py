@@ -67,7 +67,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..compat import (DISPATCH_DETECTOR, MISSING_PRIVATE, TorchDispatchMode, disabled_torch_function_impl,
-                      make_wrapper_subclass, tree_flatten, tree_map)
+                      make_wrapper_subclass, tree_leaves, tree_map)
 from ..devices import npu_available
 from ..errors import code_frames, display_path
 
@@ -223,7 +223,7 @@ def sync_reasons(func, args: tuple, kwargs: dict) -> list[str]:
     flagged (CUDA turns it into a fill), a ``non_blocking=True`` one neither.
     """
     name = func.overloadpacket.__name__
-    flat, _ = tree_flatten((args, kwargs))
+    flat = tree_leaves((args, kwargs))
     dev_in = any(_is_device(x) for x in flat)
     target = _device_kind(kwargs.get("device"))
     if name == "_to_copy":
@@ -349,7 +349,7 @@ def _unwrapper(op: str, by_inner: dict, meta_device_to_host: bool):
 def _run_unwrapped(func, op: str, cargs, ckwargs, to_meta):
     """``func`` on the host data of its operands; when one is shape-only (meta), on meta instead,
     with the operands ``to_meta`` maps there (shapes and dtypes only)."""
-    if not any(isinstance(x, torch.Tensor) and x.device.type == "meta" for x in tree_flatten((cargs, ckwargs))[0]):
+    if not any(isinstance(x, torch.Tensor) and x.device.type == "meta" for x in tree_leaves((cargs, ckwargs))):
         return func(*cargs, **ckwargs)
     cargs, ckwargs = to_meta((cargs, ckwargs))
     try:
@@ -364,7 +364,7 @@ def _execute(func, args: tuple, kwargs: dict):
     """Run ``func`` on the CPU data of virtual operands; outputs are virtual unless the op
     targets the host (``device='cpu'``) or returns a host operand (``copy_`` into it)."""
     target = _device_kind(kwargs.get("device"))
-    flat, _ = tree_flatten((args, kwargs))
+    flat = tree_leaves((args, kwargs))
     virtual = target == "virtual" or any(isinstance(x, VirtualTensor) for x in flat)
     if not virtual:
         return func(*args, **kwargs)
@@ -451,7 +451,7 @@ def function_sync_reasons(func, args: tuple, kwargs: dict) -> list[str]:
     """Why the Python-level call ``func(*args, **kwargs)`` synchronises host and device (the
     fallback detector's :func:`sync_reasons`; empty: it does not)."""
     name = _fn_name(func)
-    flat, _ = tree_flatten((args, kwargs))
+    flat = tree_leaves((args, kwargs))
     target = _call_target(func, args, kwargs)
     if name in _F_COPIES:
         return _conversion_reasons(args[0] if args else None, target, kwargs)
@@ -504,7 +504,7 @@ def _call_virtual(func, args: tuple, kwargs: dict):
     if name == "__format__" and args and isinstance(args[0], VirtualTensor):
         return object.__format__(args[0], *args[1:])  # repr, never the data (as torch for subclasses)
     target = _call_target(func, args, kwargs)
-    flat, _ = tree_flatten((args, kwargs))
+    flat = tree_leaves((args, kwargs))
     if not (target == "virtual" or any(isinstance(x, VirtualTensor) for x in flat)):
         return func(*args, **kwargs)
     by_inner: dict[int, VirtualTensor] = {}
@@ -880,7 +880,7 @@ class SyncDetector:
     def _count(self, func, args: tuple, kwargs: dict, out: Any) -> None:
         rep = self.report
         rep.ops += 1
-        flat_in, _ = tree_flatten((args, kwargs))
+        flat_in = tree_leaves((args, kwargs))
         for x in flat_in:
             if isinstance(x, torch.Tensor):
                 kind = "virtual" if isinstance(x, VirtualTensor) else x.device.type
@@ -890,7 +890,7 @@ class SyncDetector:
             rep.view_ops += 1
             return
         ins = [x for x in flat_in if isinstance(x, torch.Tensor)]
-        outs = [o for o in tree_flatten(out)[0]
+        outs = [o for o in tree_leaves(out)
                 if isinstance(o, torch.Tensor) and not any(o is x for x in ins)]
         rep.bytes += op_bytes(func, ins, outs)
 
@@ -898,8 +898,8 @@ class SyncDetector:
         """The fallback's :meth:`_count`: one op per Python-level call touching a device tensor;
         a view when every new output shares an input's storage."""
         rep = self.report
-        flat_in = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
-        flat_out = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        flat_in = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        flat_out = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor)]
         if not any(_is_device(x) for x in flat_in + flat_out):
             return
         rep.ops += 1

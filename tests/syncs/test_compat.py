@@ -452,6 +452,8 @@ def test_own_pytree_matches_torchs_on_drifts_trees():
                                          int, int, torch.Tensor, type(None), slice, torch.Tensor, torch.Tensor]
     theirs, _ = compat.torch_tree_flatten(tree)
     assert len(theirs) == len(leaves) and all(x is y for x, y in zip(theirs, leaves))
+    only = compat.tree_leaves(tree)
+    assert len(only) == len(leaves) and all(x is y for x, y in zip(only, leaves))
     rebuilt = compat.tree_unflatten(leaves, spec)
     assert rebuilt[0] == tree[0] and rebuilt is not tree and type(rebuilt[1]["p"]) is Pair
     assert type(rebuilt[1]["m"]) is type(tree[1]["m"]) and rebuilt[1]["m"][0] is tree[1]["m"][0]
