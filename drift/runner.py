@@ -60,6 +60,10 @@ class RunReport:
         }
 
 
+#: report.json ``run`` fields that time the run: two runs with the same figures differ in them.
+TIMINGS = ("wall_s", "steps_per_s", "pace")
+
+
 def versions() -> dict:
     return {"drift": __version__, "torch": torch.__version__, "numpy": np.__version__,
             "python": platform.python_version()}
@@ -113,6 +117,7 @@ class CheckedRun:
     def run(self, steps: Optional[int] = None, **kwargs) -> RunInfo:
         """``Simulation.run`` (progress, resume_state, checkpoint, checkpoint_every pass through)."""
         info = self.sim.run(steps, **kwargs)
+        info.meta["pace"] = self.comparison.pace()
         if self.sim.update is not None:
             info.meta["update_spec"] = self.sim.update.spec
             info.meta["update_source"] = self.sim.update.source

@@ -14,7 +14,7 @@ from drift.errors import EXIT_FAIL, EXIT_PASS
 from drift.flows.copy_commit import updates as parts
 from drift.syncs.scan import RUN_SAMPLE, sync_check
 from drift.runspec import resolve
-from drift.runner import run_checked
+from drift.runner import TIMINGS, run_checked
 from drift.simulate import FIRST_CHUNK, Simulation
 
 
@@ -61,7 +61,7 @@ def test_a_fail_fast_run_ramps_its_chunks_up_to_the_streams():
 
 def _figures(rep) -> dict:
     d = rep.to_dict()
-    d["run"] = {k: v for k, v in d["run"].items() if k not in ("wall_s", "steps_per_s")}
+    d["run"] = {k: v for k, v in d["run"].items() if k not in TIMINGS}
     return d
 
 

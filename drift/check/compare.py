@@ -254,6 +254,15 @@ class Comparison:
             self._worker = OrderedWorker(self._compare_step, BATCH_BYTES // max(size, 1), "drift-comparison")
         self._worker.submit(step)
 
+    def pace(self) -> dict:
+        """Where the comparison ran and how long the simulation waited for it (report.json ``run.pace``,
+        a timing like ``wall_s``): ``thread`` "worker" or "simulation", ``simulation_waited_s`` (seconds the
+        simulation's thread spent waiting for the worker: room in its queue, or a flush; 0 without one).
+        A wait near the run's wall time says the comparison, not the step, set the run's pace."""
+        worker = getattr(self, "_worker", None)
+        return {"thread": "worker" if getattr(self, "_pipelined", False) else "simulation",
+                "simulation_waited_s": round(worker.waited_s, 3) if worker is not None else 0.0}
+
     def _drain(self) -> None:
         """Wait for the worker to compare every step taken so far (raising what it raised)."""
         if self._worker is not None:

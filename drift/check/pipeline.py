@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import deque
 from typing import Any, Callable, Optional
 
@@ -56,12 +57,16 @@ class OrderedWorker:
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
         self._cond = threading.Condition()
+        self.waited_s = 0.0  # how long the submitting thread waited for the worker (room, or a drain)
 
     def submit(self, item: Any) -> None:
         """Queue ``item`` (waiting while ``limit`` items wait); raises a handler's earlier error."""
         with self._cond:
-            while len(self._items) >= self._limit and self._error is None:
-                self._cond.wait()
+            if len(self._items) >= self._limit and self._error is None:
+                t0 = time.perf_counter()
+                while len(self._items) >= self._limit and self._error is None:
+                    self._cond.wait()
+                self.waited_s += time.perf_counter() - t0
             self._raise_error()
             self._items.append(item)
             self._busy += 1
@@ -73,8 +78,11 @@ class OrderedWorker:
     def drain(self) -> None:
         """Wait until every submitted item was handled; raise the first error a handler raised."""
         with self._cond:
-            while self._busy:
-                self._cond.wait()
+            if self._busy:
+                t0 = time.perf_counter()
+                while self._busy:
+                    self._cond.wait()
+                self.waited_s += time.perf_counter() - t0
             self._raise_error()
 
     def _raise_error(self) -> None:

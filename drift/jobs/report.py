@@ -56,6 +56,16 @@ def _graph_text(run: dict) -> str:
     return "eager" if state else "not recorded"
 
 
+def _pace_text(pace: Optional[dict]) -> str:
+    """report.md's words for ``run.pace`` (:meth:`drift.check.compare.Comparison.pace`)."""
+    if not pace:
+        return ""
+    if pace["thread"] != "worker":
+        return "; the comparison ran on the simulation's thread"
+    return (f"; the comparison ran on a worker thread, and the simulation waited {pace['simulation_waited_s']:.1f} s "
+            "for it")
+
+
 def lifecycle_text(run: dict, cfg: dict) -> str:
     """Which lifecycle ran and, under churn, which events it ran (drift/lifecycles.py)."""
     ev = run.get("events")
@@ -107,7 +117,7 @@ def summary_markdown(rep) -> str:
         f"steps {_graph_text(run)}",
         f"- lifecycle {lifecycle_text(run, cfg)}",
         f"- reference: {d['reference']}",
-        f"- wall time {run['wall_s']:.1f} s ({run['steps_per_s']} steps/s)",
+        f"- wall time {run['wall_s']:.1f} s ({run['steps_per_s']} steps/s){_pace_text(run.get('pace'))}",
         "",
         "## Checks",
         "",

@@ -13,7 +13,7 @@ import torch
 from drift.check import compare, pipeline
 from drift.check.pipeline import OrderedWorker, worth_a_worker
 from drift.config import preset
-from drift.runner import run_checked
+from drift.runner import TIMINGS, run_checked
 from drift.runspec import resolve
 
 
@@ -98,9 +98,38 @@ def test_a_worker_only_where_it_has_a_core_to_itself(monkeypatch):
         torch.set_num_threads(before)
 
 
+def test_the_time_the_submitter_waits_for_the_worker_is_counted():
+    """A worker slower than its submitter (0.02 s an item, room for one) makes it wait about 0.02 s per
+    item beyond the first two; a fast one (room for all) waits only for its drain: ``waited_s`` tells them apart."""
+    slow = OrderedWorker(lambda i: time.sleep(0.02), limit=1)
+    for i in range(10):
+        slow.submit(i)
+    slow.drain()
+    fast = OrderedWorker(lambda i: None, limit=100)
+    for i in range(10):
+        fast.submit(i)
+    fast.drain()
+    assert slow.waited_s >= 8 * 0.02 * 0.9 and fast.waited_s < slow.waited_s / 2, (slow.waited_s, fast.waited_s)
+
+
+def test_a_run_reports_where_its_comparison_ran_and_the_wait_for_it(monkeypatch, tmp_path):
+    from drift.jobs.report import summary_markdown
+
+    run = resolve(preset("ci-small", steps=64))
+    monkeypatch.setattr(compare, "worth_a_worker", lambda *devices: True)
+    piped = run_checked(run, sync_scan=False)
+    monkeypatch.setattr(compare.Comparison, "pipelined", False)
+    plain = run_checked(run, sync_scan=False)
+    pace = piped.to_dict()["run"]["pace"]
+    assert pace["thread"] == "worker" and pace["simulation_waited_s"] >= 0.0, pace
+    assert plain.to_dict()["run"]["pace"] == {"thread": "simulation", "simulation_waited_s": 0.0}
+    assert "the comparison ran on a worker thread, and the simulation waited" in summary_markdown(piped)
+    assert "the comparison ran on the simulation's thread" in summary_markdown(plain)
+
+
 def _figures(rep) -> dict:
     d = rep.to_dict()
-    d["run"] = {k: v for k, v in d["run"].items() if k not in ("wall_s", "steps_per_s")}
+    d["run"] = {k: v for k, v in d["run"].items() if k not in TIMINGS}
     return d
 
 
