@@ -33,7 +33,7 @@ Only torch is imported here (a bottom-stage module, tests/test_layout.py).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -91,26 +91,39 @@ def _build(cls: type, kind: str, values: list) -> Any:
     return cls(*values) if kind == "named" else cls(values)
 
 
+# The walks recurse through module-level functions, never through a closure that names itself: such a
+# closure is a reference cycle that keeps every leaf it saw (the code under test's tensors) alive until
+# the cyclic collector runs, at a moment no one chose, possibly inside a watched call.
+def _leaves_into(x: Any, leaves: list) -> None:
+    kind = _KINDS.get(type(x), False)
+    if kind is False:
+        kind = _kind(type(x))
+    if kind is None:
+        leaves.append(x)
+    elif kind == "dict":
+        for v in x.values():
+            _leaves_into(v, leaves)
+    else:
+        for v in x:
+            _leaves_into(v, leaves)
+
+
 def tree_leaves(tree: Any) -> list[Any]:
     """The leaves of ``tree`` in order: :func:`tree_flatten`'s, without building its spec."""
     leaves: list[Any] = []
-    append = leaves.append
-
-    def walk(x: Any) -> None:
-        kind = _KINDS.get(type(x), False)
-        if kind is False:
-            kind = _kind(type(x))
-        if kind is None:
-            append(x)
-        elif kind == "dict":
-            for v in x.values():
-                walk(v)
-        else:
-            for v in x:
-                walk(v)
-
-    walk(tree)
+    _leaves_into(tree, leaves)
     return leaves
+
+
+def _spec_into(x: Any, leaves: list) -> Any:
+    cls = type(x)
+    kind = _kind(cls)
+    if kind is None:
+        leaves.append(x)
+        return None
+    if kind == "dict":
+        return (cls, kind, [(k, _spec_into(v, leaves)) for k, v in x.items()])
+    return (cls, kind, [_spec_into(v, leaves) for v in x])
 
 
 def tree_flatten(tree: Any) -> tuple[list[Any], Any]:
@@ -118,33 +131,22 @@ def tree_flatten(tree: Any) -> tuple[list[Any], Any]:
     pytree: lists, tuples, namedtuples, struct sequences (``torch.return_types``), ``torch.Size`` and
     dicts (exactly those types, dicts in insertion order); anything else is a leaf."""
     leaves: list[Any] = []
+    spec = _spec_into(tree, leaves)
+    return leaves, spec
 
-    def walk(x: Any) -> Any:
-        cls = type(x)
-        kind = _kind(cls)
-        if kind is None:
-            leaves.append(x)
-            return None
-        if kind == "dict":
-            return (cls, kind, [(k, walk(v)) for k, v in x.items()])
-        return (cls, kind, [walk(v) for v in x])
 
-    return leaves, walk(tree)
+def _built(spec: Any, leaves: Iterator[Any]) -> Any:
+    if spec is None:
+        return next(leaves)
+    cls, kind, items = spec
+    if kind == "dict":
+        return {k: _built(v, leaves) for k, v in items}
+    return _build(cls, kind, [_built(v, leaves) for v in items])
 
 
 def tree_unflatten(leaves: list[Any], spec: Any) -> Any:
     """The tree :func:`tree_flatten` took ``spec`` from, with ``leaves`` in its leaves' places."""
-    it = iter(leaves)
-
-    def build(s: Any) -> Any:
-        if s is None:
-            return next(it)
-        cls, kind, items = s
-        if kind == "dict":
-            return {k: build(v) for k, v in items}
-        return _build(cls, kind, [build(v) for v in items])
-
-    return build(spec)
+    return _built(spec, iter(leaves))
 
 
 def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:

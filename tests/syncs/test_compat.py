@@ -468,6 +468,47 @@ def test_own_pytree_matches_torchs_on_drifts_trees():
     assert all(x is y for x, y in zip(compat.torch_tree_flatten(theirs)[0], compat.tree_flatten(mapped)[0]))
 
 
+def test_own_pytree_leaves_no_cyclic_garbage():
+    """The walks make no reference cycles (a closure that recurses through its own name is one): a cycle
+    keeps the leaves it saw, the code under test's tensors, alive until the cyclic collector runs, at a
+    moment inside some later watched call; the host-sync scan's op counts then moved from run to run
+    (tests/syncs/test_costmodel.py's shape-only test failed one run in three). The control: a walk through
+    a self-naming closure leaves garbage that this test sees."""
+    import gc
+
+    t = torch.arange(3)
+    tree = ((t, [1, t, {"b": 2, "a": (t,)}]), {"size": torch.Size([2, 3]), "p": Pair(t, None), "m": torch.max(t, dim=0)})
+
+    def cyclic_leaves(x):
+        out = []
+
+        def walk(y):
+            if isinstance(y, (list, tuple)):
+                for v in y:
+                    walk(v)
+            else:
+                out.append(y)
+        walk(x)
+        return out
+
+    def garbage(fn) -> int:
+        gc.collect()
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            for _ in range(5):
+                fn()
+            return gc.collect()
+        finally:
+            if enabled:
+                gc.enable()
+
+    assert garbage(lambda: cyclic_leaves(tree)) > 0  # the control: the collector finds the closures' cycles
+    assert garbage(lambda: compat.tree_leaves(tree)) == 0
+    assert garbage(lambda: compat.tree_unflatten(*compat.tree_flatten(tree))) == 0
+    assert garbage(lambda: compat.tree_map(lambda x: x, tree)) == 0
+
+
 def test_compat_flags_are_consistent_with_this_torch():
     """Here (no hiding) compat's flags describe the installed torch."""
     import importlib
