@@ -33,7 +33,7 @@ Only torch is imported here (a bottom-stage module, tests/test_layout.py).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -63,103 +63,61 @@ if disabled_torch_function_impl is None:
 
 
 # --------------------------------------------------------------------- pytree
-# A container type's kind, as torch's pytree treats it: "list", "dict" (exactly those types, dicts in
-# insertion order), "tuple" (tuple, torch.Size: built from one sequence), "struct" (a C struct
-# sequence such as torch.return_types.max: built from one sequence too), "named" (a namedtuple: built
-# from its fields); any other type is a leaf (None). Cached per type: the detector walks every op.
-_KINDS: dict[type, Optional[str]] = {list: "list", dict: "dict", tuple: "tuple", torch.Size: "tuple"}
+class _Kinds(dict):
+    """A container type's kind, as torch's pytree treats it: "list", "dict" (exactly those types, dicts
+    in insertion order), "tuple" (tuple, torch.Size: built from one sequence), "struct" (a C struct
+    sequence such as torch.return_types.max: built from one sequence too), "named" (a namedtuple: built
+    from its fields); any other type is a leaf (None). Classified on first sight, then one dict lookup:
+    the detector walks every op's arguments."""
+
+    def __missing__(self, cls: type) -> Optional[str]:
+        kind = None
+        if issubclass(cls, tuple):
+            if hasattr(cls, "_fields"):
+                kind = "named"
+            elif all(hasattr(cls, a) for a in ("n_fields", "n_sequence_fields", "n_unnamed_fields")):
+                kind = "struct"
+        self[cls] = kind
+        return kind
 
 
-def _kind(cls: type) -> Optional[str]:
-    try:
-        return _KINDS[cls]
-    except KeyError:
-        pass
-    kind = None
-    if issubclass(cls, tuple):
-        if hasattr(cls, "_fields"):
-            kind = "named"
-        elif all(hasattr(cls, a) for a in ("n_fields", "n_sequence_fields", "n_unnamed_fields")):
-            kind = "struct"
-    _KINDS[cls] = kind
-    return kind
-
-
-def _build(cls: type, kind: str, values: list) -> Any:
-    if kind == "list":
-        return values
-    return cls(*values) if kind == "named" else cls(values)
+_KINDS = _Kinds({list: "list", dict: "dict", tuple: "tuple", torch.Size: "tuple"})
 
 
 # The walks recurse through module-level functions, never through a closure that names itself: such a
 # closure is a reference cycle that keeps every leaf it saw (the code under test's tensors) alive until
 # the cyclic collector runs, at a moment no one chose, possibly inside a watched call.
 def _leaves_into(x: Any, leaves: list) -> None:
-    kind = _KINDS.get(type(x), False)
-    if kind is False:
-        kind = _kind(type(x))
+    kind = _KINDS[type(x)]
     if kind is None:
         leaves.append(x)
-    elif kind == "dict":
-        for v in x.values():
-            _leaves_into(v, leaves)
     else:
-        for v in x:
+        for v in (x.values() if kind == "dict" else x):
             _leaves_into(v, leaves)
 
 
 def tree_leaves(tree: Any) -> list[Any]:
-    """The leaves of ``tree`` in order: :func:`tree_flatten`'s, without building its spec."""
+    """The leaves of ``tree`` in order, as torch's ``tree_flatten`` lists them. Containers: lists,
+    tuples, namedtuples, struct sequences (``torch.return_types``), ``torch.Size`` and dicts (exactly
+    those types, dicts in insertion order); anything else is a leaf."""
     leaves: list[Any] = []
     _leaves_into(tree, leaves)
     return leaves
 
 
-def _spec_into(x: Any, leaves: list) -> Any:
-    cls = type(x)
-    kind = _kind(cls)
-    if kind is None:
-        leaves.append(x)
-        return None
-    if kind == "dict":
-        return (cls, kind, [(k, _spec_into(v, leaves)) for k, v in x.items()])
-    return (cls, kind, [_spec_into(v, leaves) for v in x])
-
-
-def tree_flatten(tree: Any) -> tuple[list[Any], Any]:
-    """Leaves of ``tree`` in order and a spec for :func:`tree_unflatten`. Containers, as in torch's
-    pytree: lists, tuples, namedtuples, struct sequences (``torch.return_types``), ``torch.Size`` and
-    dicts (exactly those types, dicts in insertion order); anything else is a leaf."""
-    leaves: list[Any] = []
-    spec = _spec_into(tree, leaves)
-    return leaves, spec
-
-
-def _built(spec: Any, leaves: Iterator[Any]) -> Any:
-    if spec is None:
-        return next(leaves)
-    cls, kind, items = spec
-    if kind == "dict":
-        return {k: _built(v, leaves) for k, v in items}
-    return _build(cls, kind, [_built(v, leaves) for v in items])
-
-
-def tree_unflatten(leaves: list[Any], spec: Any) -> Any:
-    """The tree :func:`tree_flatten` took ``spec`` from, with ``leaves`` in its leaves' places."""
-    return _built(spec, iter(leaves))
-
-
 def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
-    """``tree`` with every leaf replaced by ``fn(leaf)`` (new containers; the input is not changed)."""
+    """``tree`` with every leaf replaced by ``fn(leaf)`` (new containers of the same types; the input is
+    not changed)."""
     cls = type(tree)
-    kind = _KINDS.get(cls, False)
-    if kind is False:
-        kind = _kind(cls)
+    kind = _KINDS[cls]
     if kind is None:
         return fn(tree)
     if kind == "dict":
         return {k: tree_map(fn, v) for k, v in tree.items()}
-    return _build(cls, kind, [tree_map(fn, v) for v in tree])
+    values = [tree_map(fn, v) for v in tree]
+    if kind == "list":
+        return values
+    return cls(*values) if kind == "named" else cls(values)
 
 
 # ------------------------------------------------------------- pytree and fake tensor (tests)

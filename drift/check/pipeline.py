@@ -62,11 +62,7 @@ class OrderedWorker:
     def submit(self, item: Any) -> None:
         """Queue ``item`` (waiting while ``limit`` items wait); raises a handler's earlier error."""
         with self._cond:
-            if len(self._items) >= self._limit and self._error is None:
-                t0 = time.perf_counter()
-                while len(self._items) >= self._limit and self._error is None:
-                    self._cond.wait()
-                self.waited_s += time.perf_counter() - t0
+            self._wait_while(lambda: len(self._items) >= self._limit and self._error is None)
             self._raise_error()
             self._items.append(item)
             self._busy += 1
@@ -78,12 +74,16 @@ class OrderedWorker:
     def drain(self) -> None:
         """Wait until every submitted item was handled; raise the first error a handler raised."""
         with self._cond:
-            if self._busy:
-                t0 = time.perf_counter()
-                while self._busy:
-                    self._cond.wait()
-                self.waited_s += time.perf_counter() - t0
+            self._wait_while(lambda: self._busy)
             self._raise_error()
+
+    def _wait_while(self, blocked: Callable[[], Any]) -> None:
+        """Under the lock: wait while ``blocked()``, adding the time to :attr:`waited_s`."""
+        if blocked():
+            t0 = time.perf_counter()
+            while blocked():
+                self._cond.wait()
+            self.waited_s += time.perf_counter() - t0
 
     def _raise_error(self) -> None:
         if self._error is not None:
