@@ -109,6 +109,10 @@ def test_the_time_the_submitter_waits_for_the_worker_is_counted():
     for i in range(10):
         fast.submit(i)
     fast.drain()
+    # Bound: with room for one, the 10th submit returns only once item 8 is taken, after items 0-7 were
+    # handled (each sleep lasts at least 0.02 s: 0.16 s), and the drain lasts until items 8 and 9 are
+    # (0.04 s more): the submitter waits at least 0.2 s less its own microseconds of work; the assert asks
+    # 0.144 s. The fast worker waits only for ten no-op handlings at its drain: far under half of that.
     assert slow.waited_s >= 8 * 0.02 * 0.9 and fast.waited_s < slow.waited_s / 2, (slow.waited_s, fast.waited_s)
 
 
