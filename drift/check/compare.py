@@ -395,7 +395,11 @@ class Comparison:
             raise stop
 
     def on_end(self) -> None:
-        self._drain()
+        try:
+            self._drain()
+        finally:  # the run's worker thread ends with the run (drift.check.pipeline: close)
+            if self._worker is not None:
+                self._worker.close()
         for c in self.consumers:
             c.finish()
 

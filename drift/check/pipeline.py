@@ -11,21 +11,38 @@ Rules that keep it safe:
 * ``drain`` waits until every submitted item was handled, then raises the first error a handler
   raised (with its own traceback), as does every later ``submit`` or ``drain``: the items after it
   are dropped unhandled (what they would compare no longer follows from what was compared);
-* the thread ends after :data:`IDLE_S` seconds without work, so an abandoned run (its caller raised
-  between steps) leaves no thread behind; the next ``submit`` starts a new one.
+* ``close`` ends the thread at once and joins it (a run's end: ``Comparison.on_end``); the thread also
+  ends after :data:`IDLE_S` seconds without work, so an abandoned run (its caller raised between steps)
+  leaves no thread behind; the next ``submit`` starts a new one;
+* no worker thread outlives the interpreter's shutdown: an ``atexit`` hook closes every live one. A
+  daemon thread still running at finalization is ended inside whatever C call it is in, and ending it
+  inside a torch tensor's deallocation (C++, noexcept) aborts the process ("terminate called without an
+  active exception", exit 134): a passing ``pytest --pyargs drift`` failed so, one run in ten, when its
+  last run ended less than ``IDLE_S`` before the process did.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Any, Callable, Optional
 
 import torch
 
 IDLE_S = 0.5  # a worker with nothing to do for this long ends (a later submit starts another)
+_LIVE: "weakref.WeakSet[OrderedWorker]" = weakref.WeakSet()  # workers whose thread may be running
+
+
+@atexit.register
+def close_all() -> None:
+    """Close every worker whose thread may still run (:meth:`OrderedWorker.close`): at exit, before the
+    interpreter's finalization, which would end a daemon thread wherever it is."""
+    for worker in list(_LIVE):
+        worker.close()
 
 
 def worth_a_worker(*devices: torch.device) -> bool:
@@ -56,6 +73,7 @@ class OrderedWorker:
         self._busy = 0  # submitted and not yet handled (or dropped)
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
+        self._closing = False  # close() asked the thread to end
         self._cond = threading.Condition()
         self.waited_s = 0.0  # how long the submitting thread waited for the worker (room, or a drain)
 
@@ -67,8 +85,10 @@ class OrderedWorker:
             self._items.append(item)
             self._busy += 1
             if self._thread is None:
+                self._closing = False
                 self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
                 self._thread.start()
+                _LIVE.add(self)
             self._cond.notify_all()
 
     def drain(self) -> None:
@@ -76,6 +96,20 @@ class OrderedWorker:
         with self._cond:
             self._wait_while(lambda: self._busy)
             self._raise_error()
+
+    def close(self) -> None:
+        """End the thread now and join it: the item in hand is finished, those still queued are dropped
+        unhandled (a run that ended, or was abandoned, compares nothing more). A later ``submit``
+        starts a new thread. Safe to call twice, and from the worker's own handler (it then only asks)."""
+        with self._cond:
+            self._busy -= len(self._items)
+            self._items.clear()
+            self._closing = True
+            thread = self._thread
+            self._cond.notify_all()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        _LIVE.discard(self)
 
     def _wait_while(self, blocked: Callable[[], Any]) -> None:
         """Under the lock: wait while ``blocked()``, adding the time to :attr:`waited_s`."""
@@ -93,7 +127,7 @@ class OrderedWorker:
         while True:
             with self._cond:
                 if not self._items:
-                    self._cond.wait_for(lambda: bool(self._items), timeout=IDLE_S)
+                    self._cond.wait_for(lambda: bool(self._items) or self._closing, timeout=IDLE_S)
                     if not self._items:
                         self._thread = None  # under the lock: a submit from now on starts another
                         return
@@ -106,6 +140,7 @@ class OrderedWorker:
                 except BaseException as exc:  # handed to the caller at its next submit or drain
                     with self._cond:
                         self._error = self._error or exc
+            item = None  # the step's tensors are freed here, never as the thread ends
             with self._cond:
                 self._busy -= 1
                 self._cond.notify_all()

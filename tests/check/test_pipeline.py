@@ -75,6 +75,69 @@ def test_an_idle_worker_ends_and_a_later_submit_starts_another(monkeypatch):
     assert seen == [1, 2]
 
 
+def test_close_ends_the_thread_at_once_finishing_the_item_in_hand(monkeypatch):
+    """close() joins the thread, long before IDLE_S: the item in hand is finished, the queued ones are
+    dropped, a drain returns at once, and a later submit starts a new thread."""
+    monkeypatch.setattr(pipeline, "IDLE_S", 30.0)  # only close() can end the thread within this test
+    gate, handled = threading.Event(), []
+    worker = OrderedWorker(lambda i: (gate.wait(5), handled.append(i)), limit=8, name="drift-close-test")
+    for i in range(5):
+        worker.submit(i)
+    closed = threading.Event()
+    threading.Thread(target=lambda: (worker.close(), closed.set()), daemon=True).start()
+    assert not closed.wait(0.2)  # it waits for item 0, in hand
+    gate.set()
+    assert closed.wait(5)
+    assert handled == [0] and not any(t.name == "drift-close-test" for t in threading.enumerate())
+    worker.drain()  # nothing left to wait for
+    t0 = time.monotonic()
+    worker.close()  # twice: a no-op
+    worker.submit(7)
+    worker.drain()
+    worker.close()  # an idle thread ends at once, not after IDLE_S
+    assert handled == [0, 7] and time.monotonic() - t0 < 5
+    assert not any(t.name == "drift-close-test" for t in threading.enumerate())
+
+
+def test_a_runs_end_leaves_no_worker_thread(monkeypatch):
+    monkeypatch.setattr(pipeline, "IDLE_S", 30.0)  # only the run's end can end the thread within this test
+    monkeypatch.setattr(compare, "worth_a_worker", lambda *devices: True)
+    rep = run_checked(resolve(preset("ci-small", steps=32)), sync_scan=False)
+    assert rep.to_dict()["run"]["pace"]["thread"] == "worker"
+    assert not any(t.name == "drift-comparison" for t in threading.enumerate())
+
+
+_EXIT_SCRIPT = """
+import atexit, sys, threading
+@atexit.register  # registered before drift's hook, so it runs after it (atexit runs last-in first-out)
+def live_at_finalization():
+    print("LIVE", sorted(t.name for t in threading.enumerate() if t.name.startswith("drift-")), flush=True)
+from drift.check import pipeline
+pipeline.IDLE_S = 30.0
+worker = pipeline.OrderedWorker(lambda i: threading.Event().wait(0.2), limit=8, name="drift-exit-test")
+for i in range(5):
+    worker.submit(i)  # abandoned: neither drained nor closed, and the process ends now
+if sys.argv[1:] == ["unhooked"]:
+    atexit.unregister(pipeline.close_all)
+"""
+
+
+@pytest.mark.parametrize("hooked", [True, False], ids=["drift's-exit-hook", "without-it"])
+def test_no_worker_thread_runs_into_the_interpreters_finalization(hooked):
+    """A daemon thread still running at finalization is ended inside whatever C call it is in; inside a
+    tensor's deallocation that aborts the process (exit 134 after a passing gate, one run in ten). drift's
+    atexit hook closes every live worker first: an abandoned one is gone when the last atexit hook runs.
+    The control, without the hook, must see it still there."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, *([] if hooked else ["unhooked"])],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    live = next(line for line in proc.stdout.splitlines() if line.startswith("LIVE"))
+    assert live == ("LIVE []" if hooked else "LIVE ['drift-exit-test']"), live
+
+
 def test_a_worker_only_where_it_has_a_core_to_itself(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)  # this suite's own workers
