@@ -79,10 +79,11 @@ def test_close_ends_the_thread_at_once_finishing_the_item_in_hand(monkeypatch):
     """close() joins the thread, long before IDLE_S: the item in hand is finished, the queued ones are
     dropped, a drain returns at once, and a later submit starts a new thread."""
     monkeypatch.setattr(pipeline, "IDLE_S", 30.0)  # only close() can end the thread within this test
-    gate, handled = threading.Event(), []
-    worker = OrderedWorker(lambda i: (gate.wait(5), handled.append(i)), limit=8, name="drift-close-test")
+    gate, started, handled = threading.Event(), threading.Event(), []
+    worker = OrderedWorker(lambda i: (started.set(), gate.wait(5), handled.append(i)), limit=8, name="drift-close-test")
     for i in range(5):
         worker.submit(i)
+    assert started.wait(5)  # item 0 is in hand (on a loaded box the thread may start late)
     closed = threading.Event()
     threading.Thread(target=lambda: (worker.close(), closed.set()), daemon=True).start()
     assert not closed.wait(0.2)  # it waits for item 0, in hand
