@@ -100,14 +100,17 @@ class OrderedWorker:
     def close(self) -> None:
         """End the thread now and join it: the item in hand is finished, those still queued are dropped
         unhandled (a run that ended, or was abandoned, compares nothing more). A later ``submit``
-        starts a new thread. Safe to call twice, and from the worker's own handler (it then only asks)."""
+        starts a new thread. Safe to call twice; from the worker's own handler it only asks (the thread
+        ends after that item, and stays listed for the exit hook until it has)."""
         with self._cond:
             self._busy -= len(self._items)
             self._items.clear()
             self._closing = True
             thread = self._thread
             self._cond.notify_all()
-        if thread is not None and thread is not threading.current_thread():
+        if thread is threading.current_thread():
+            return
+        if thread is not None:
             thread.join()
         _LIVE.discard(self)
 

@@ -86,7 +86,7 @@ def test_close_ends_the_thread_at_once_finishing_the_item_in_hand(monkeypatch):
     assert started.wait(5)  # item 0 is in hand (on a loaded box the thread may start late)
     closed = threading.Event()
     threading.Thread(target=lambda: (worker.close(), closed.set()), daemon=True).start()
-    assert not closed.wait(0.2)  # it waits for item 0, in hand
+    assert not closed.wait(0.2)  # it waits for item 0, in hand (held on the gate for up to 5 s)
     gate.set()
     assert closed.wait(5)
     assert handled == [0] and not any(t.name == "drift-close-test" for t in threading.enumerate())
@@ -96,8 +96,33 @@ def test_close_ends_the_thread_at_once_finishing_the_item_in_hand(monkeypatch):
     worker.submit(7)
     worker.drain()
     worker.close()  # an idle thread ends at once, not after IDLE_S
+    # Bound: these calls take milliseconds; an idle thread left to end by itself would take IDLE_S = 30 s.
+    # 5 s sits between the two with room for a loaded box's scheduling delays.
     assert handled == [0, 7] and time.monotonic() - t0 < 5
     assert not any(t.name == "drift-close-test" for t in threading.enumerate())
+
+
+def test_close_from_the_workers_own_handler_only_asks(monkeypatch):
+    """A handler that closes its worker ends the thread after its item: the queue behind it is dropped and
+    nothing joins itself (a self-join raises, and the drain would hand that error back)."""
+    monkeypatch.setattr(pipeline, "IDLE_S", 30.0)
+    gate, handled, workers = threading.Event(), [], []
+
+    def handle(i):
+        if i == "hold":  # keeps the thread until every item is queued
+            gate.wait(5)
+            return
+        handled.append(i)
+        if i == 1:
+            workers[0].close()
+
+    workers.append(OrderedWorker(handle, limit=8, name="drift-self-close-test"))
+    for i in ("hold", 0, 1, 2, 3):
+        workers[0].submit(i)
+    gate.set()
+    workers[0].drain()
+    workers[0].close()  # joins the thread, which ends after item 1
+    assert handled == [0, 1] and not any(t.name == "drift-self-close-test" for t in threading.enumerate())
 
 
 def test_a_runs_end_leaves_no_worker_thread(monkeypatch):
