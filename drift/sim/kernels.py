@@ -735,6 +735,27 @@ def _decode_f64_native(state, q, k, v, decay, beta, num_tokens, captures, norms_
     return out
 
 
+def gdn_decode_steps(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
+                     beta: torch.Tensor, num_tokens: torch.Tensor, out: torch.Tensor, norms: torch.Tensor,
+                     states_out: torch.Tensor | None = None, captures=()) -> bool:
+    """``n`` steps of :func:`gdn_decode` of the float64 truth (its own dense states, every row its own
+    slot) in one C call (:func:`drift.sim.native.decode_f64_steps`), the same bits as ``n`` calls:
+    q, k ``[n, L, R, D, HV, K]``, v ``[n, L, R, D, HV, V]``, decay, beta ``[n, L, R, D, HV]`` (float64),
+    num_tokens int64 CPU ``[n, R]``; out ``[n, L, R, D, HV, V]`` and norms ``[n, L, R, D, HV]`` receive each
+    step's outputs and ``||S||_F^2``, states_out (``[n, L, R, HV, V, K]``, or None) its state; captures:
+    (step j, host token indices ``[R]``, out ``[L, R, HV, V, K]``). Returns False, having done nothing,
+    where the C kernel does not take the call (then step :func:`gdn_decode`)."""
+    buffers = [state, q, k, v, decay, beta, out, norms] + ([states_out] if states_out is not None else [])
+    if not (USE_NATIVE and _host_indexed(*buffers) and native.available()):
+        return False
+    if not all(t.dtype == F64 and t.is_contiguous() for t in buffers + [c for _, _, c in captures]):
+        return False
+    native.decode_f64_steps(state, num_tokens.to(torch.int64).contiguous(), q, k, v, decay,
+                            beta, out, norms, states_out,
+                            [(j, [int(x) for x in steps], cap) for j, steps, cap in captures])
+    return True
+
+
 # -------------------------------------------------------------- update kernels
 def move_intermediate_cache(ssm_states: torch.Tensor, intermediate_state_cache: torch.Tensor,
                             dst_indices: torch.Tensor, src_indices: torch.Tensor,

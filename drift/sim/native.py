@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 
 SOURCE = Path(__file__).resolve().parent / "_native" / "gdn_verify.c"
-ABI = 4  # drift_native_abi() of the source this module drives
+ABI = 5  # drift_native_abi() of the source this module drives
 FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=c99", "-lm"]
 OPENMP = "-fopenmp"  # tried first; without it the kernel runs on one thread
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
@@ -169,6 +169,8 @@ def _load() -> Optional[ctypes.CDLL]:
         lib.drift_rgdr.restype = None
         lib.drift_decode_f64.argtypes = [i64] * 6 + [c_int] + [ptr] * 9 + [i64, ptr, ptr]
         lib.drift_decode_f64.restype = None
+        lib.drift_decode_f64_steps.argtypes = [i64] * 7 + [c_int] + [ptr] * 13
+        lib.drift_decode_f64_steps.restype = None
         lib.drift_state_metrics.argtypes = [i64, i64, i64, c_int, ptr, c_int, c_int, ptr, ptr, ptr, ptr]
         lib.drift_state_metrics.restype = None
         if not lib.drift_native_openmp():
@@ -287,6 +289,49 @@ def decode_f64(state: torch.Tensor, num_tokens: list[int], q: torch.Tensor, k: t
     lib.drift_decode_f64(L, R, D, HV, K, V, nthreads, state.data_ptr(), ntok.data_ptr(), q.data_ptr(), k.data_ptr(),
                          v.data_ptr(), decay.data_ptr(), beta.data_ptr(), out.data_ptr(), norms.data_ptr(),
                          len(captures), cap_steps.data_ptr(), cap_ptrs)
+
+
+def decode_f64_steps(state: torch.Tensor, num_tokens: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor, out: torch.Tensor, norms: torch.Tensor,
+                     states_out: Optional[torch.Tensor] = None,
+                     captures: list[tuple[int, list[int], torch.Tensor]] = ()) -> None:
+    """``n`` calls of :func:`decode_f64` in one (the comparison's batch of steps), the same bits:
+    step j's arguments are the leading index j of num_tokens (int64 ``[n, R]``), q, k ``[n, L, R, D,
+    HV, K]``, v, out ``[n, L, R, D, HV, V]``, decay, beta, norms ``[n, L, R, D, HV]``; states_out
+    (``[n, L, R, HV, V, K]``, or None) receives the state after each step; captures: (step j, R host
+    token indices, -1 = none; out ``[L, R, HV, V, K]``), each taken at its step as :func:`decode_f64`'s."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the native kernels are {status()}")
+    n, L, R, D, HV, K = q.shape
+    V = v.shape[-1]
+    f64 = torch.float64
+    for name, t in (("state", state), ("q", q), ("k", k), ("v", v), ("decay", decay), ("beta", beta),
+                    ("out", out), ("norms", norms)) + ((("states_out", states_out),) if states_out is not None else ()):
+        _dense(t, f64, name)
+    _dense(num_tokens, torch.int64, "num_tokens")
+    if (tuple(state.shape) != (L, R, HV, V, K) or k.shape != q.shape or tuple(v.shape) != (n, L, R, D, HV, V)
+            or v.shape != out.shape or tuple(decay.shape) != (n, L, R, D, HV) or beta.shape != decay.shape
+            or norms.shape != decay.shape or tuple(num_tokens.shape) != (n, R)
+            or (states_out is not None and tuple(states_out.shape) != (n, L, R, HV, V, K))):
+        raise ValueError(f"native decode_f64_steps: inconsistent shapes: state {tuple(state.shape)}, q {tuple(q.shape)}, "
+                         f"v {tuple(v.shape)}, decay {tuple(decay.shape)}, num_tokens {tuple(num_tokens.shape)}")
+    captures = sorted(captures, key=lambda c: c[0])
+    for j, steps, cap in captures:
+        _dense(cap, f64, "capture")
+        if tuple(cap.shape) != (L, R, HV, V, K) or len(steps) != R or not 0 <= j < n:
+            raise ValueError(f"native decode_f64_steps: capture at step {j}, {tuple(cap.shape)} / {len(steps)} steps "
+                             "do not fit")
+    first = torch.zeros(n + 1, dtype=torch.int64)
+    for j, _, _ in captures:
+        first[j + 1:] += 1
+    cap_steps = torch.tensor([list(s) for _, s, _ in captures] or [[-1] * R], dtype=torch.int64)
+    cap_ptrs = (ctypes.c_void_p * max(1, len(captures)))(*[c.data_ptr() for _, _, c in captures])
+    nthreads = max(1, min(torch.get_num_threads(), L * R * HV))
+    lib.drift_decode_f64_steps(n, L, R, D, HV, K, V, nthreads, state.data_ptr(), num_tokens.data_ptr(), q.data_ptr(),
+                               k.data_ptr(), v.data_ptr(), decay.data_ptr(), beta.data_ptr(), out.data_ptr(),
+                               norms.data_ptr(), states_out.data_ptr() if states_out is not None else None,
+                               first.data_ptr(), cap_steps.data_ptr(), cap_ptrs)
 
 
 def state_metrics(run: torch.Tensor, truth: torch.Tensor, mantissa_bits: int) -> tuple[torch.Tensor, torch.Tensor]:

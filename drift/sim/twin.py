@@ -23,6 +23,7 @@ from .stream import StreamParams, TrueTokens
 
 F64 = torch.float64
 PREFILL_CHUNK = 8  # prompt tokens per prefill recurrence call
+CAPTURE_BYTES = 64 << 20  # capture buffers of one batch's recurrence in one call (beyond: step by step)
 
 
 def _inputs(cfg: Config, params: StreamParams, window: torch.Tensor, x: torch.Tensor,
@@ -183,6 +184,15 @@ class Float64Twin:
                           norm2=buf["norm2"][:n], out=buf["out"][:n],
                           delta=buf["delta"][:n] if keep_deltas else None, key=k if keep_deltas else None)
         tracked = (np.asarray(track) >= 0).any(1)
+        if on_step is None and not keep_deltas and self._steps_native(steps, q, k, v, decay, beta, accept, track,
+                                                                       marks, windows, x, keep_states):
+            n_last = n - 1
+            self.decay, self.beta, self.q_sq, self.norm2 = (decay[n_last], beta[n_last], steps.q_sq[n_last],
+                                                            steps.norm2[n_last])
+            self.out, self.track_window = steps.out[n_last], track_windows[n_last]
+            self.window = windows[:, n].clone()
+            self.track_window = self.track_window.clone()
+            return steps
         for j in range(n):
             self.decay, self.beta, self.q_sq, self.norm2 = decay[j], beta[j], steps.q_sq[j], steps.norm2[j]
             take = torch.from_numpy(accept[j]).to(dev)
@@ -211,6 +221,46 @@ class Float64Twin:
         self.window = windows[:, n].clone()
         self.track_window = self.track_window.clone()
         return steps
+
+    def _steps_native(self, steps: "TwinSteps", q, k, v, decay, beta, accept: np.ndarray, track: np.ndarray,
+                      marks: list, windows: torch.Tensor, x: torch.Tensor, keep_states: bool) -> bool:
+        """The batch's recurrence in one C call (:func:`kernels.gdn_decode_steps`: each state block runs
+        all ``n`` steps while in cache), then each step's track captures and marks as the step-by-step
+        loop of :meth:`advance_batch` leaves them, the same bits; False, nothing done, where the C kernel
+        does not take it or its captures would exceed :data:`CAPTURE_BYTES`. Each capture lands in a buffer of
+        its own, kept between batches."""
+        n, track = q.shape[0], np.asarray(track)
+        mark_rows = {j: np.asarray(m) for j, m in enumerate(marks) if m is not None and (np.asarray(m) >= 0).any()}
+        wanted = [(j, track[j], "track") for j in range(n) if (track[j] >= 0).any()]
+        wanted += [(j, m, "mark") for j, m in mark_rows.items()]
+        if len(wanted) * self.state.numel() * self.state.element_size() > CAPTURE_BYTES:
+            return False  # a large model's batch: step by step, the captures in the twin's own buffers
+        caps = self._capture_buffers(len(wanted))
+        captures = [(j, tok, caps[i]) for i, (j, tok, _) in enumerate(wanted)]
+        if not kernels.gdn_decode_steps(self.state, q, k, v, decay, beta, torch.from_numpy(accept), steps.out,
+                                        steps.norm2, steps.state if keep_states else None, captures):
+            return False
+        dev = self.device
+        for i, (j, tok, kind) in sorted(enumerate(wanted), key=lambda e: (e[1][0], e[1][2] == "mark")):
+            rows = torch.from_numpy(np.nonzero(tok >= 0)[0]).to(dev)
+            picked = caps[i].index_select(1, rows)
+            if kind == "track":
+                self.track_state.index_copy_(1, rows, picked)
+                steps.tracked[j] = (rows, picked)
+            else:
+                self.mark_state.index_copy_(1, rows, picked)
+                tw = _advance_window(windows[:, j], x[j], torch.from_numpy(np.maximum(tok, 0) + 1).to(dev))
+                sel = torch.from_numpy(tok >= 0).to(dev)[None, :, None, None]
+                self.mark_window = torch.where(sel, tw, self.mark_window)
+                steps.marks[j] = (self.mark_state.clone(), self.mark_window.clone())
+        return True
+
+    def _capture_buffers(self, count: int) -> torch.Tensor:
+        """``[count, L, R, HV, V, K]`` float64 capture targets, kept between batches (grown as needed)."""
+        have = getattr(self, "_caps", None)
+        if have is None or have.shape[0] < count:
+            have = self._caps = torch.empty(max(count, 1), *self.state.shape, dtype=F64, device=self.device)
+        return have[:count]
 
     def _buffers(self, n: int, keep_states: bool, keep_deltas: bool = False) -> dict:
         """Per-step output buffers for ``n`` steps, kept between batches (fresh ones every batch

@@ -253,6 +253,79 @@ def test_the_float64_decode_is_its_documented_arithmetic_bit_for_bit(K, V):
     assert not np.array_equal(out.numpy(), other[1]) and not np.array_equal(got.numpy(), other[0])
 
 
+def _steps_case(n=5, L=2, R=3, D=4, HV=2, K=32, V=20, seed=12):
+    """n steps of the twin's decode inputs (float64, each step's shapes as decode_f64 takes them)."""
+    gen = torch.Generator().manual_seed(seed)
+    F64 = torch.float64
+    state = torch.randn(L, R, HV, V, K, dtype=F64, generator=gen) * 0.3
+    q = torch.randn(n, L, R, D, HV, K, dtype=F64, generator=gen) * K ** -0.5
+    k = torch.nn.functional.normalize(torch.randn(n, L, R, D, HV, K, dtype=F64, generator=gen), dim=-1)
+    v = torch.randn(n, L, R, D, HV, V, dtype=F64, generator=gen)
+    decay, beta = (torch.rand(n, L, R, D, HV, dtype=F64, generator=gen) for _ in range(2))
+    ntok = torch.randint(1, D + 1, (n, R), generator=gen)
+    return state, ntok, q, k, v, decay, beta
+
+
+def _stepped_decode(state, ntok, q, k, v, decay, beta, captures):
+    """decode_f64 called once per step: states after each step, outputs, norms and the captures."""
+    s, outs, norms, states, caps = state.clone(), torch.empty_like(v), torch.empty_like(decay), [], []
+    for j in range(q.shape[0]):
+        here = [(tok, torch.zeros_like(state)) for step, tok in captures if step == j]
+        native.decode_f64(s, ntok[j].tolist(), q[j], k[j], v[j], decay[j], beta[j], outs[j], norms[j], here)
+        states.append(s.clone())
+        caps += [c for _, c in here]
+    return torch.stack(states), outs, norms, caps
+
+
+@pytest.mark.parametrize("K,V", [(32, 20), (24, 20)])
+def test_a_batch_of_float64_decode_steps_is_its_steps_one_by_one_bit_for_bit(K, V):
+    """decode_f64_steps (the comparison's batch of twin steps in one call) against decode_f64 called
+    step by step: the same bits in every step's state, outputs and norms, and in each capture, two
+    of them at one step and one at the last. Control: the same batch with two steps' token counts
+    swapped differs, so equality here is not the steps' indifference to their order."""
+    state, ntok, q, k, v, decay, beta = _steps_case(K=K, V=V)
+    R = state.shape[1]
+    captures = [(1, [2, -1, 0]), (1, [-1, 3, -1]), (4, [0, 0, 1])]
+    want_states, want_out, want_norms, want_caps = _stepped_decode(state, ntok, q, k, v, decay, beta, captures)
+
+    def batched(counts):
+        s, out, norms = state.clone(), torch.empty_like(v), torch.empty_like(decay)
+        states = torch.empty(q.shape[0], *state.shape, dtype=torch.float64)
+        caps = [(step, tok, torch.zeros_like(state)) for step, tok in captures]
+        native.decode_f64_steps(s, counts, q, k, v, decay, beta, out, norms, states, caps)
+        return s, states, out, norms, [c for _, _, c in caps]
+
+    s, states, out, norms, caps = batched(ntok)
+    assert torch.equal(s, want_states[-1]) and torch.equal(states, want_states)
+    assert torch.equal(out, want_out) and torch.equal(norms, want_norms)
+    assert all(torch.equal(a, b) for a, b in zip(caps, want_caps)) and len(caps) == 3
+    assert all(c[:, r].abs().sum() > 0 for (_, tok), c in zip(captures, caps) for r in range(R) if tok[r] >= 0)
+    swapped = ntok.clone()
+    swapped[[0, 1]] = ntok[[1, 0]]
+    assert not torch.equal(ntok, swapped)
+    assert not torch.equal(batched(swapped)[1], want_states)
+
+
+def test_a_batch_of_decode_steps_rejects_inconsistent_arguments():
+    """decode_f64_steps writes through raw pointers: each argument it trusts is checked."""
+    state, ntok, q, k, v, decay, beta = _steps_case()
+    out, norms = torch.empty_like(v), torch.empty_like(decay)
+    n, R = ntok.shape
+    ok = dict(state=state.clone(), num_tokens=ntok, q=q, k=k, v=v, decay=decay, beta=beta, out=out, norms=norms)
+    native.decode_f64_steps(**ok)
+    bad = {"token counts of one step too few": dict(num_tokens=ntok[:-1].contiguous()),
+           "v of one step too few": dict(v=v[:-1].contiguous()),
+           "states_out of one step too few": dict(states_out=torch.empty(n - 1, *state.shape, dtype=torch.float64)),
+           "a capture past the batch": dict(captures=[(n, [0] * R, torch.zeros_like(state))]),
+           "a capture of one row too few": dict(captures=[(0, [0] * (R - 1), torch.zeros_like(state))])}
+    for what, change in bad.items():
+        with pytest.raises(ValueError, match="decode_f64_steps"):
+            native.decode_f64_steps(**{**ok, "state": state.clone(), **change})
+            pytest.fail(f"accepted: {what}")
+    with pytest.raises(ValueError, match="dense"):
+        native.decode_f64_steps(**{**ok, "num_tokens": ntok.to(torch.int32)})
+
+
 def test_what_the_native_kernel_leaves_to_the_torch_path(monkeypatch):
     """The C kernel takes plain dense CPU states of fp32 / bf16, fp32 compute and round-to-nearest
     stores (or none: an fp32 scratch stores exactly); everything else runs the torch path, and

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from helpers import rel_fro, small_cfg
-from drift.sim import naive
+from drift.sim import kernels, naive, native
 from drift.sim.twin import Float64Twin, prefill
 from drift.sim.stream import InputStream, StreamParams, TrueTokens
 
@@ -127,12 +127,18 @@ def test_twin_outputs_are_those_of_the_true_tokens(setup):
                 assert (rel_fro(twin.out[:, r, j], ref, dims=-1) <= TOL).all(), (s, r, j)
 
 
-def test_the_batched_twin_is_the_stepped_twin_bit_for_bit(setup):
+@pytest.mark.parametrize("path", ["per-step-hook", "one-call"])
+def test_the_batched_twin_is_the_stepped_twin_bit_for_bit(setup, path, monkeypatch):
     """advance_batch (what the comparison runs) against advance step by step, from the same start:
     the same bits at every step -- states, outputs, windows, the inputs it keeps, the track boundary
-    of every tracked row and a golden-checkpoint mark -- both in what it returns and in the
-    attributes it leaves at each step."""
+    of every tracked row and a golden-checkpoint mark -- in what it returns, in the attributes it
+    leaves at each step (with a per-step hook: the step-by-step loop) and in those it leaves at the
+    batch's end. Without a hook the recurrence runs as one C call for the batch (kernels.gdn_decode_steps),
+    which must have run: a missing compiler fails here rather than testing the loop twice."""
     cfg, params, _ = setup
+    calls = []
+    real = kernels.gdn_decode_steps
+    monkeypatch.setattr(kernels, "gdn_decode_steps", lambda *a, **k: calls.append(1) or real(*a, **k))
     stream = InputStream(cfg, CPU)
     lengths = [stream.prefill_len(r) for r in range(cfg.num_requests)]
     start = prefill(cfg, stream.tokens, params, lengths, CPU)
@@ -158,8 +164,18 @@ def test_the_batched_twin_is_the_stepped_twin_bit_for_bit(setup):
         seen.append(j)
 
     steps = batched.advance_batch(ch.x[:, :, :R], ch.a[:, :, :R], ch.b[:, :, :R], ch.accept, ch.track_host, marks,
-                                  on_step, keep_states=True)
-    assert seen == list(range(n))
+                                  on_step if path == "per-step-hook" else None, keep_states=True)
+    if path == "per-step-hook":
+        assert seen == list(range(n)) and not calls
+    else:
+        assert calls == [1] and native.available(), native.status()  # the one-call path ran
+        for name in names + ("mark_state", "mark_window"):  # what the batch's last step leaves
+            assert torch.equal(getattr(batched, name), want[-1][name]), name
+        last_tracked = {}  # row -> its last tracked step: the track state it holds at the batch's end
+        for j in range(n):
+            last_tracked.update({int(r): j for r in np.nonzero(ch.track_host[j] >= 0)[0]})
+        for r, j in last_tracked.items():
+            assert torch.equal(batched.track_state[:, r], want[j]["track_state"][:, r]), (r, j)
     for j in range(n):
         for name in names:
             assert torch.equal(getattr(steps, name)[j], want[j][name]), (j, name)

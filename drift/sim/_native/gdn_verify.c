@@ -63,7 +63,7 @@ static void stream_out(char *dst, const void *src, size_t nbytes) {
     memcpy(dst, src, nbytes);
 }
 
-int drift_native_abi(void) { return 4; }
+int drift_native_abi(void) { return 5; }
 
 static void load_block(float *h, const void *base, int dt, int64_t off, int64_t n) {
     if (dt == 1) {
@@ -489,6 +489,53 @@ void drift_decode_f64(int64_t L, int64_t R, int64_t D, int64_t HV, int64_t K, in
 #endif
     (void)nthreads;
     decode_items(0, items, R, D, HV, K, V, state, ntok, q, k, v, dec, beta, out, norms, ncap, cap_steps, cap_out);
+}
+
+/* n steps of drift_decode_f64 at once (the comparison's batch of steps): step j's arrays are those
+ * drift_decode_f64 takes, each at j times its per-step size (ntok at j * R; q, k at j * L R D HV K;
+ * v, out at j * L R D HV V; dec, beta, norms at j * L R D HV). Each item runs its n steps in order
+ * while its [V][K] block stays in cache: the same arithmetic, in the same order, as n calls.
+ * states_out (dense [n, L, R, HV, V, K], or NULL) receives the state after each step. The captures
+ * are sorted by step: step j's are cap_first[j] .. cap_first[j + 1] - 1, each with R token indices
+ * in cap_steps (cap_steps[c * R + r], as drift_decode_f64's) and its own output cap_out[c]. */
+static void decode_steps_items(int64_t w0, int64_t w1, int64_t n, int64_t L, int64_t R, int64_t D, int64_t HV,
+                               int64_t K, int64_t V, double *state, const int64_t *ntok, const double *q,
+                               const double *k, const double *v, const double *dec, const double *beta, double *out,
+                               double *norms, double *states_out, const int64_t *cap_first,
+                               const int64_t *cap_steps, double *const *cap_out) {
+    const int64_t KV = K * V, items = L * R * HV, sqk = L * R * D * HV * K, sv = L * R * D * HV * V,
+                  sd = L * R * D * HV;
+    for (int64_t w = w0; w < w1; ++w) {
+        for (int64_t j = 0; j < n; ++j) {
+            decode_items(w, w + 1, R, D, HV, K, V, state, ntok + j * R, q + j * sqk, k + j * sqk, v + j * sv,
+                         dec + j * sd, beta + j * sd, out + j * sv, norms + j * sd, cap_first[j + 1] - cap_first[j],
+                         cap_steps + cap_first[j] * R, cap_out + cap_first[j]);
+            if (states_out != NULL)
+                memcpy(states_out + (j * items + w) * KV, state + w * KV, (size_t)KV * sizeof(double));
+        }
+    }
+}
+
+void drift_decode_f64_steps(int64_t n, int64_t L, int64_t R, int64_t D, int64_t HV, int64_t K, int64_t V,
+                            int nthreads, double *state, const int64_t *ntok, const double *q, const double *k,
+                            const double *v, const double *dec, const double *beta, double *out, double *norms,
+                            double *states_out, const int64_t *cap_first, const int64_t *cap_steps,
+                            double *const *cap_out) {
+    const int64_t items = L * R * HV;
+#ifdef _OPENMP
+    if (nthreads > 1) {
+#pragma omp parallel num_threads(nthreads)
+        {
+            const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
+            decode_steps_items(items * tid / nt, items * (tid + 1) / nt, n, L, R, D, HV, K, V, state, ntok, q, k, v,
+                               dec, beta, out, norms, states_out, cap_first, cap_steps, cap_out);
+        }
+        return;
+    }
+#endif
+    (void)nthreads;
+    decode_steps_items(0, items, n, L, R, D, HV, K, V, state, ntok, q, k, v, dec, beta, out, norms, states_out,
+                       cap_first, cap_steps, cap_out);
 }
 
 /* ulp(x)^2 of the grid with p significant bits: x = m 2^e, m in [0.5, 1), ulp = 2^(e - p), built
