@@ -86,6 +86,28 @@ def _advance_window(window: torch.Tensor, x: torch.Tensor, take: torch.Tensor) -
     return seq[:, torch.arange(seq.shape[1], device=window.device)[:, None], idx]
 
 
+def window_positions(accept: np.ndarray, track: np.ndarray, D: int, Km1: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where each row's conv windows of a batch of ``n`` steps sit in its token sequence (its window
+    before the batch, positions 0 .. Km1-1, then token t of step j at Km1 + j D + t): ``seq_pos [n + 1,
+    R, Km1]``, the window before each step and after the last (the last Km1 accepted tokens), and
+    ``track_pos [n, R, Km1]``, the window after token ``track[j, r]`` of step j (-1: the window before
+    the step). accept, track: host int64 ``[n, R]``."""
+    n, R = accept.shape
+    seq_pos = np.empty((n + 1, R, Km1), np.int64)
+    offsets = np.arange(Km1)
+    for r in range(R):
+        taken = np.arange(D)[None, :] < accept[:, r, None]  # [n, D]: the accepted tokens, in order
+        pos = np.concatenate([offsets, Km1 + np.flatnonzero(taken)])
+        start = np.concatenate([[0], np.cumsum(accept[:, r])])
+        seq_pos[:, r] = pos[start[:, None] + offsets]
+    # The window after token t of step j: the last Km1 of its window before the step and the step's
+    # tokens 0 .. t, i.e. entries t + 1 .. t + Km1 of that window followed by all D of them.
+    ahead = Km1 + np.arange(n)[:, None, None] * D + np.arange(D)[None, None, :]  # [n, 1, D]
+    ext = np.concatenate([seq_pos[:n], np.broadcast_to(ahead, (n, R, D))], axis=2)  # [n, R, Km1 + D]
+    track_pos = np.take_along_axis(ext, track[:, :, None] + 1 + offsets, axis=2)
+    return seq_pos, track_pos
+
+
 class Float64Twin:
     """Exact committed states, tracked states, conv windows and outputs of the active rows.
 
@@ -160,15 +182,7 @@ class Float64Twin:
         x, a, b = (t.to(device=dev, dtype=F64) for t in (x, a, b))
         accept = np.asarray(accept, np.int64)
         # Token j * D + t of a row sits after the Km1 window tokens: index Km1 + j * D + t.
-        seq_pos = np.zeros((n + 1, R, Km1), np.int64)
-        track_pos = np.zeros((n, R, Km1), np.int64)
-        for r in range(R):
-            pos = list(range(Km1)) + [Km1 + j * D + t for j in range(n) for t in range(int(accept[j, r]))]
-            start = np.concatenate([[0], np.cumsum(accept[:, r])])
-            for j in range(n + 1):
-                seq_pos[j, r] = pos[start[j]:start[j] + Km1]
-            for j in range(n):  # the window after token track[j, r] of step j (a window of -1: any)
-                track_pos[j, r] = (list(seq_pos[j, r]) + [Km1 + j * D + t for t in range(int(track[j, r]) + 1)])[-Km1:]
+        seq_pos, track_pos = window_positions(accept, np.asarray(track, np.int64), D, Km1)
         tokens = torch.cat([self.window, x.permute(1, 2, 0, 3, 4).reshape(L, R, n * D, C)], dim=2)
         rows = torch.arange(R, device=dev)[None, :, None]
         windows = tokens[:, rows, torch.from_numpy(seq_pos).to(dev)]  # [L, n + 1, R, Km1, C]

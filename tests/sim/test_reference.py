@@ -21,7 +21,7 @@ import torch
 
 from helpers import rel_fro, small_cfg
 from drift.sim import kernels, naive, native
-from drift.sim.twin import Float64Twin, prefill
+from drift.sim.twin import Float64Twin, prefill, window_positions
 from drift.sim.stream import InputStream, StreamParams, TrueTokens
 
 F64 = torch.float64
@@ -189,3 +189,29 @@ def test_the_batched_twin_is_the_stepped_twin_bit_for_bit(setup, path, monkeypat
     assert torch.equal(steps.marks[5][0][:, 0], want[5]["mark_state"][:, 0])
     assert torch.equal(steps.marks[5][1][:, 0], want[5]["mark_window"][:, 0])
     assert not torch.equal(steps.state[0], steps.state[1])  # the trajectory moves: equality is not vacuous
+
+
+def _window_positions_by_lists(accept, track, D, Km1):
+    """window_positions' definition, token by token in Python lists (the oracle)."""
+    n, R = accept.shape
+    seq_pos, track_pos = np.zeros((n + 1, R, Km1), np.int64), np.zeros((n, R, Km1), np.int64)
+    for r in range(R):
+        pos = list(range(Km1)) + [Km1 + j * D + t for j in range(n) for t in range(int(accept[j, r]))]
+        start = np.concatenate([[0], np.cumsum(accept[:, r])])
+        for j in range(n + 1):
+            seq_pos[j, r] = pos[start[j]:start[j] + Km1]
+        for j in range(n):
+            track_pos[j, r] = (list(seq_pos[j, r]) + [Km1 + j * D + t for t in range(int(track[j, r]) + 1)])[-Km1:]
+    return seq_pos, track_pos
+
+
+def test_window_positions_are_the_token_lists():
+    """The batched twin's window indices (numpy) against the token lists they stand for, over random
+    batches: rows that accept no token, untracked rows (-1), D = 1 and windows longer than a step."""
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        D, Km1, n, R = (int(rng.integers(lo, hi)) for lo, hi in ((1, 6), (1, 5), (1, 30), (1, 6)))
+        accept = rng.integers(0 if trial % 3 == 0 else 1, D + 1, (n, R)).astype(np.int64)
+        track = np.where(rng.random((n, R)) < 0.5, -1, rng.integers(0, D, (n, R))).astype(np.int64)
+        got, want = window_positions(accept, track, D, Km1), _window_positions_by_lists(accept, track, D, Km1)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), (trial, D, Km1, n, R)
