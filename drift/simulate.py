@@ -34,7 +34,7 @@ from .errors import ENDS_PROCESS, DriftError, UpdateRaised, ended_by_code, raise
 from .flows.registry import state_flow
 from .plug.adapter import output_problem
 from .runspec import Resolved
-from .sim import kernels
+from .sim import kernels, native
 from .sim.graph import GraphStatus, StepGraph
 from .sim.pool import StatePool
 from .sim.shim import kernels_in_use
@@ -105,9 +105,14 @@ def _slot_words(bits: torch.Tensor) -> torch.Tensor:
 
 
 def _changed_slots(now: torch.Tensor, before: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
-    """``[S]`` bool: the slots (dimension 1) in which the words ``now`` and ``before`` differ. The
-    comparison lands in ``flags`` (bool, their shape, contiguous), read eight flags at a time as
+    """``[S]`` bool: the slots (dimension 1) in which the words ``now`` and ``before`` differ. On plain
+    dense CPU tensors, the C kernel compares each slot's bytes layer by layer (``memcmp``, stopping at
+    a slot's first difference; drift.sim.native.changed_slots); elsewhere (a device, the virtual one)
+    the comparison lands in ``flags`` (bool, their shape, contiguous), read eight flags at a time as
     int64 where its shape allows: half the time of ``any()`` over the flags themselves."""
+    if (kernels.USE_NATIVE and kernels._host_indexed(now, before) and now.is_contiguous()
+            and before.is_contiguous() and native.available()):
+        return native.changed_slots(now, before)
     torch.ne(now, before, out=flags)
     flat = flags.flatten(2)
     if flat.shape[-1] % 8 == 0:

@@ -5,7 +5,9 @@ On the CPU the torch-op verify makes five passes over every float32 state per ve
 (decay, ``h k``, rank-1 update, ``h q``, store), each a separate tensor op. The C kernel in
 ``_native/gdn_verify.c`` makes one per state row, with each head's state kept in a float32
 scratch buffer across the D tokens, and is what lets ``drift run`` afford more decode steps.
-It computes the same thing: float32 arithmetic (summation order may differ, so results agree
+The same library holds the float64 twin's decode (one step, or a batch of steps in one call), the
+comparison's state metrics and the slot guard's byte comparison (:func:`changed_slots`).
+The verify kernel computes the same thing: float32 arithmetic (summation order may differ, so results agree
 to float32 rounding, not bit for bit), round-to-nearest-even stores that give the same bits
 as a torch cast of the same float32 value.
 
@@ -171,6 +173,8 @@ def _load() -> Optional[ctypes.CDLL]:
         lib.drift_decode_f64.restype = None
         lib.drift_decode_f64_steps.argtypes = [i64] * 7 + [c_int] + [ptr] * 13
         lib.drift_decode_f64_steps.restype = None
+        lib.drift_changed_slots.argtypes = [i64] * 3 + [ptr] * 3
+        lib.drift_changed_slots.restype = None
         lib.drift_state_metrics.argtypes = [i64, i64, i64, c_int, ptr, c_int, c_int, ptr, ptr, ptr, ptr]
         lib.drift_state_metrics.restype = None
         if not lib.drift_native_openmp():
@@ -332,6 +336,25 @@ def decode_f64_steps(state: torch.Tensor, num_tokens: torch.Tensor, q: torch.Ten
                                k.data_ptr(), v.data_ptr(), decay.data_ptr(), beta.data_ptr(), out.data_ptr(),
                                norms.data_ptr(), states_out.data_ptr() if states_out is not None else None,
                                first.data_ptr(), cap_steps.data_ptr(), cap_ptrs)
+
+
+def changed_slots(now: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """``[S]`` bool: the slots (dimension 1) of ``now`` and ``before`` (dense CPU tensors of one shape and
+    dtype, ``[L, S, ...]``) whose bytes differ in any layer (check :func:`available` first)."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the native kernels are {status()}")
+    for name, t in (("now", now), ("before", before)):
+        if type(t) is not torch.Tensor or t.device.type != "cpu" or not t.is_contiguous() or t.dim() < 2:
+            raise ValueError(f"native changed_slots: {name} must be a dense CPU tensor [L, S, ...]")
+    if now.shape != before.shape or now.dtype != before.dtype:
+        raise ValueError(f"native changed_slots: {tuple(now.shape)} {now.dtype} and {tuple(before.shape)} "
+                         f"{before.dtype} differ")
+    L, S = now.shape[:2]
+    flags = torch.empty(S, dtype=torch.bool)
+    nbytes = now[0, 0].numel() * now.element_size() if now.numel() else 0
+    lib.drift_changed_slots(L, S, nbytes, now.data_ptr(), before.data_ptr(), flags.data_ptr())
+    return flags
 
 
 def state_metrics(run: torch.Tensor, truth: torch.Tensor, mantissa_bits: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -472,3 +472,39 @@ def test_a_damaged_cached_library_is_rebuilt_never_loaded(tmp_path):
     lib.write_bytes(whole)
     (tmp_path / (lib.name + ".sha256")).unlink()  # a library with no record is not trusted either
     assert _fresh_status(tmp_path) == first and native._verified(lib)
+
+
+def test_changed_slots_flags_exactly_the_slots_whose_bytes_differ(monkeypatch):
+    """The slot guard's C comparison (native.changed_slots, what drift.simulate._changed_slots runs on
+    plain CPU tensors) against the torch path's word comparison: the same flags for single-byte
+    changes anywhere in a slot -- its first byte in the first layer, its last byte in the last layer
+    (after the early exit of every other slot) -- and for several slots at once; an unchanged copy
+    flags none."""
+    from drift.simulate import _changed_slots
+
+    gen = torch.Generator().manual_seed(3)
+    L, S, W = 3, 7, 40
+    before = torch.randint(-2 ** 62, 2 ** 62, (L, S, W), dtype=torch.int64, generator=gen)
+    cases = {"none": [], "first byte, first layer": [(0, 2, 0)], "last byte, last layer": [(L - 1, S - 1, 8 * W - 1)],
+             "several slots": [(1, 0, 17), (2, 4, 100), (0, 4, 3), (1, 6, 8 * W - 8)]}
+    for what, changes in cases.items():
+        now = before.clone()
+        raw = now.view(torch.uint8).view(L, S, 8 * W)
+        for l, s, byte in changes:
+            raw[l, s, byte] ^= 0x10
+        want = torch.zeros(S, dtype=torch.bool)
+        want[[s for _, s, _ in changes]] = True
+        got = native.changed_slots(now, before)
+        monkeypatch.setattr(kernels, "USE_NATIVE", False)
+        torch_path = _changed_slots(now, before, torch.empty(now.shape, dtype=torch.bool))
+        monkeypatch.setattr(kernels, "USE_NATIVE", True)
+        assert torch.equal(got, want) and torch.equal(torch_path, want), what
+        assert torch.equal(_changed_slots(now, before, torch.empty(now.shape, dtype=torch.bool)), want), what
+    bf16 = torch.zeros(L, S, 5, dtype=torch.bfloat16)  # a slot of 10 bytes: not whole words
+    changed = bf16.clone()
+    changed[L - 1, 3, 4] = 1.0
+    assert native.changed_slots(changed, bf16).nonzero().flatten().tolist() == [3]
+    with pytest.raises(ValueError, match="changed_slots"):
+        native.changed_slots(before, before[:, :-1].contiguous())
+    with pytest.raises(ValueError, match="dense CPU"):
+        native.changed_slots(before.transpose(0, 1), before.transpose(0, 1))

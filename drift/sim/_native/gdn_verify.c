@@ -643,6 +643,23 @@ void drift_state_metrics(int64_t items, int64_t K, int64_t V, int nthreads, cons
     metric_items(0, items, K, V, run, rdt, rp, truth, m, col, acc);
 }
 
+/* The slot guard's question on the CPU (drift.simulate.SlotGuard): flags[s] = 1 where slot s's bytes
+ * differ between now and before in any layer, else 0. Both dense [L, S, nbytes]: each slot's memory
+ * in a layer is one run of nbytes. A slot stops being compared at its first difference. */
+void drift_changed_slots(int64_t L, int64_t S, int64_t nbytes, const unsigned char *now,
+                         const unsigned char *before, unsigned char *flags) {
+    for (int64_t s = 0; s < S; ++s) {
+        flags[s] = 0;
+        for (int64_t l = 0; l < L; ++l) {
+            const int64_t off = (l * S + s) * nbytes;
+            if (memcmp(now + off, before + off, (size_t)nbytes) != 0) {
+                flags[s] = 1;
+                break;
+            }
+        }
+    }
+}
+
 int drift_native_openmp(void) {
 #ifdef _OPENMP
     return 1;
