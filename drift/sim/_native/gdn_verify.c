@@ -471,26 +471,6 @@ static void decode_items(int64_t w0, int64_t w1, int64_t R, int64_t D, int64_t H
     }
 }
 
-void drift_decode_f64(int64_t L, int64_t R, int64_t D, int64_t HV, int64_t K, int64_t V, int nthreads, double *state,
-                      const int64_t *ntok, const double *q, const double *k, const double *v, const double *dec,
-                      const double *beta, double *out, double *norms, int64_t ncap, const int64_t *cap_steps,
-                      double *const *cap_out) {
-    const int64_t items = L * R * HV;
-#ifdef _OPENMP
-    if (nthreads > 1) {
-#pragma omp parallel num_threads(nthreads)
-        {
-            const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
-            decode_items(items * tid / nt, items * (tid + 1) / nt, R, D, HV, K, V, state, ntok, q, k, v, dec, beta,
-                         out, norms, ncap, cap_steps, cap_out);
-        }
-        return;
-    }
-#endif
-    (void)nthreads;
-    decode_items(0, items, R, D, HV, K, V, state, ntok, q, k, v, dec, beta, out, norms, ncap, cap_steps, cap_out);
-}
-
 /* n steps of drift_decode_f64 at once (the comparison's batch of steps): step j's arrays are those
  * drift_decode_f64 takes, each at j times its per-step size (ntok at j * R; q, k at j * L R D HV K;
  * v, out at j * L R D HV V; dec, beta, norms at j * L R D HV). Each item runs its n steps in order
@@ -536,6 +516,16 @@ void drift_decode_f64_steps(int64_t n, int64_t L, int64_t R, int64_t D, int64_t 
     (void)nthreads;
     decode_steps_items(0, items, n, L, R, D, HV, K, V, state, ntok, q, k, v, dec, beta, out, norms, states_out,
                        cap_first, cap_steps, cap_out);
+}
+
+/* One step: drift_decode_f64_steps with n = 1 (its captures all at that step). */
+void drift_decode_f64(int64_t L, int64_t R, int64_t D, int64_t HV, int64_t K, int64_t V, int nthreads, double *state,
+                      const int64_t *ntok, const double *q, const double *k, const double *v, const double *dec,
+                      const double *beta, double *out, double *norms, int64_t ncap, const int64_t *cap_steps,
+                      double *const *cap_out) {
+    const int64_t cap_first[2] = {0, ncap};
+    drift_decode_f64_steps(1, L, R, D, HV, K, V, nthreads, state, ntok, q, k, v, dec, beta, out, norms, NULL,
+                           cap_first, cap_steps, cap_out);
 }
 
 /* ulp(x)^2 of the grid with p significant bits: x = m 2^e, m in [0.5, 1), ulp = 2^(e - p), built
