@@ -5,6 +5,7 @@
     python scripts/update_readme.py --help-only  # help texts, synopsis, checks table, design tables from their records (seconds)
     python scripts/update_readme.py --designs-only  # re-measure the design trade-off's 4,096-step column (minutes)
     python scripts/update_readme.py --design-nightly MERGED/report.json --machine "16-core x86_64, H200 host"
+    python scripts/update_readme.py --help      # this text; an unknown option is refused (exit 2)
 
 * drift/_help.py: every ``drift [CMD] --help`` text (drift/__main__.py answers --help from it
   without importing torch), from drift.cli's parser;
@@ -109,7 +110,18 @@ def measure_designs() -> None:
     atomic_write_json(ROOT / DESIGN_RECORD, design_record(design_tradeoff(cfg), cfg, datetime.date.today().isoformat()))
 
 
+OPTIONS = ("--design-nightly", "--machine", "--date", "--designs-only", "--measure", "--help-only")
+
+
 def main(argv: list[str]) -> int:
+    if "-h" in argv or "--help" in argv:  # this docstring, never a run (the default run measures for minutes)
+        print(__doc__)
+        return 0
+    unknown = [a for a in argv if a.startswith("-") and a not in OPTIONS]
+    if unknown:
+        print(f"update_readme.py: unknown option {unknown[0]}; the options are {', '.join(OPTIONS)} "
+              "(--help says what each does)", file=sys.stderr)
+        return 2
     if "--design-nightly" in argv:  # a merged nightly report of the design table, summarised and rendered
         import datetime
 

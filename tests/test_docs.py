@@ -81,3 +81,19 @@ def test_the_stated_test_count_is_the_suites(request):
                          timeout=900)
     assert doc_runs.sampled(run, res.stdout) == recorded["quiet"]["sample"], \
         "the stated test count is stale: " + FIX.format(names="collect")
+
+
+@pytest.mark.parametrize("argv,code", [(["--help"], 0), (["-h"], 0), (["--help-onyl"], 2)])
+def test_update_readme_answers_help_and_refuses_an_unknown_option_without_running(argv, code, monkeypatch, capsys):
+    """scripts/update_readme.py with no option measures for minutes and rewrites the docs: ``--help``
+    prints its docstring and a misspelt option is refused (exit 2), neither writing anything (every
+    writer and measurement is replaced by one that fails the test)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("update_readme.py wrote or measured something")
+
+    for name in ("atomic_write_text", "render_designs", "measure_designs", "measured_sections"):
+        monkeypatch.setattr(update_readme, name, refuse)
+    monkeypatch.setattr(update_readme.doc_runs, "measure", refuse)
+    assert update_readme.main(argv) == code
+    out, err = capsys.readouterr()
+    assert ("--help-only" in out and "--designs-only" in out) if code == 0 else ("unknown option --help-onyl" in err)
