@@ -1,5 +1,7 @@
-"""drift.sim.native: the C kernel behind kernels.recurrent_gated_delta_rule on the CPU (ABI 2),
-against the float64 definition and the torch-op path.
+"""drift.sim.native: the C kernel behind kernels.recurrent_gated_delta_rule on the CPU, against the
+float64 definition and the torch-op path; and the library's other entries: the float64 twin's decode
+(one step against its numpy replay, a batch of steps against its steps one by one) and the slot
+guard's byte comparison (against the torch path's).
 
 Cases are VerifyArgs of SGLang's form (dense ``[.., V, K]`` blocks, the scratch
 ``[L, rows + 1, D, HV, V, K]`` addressed by flat block ``row * D + step``), some rows continuing
