@@ -198,16 +198,13 @@ class Float64Twin:
                           norm2=buf["norm2"][:n], out=buf["out"][:n],
                           delta=buf["delta"][:n] if keep_deltas else None, key=k if keep_deltas else None)
         tracked = (np.asarray(track) >= 0).any(1)
-        if on_step is None and not keep_deltas and self._steps_native(steps, q, k, v, decay, beta, accept, track,
-                                                                       marks, windows, x, keep_states):
-            n_last = n - 1
-            self.decay, self.beta, self.q_sq, self.norm2 = (decay[n_last], beta[n_last], steps.q_sq[n_last],
-                                                            steps.norm2[n_last])
-            self.out, self.track_window = steps.out[n_last], track_windows[n_last]
-            self.window = windows[:, n].clone()
-            self.track_window = self.track_window.clone()
-            return steps
-        for j in range(n):
+        one_call = on_step is None and not keep_deltas and self._steps_native(
+            steps, q, k, v, decay, beta, accept, track, marks, windows, x, keep_states)
+        if one_call:  # the attributes the loop's last step leaves
+            last = n - 1
+            self.decay, self.beta, self.q_sq, self.norm2 = decay[last], beta[last], steps.q_sq[last], steps.norm2[last]
+            self.out, self.track_window = steps.out[last], track_windows[last]
+        for j in range(0 if one_call else n):  # step by step where the one call did not run
             self.decay, self.beta, self.q_sq, self.norm2 = decay[j], beta[j], steps.q_sq[j], steps.norm2[j]
             take = torch.from_numpy(accept[j]).to(dev)
             mark = marks[j]
@@ -225,10 +222,7 @@ class Float64Twin:
                 steps.tracked[j] = (rows_j, self.track_state.index_select(1, rows_j))
             self.track_window = track_windows[j]
             if mark is not None and (np.asarray(mark) >= 0).any():
-                tw = _advance_window(windows[:, j], x[j], torch.from_numpy(np.maximum(mark, 0) + 1).to(dev))
-                sel = torch.from_numpy(np.asarray(mark) >= 0).to(dev)[None, :, None, None]
-                self.mark_window = torch.where(sel, tw, self.mark_window)
-                steps.marks[j] = (self.mark_state.clone(), self.mark_window.clone())
+                self._keep_mark(steps, j, np.asarray(mark), windows, x)
             self.window = windows[:, j + 1]
             if on_step is not None:
                 on_step(j)
@@ -254,20 +248,27 @@ class Float64Twin:
         if not kernels.gdn_decode_steps(self.state, q, k, v, decay, beta, torch.from_numpy(accept), steps.out,
                                         steps.norm2, steps.state if keep_states else None, captures):
             return False
-        dev = self.device
-        for i, (j, tok, kind) in sorted(enumerate(wanted), key=lambda e: (e[1][0], e[1][2] == "mark")):
-            rows = torch.from_numpy(np.nonzero(tok >= 0)[0]).to(dev)
-            picked = caps[i].index_select(1, rows)
+        # Track and mark captures are independent; each kind is written back in step order, as the loop does.
+        for (j, tok, kind), cap in zip(wanted, caps):
+            rows = torch.from_numpy(np.nonzero(tok >= 0)[0]).to(self.device)
+            picked = cap.index_select(1, rows)
             if kind == "track":
                 self.track_state.index_copy_(1, rows, picked)
                 steps.tracked[j] = (rows, picked)
             else:
                 self.mark_state.index_copy_(1, rows, picked)
-                tw = _advance_window(windows[:, j], x[j], torch.from_numpy(np.maximum(tok, 0) + 1).to(dev))
-                sel = torch.from_numpy(tok >= 0).to(dev)[None, :, None, None]
-                self.mark_window = torch.where(sel, tw, self.mark_window)
-                steps.marks[j] = (self.mark_state.clone(), self.mark_window.clone())
+                self._keep_mark(steps, j, tok, windows, x)
         return True
+
+    def _keep_mark(self, steps: "TwinSteps", j: int, mark: np.ndarray, windows: torch.Tensor,
+                   x: torch.Tensor) -> None:
+        """After step j's mark capture: each marked row's window at its mark (after token ``mark[r]``), and
+        the step's ``(mark_state, mark_window)`` kept in ``steps.marks``."""
+        dev = self.device
+        tw = _advance_window(windows[:, j], x[j], torch.from_numpy(np.maximum(mark, 0) + 1).to(dev))
+        sel = torch.from_numpy(mark >= 0).to(dev)[None, :, None, None]
+        self.mark_window = torch.where(sel, tw, self.mark_window)
+        steps.marks[j] = (self.mark_state.clone(), self.mark_window.clone())
 
     def _capture_buffers(self, count: int) -> torch.Tensor:
         """``[count, L, R, HV, V, K]`` float64 capture targets, kept between batches (grown as needed)."""
