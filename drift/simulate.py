@@ -110,8 +110,7 @@ def _changed_slots(now: torch.Tensor, before: torch.Tensor, flags: torch.Tensor)
     a slot's first difference; drift.sim.native.changed_slots); elsewhere (a device, the virtual one)
     the comparison lands in ``flags`` (bool, their shape, contiguous), read eight flags at a time as
     int64 where its shape allows: half the time of ``any()`` over the flags themselves."""
-    if (kernels.USE_NATIVE and kernels._host_indexed(now, before) and now.is_contiguous()
-            and before.is_contiguous() and native.available()):
+    if kernels.native_takes(now, before):
         return native.changed_slots(now, before)
     torch.ne(now, before, out=flags)
     flat = flags.flatten(2)

@@ -57,6 +57,13 @@ def _host_indexed(*tensors: torch.Tensor) -> bool:
     return HOST_INDEX_PATHS and all(type(t) is torch.Tensor and t.device.type == "cpu" for t in tensors)
 
 
+def native_takes(*tensors: torch.Tensor) -> bool:
+    """Whether drift's C kernels (:mod:`drift.sim.native`) can work on ``tensors`` directly: they are on,
+    built, and every tensor is a plain dense CPU tensor (its raw memory is what they read and write)."""
+    return (USE_NATIVE and _host_indexed(*tensors) and all(t.is_contiguous() for t in tensors)
+            and native.available())
+
+
 # -------------------------------------------------------------- input stages
 def quantize_mix(x: torch.Tensor) -> torch.Tensor:
     """float64 conv output -> the op's ``mix_qkv``: rounded to fp32 (the conv op's accumulator),
@@ -746,9 +753,7 @@ def gdn_decode_steps(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     (step j, host token indices ``[R]``, out ``[L, R, HV, V, K]``). Returns False, having done nothing,
     where the C kernel does not take the call (then step :func:`gdn_decode`)."""
     buffers = [state, q, k, v, decay, beta, out, norms] + ([states_out] if states_out is not None else [])
-    if not (USE_NATIVE and _host_indexed(*buffers) and native.available()):
-        return False
-    if not all(t.dtype == F64 and t.is_contiguous() for t in buffers + [c for _, _, c in captures]):
+    if not (native_takes(*buffers, *(c for _, _, c in captures)) and all(t.dtype == F64 for t in buffers)):
         return False
     native.decode_f64_steps(state, num_tokens.to(torch.int64).contiguous(), q, k, v, decay,
                             beta, out, norms, states_out,
