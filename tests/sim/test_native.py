@@ -481,7 +481,7 @@ def test_changed_slots_flags_exactly_the_slots_whose_bytes_differ(monkeypatch):
     plain CPU tensors) against the torch path's word comparison: the same flags for single-byte
     changes anywhere in a slot -- its first byte in the first layer, its last byte in the last layer
     (after the early exit of every other slot) -- and for several slots at once; an unchanged copy
-    flags none."""
+    flags none. On plain CPU tensors _changed_slots must take the C kernel (a spy counts the call)."""
     from drift.simulate import _changed_slots
 
     gen = torch.Generator().manual_seed(3)
@@ -501,7 +501,12 @@ def test_changed_slots_flags_exactly_the_slots_whose_bytes_differ(monkeypatch):
         torch_path = _changed_slots(now, before, torch.empty(now.shape, dtype=torch.bool))
         monkeypatch.setattr(kernels, "USE_NATIVE", True)
         assert torch.equal(got, want) and torch.equal(torch_path, want), what
+        calls = []
+        real = native.changed_slots
+        monkeypatch.setattr(native, "changed_slots", lambda *a: calls.append(1) or real(*a))
         assert torch.equal(_changed_slots(now, before, torch.empty(now.shape, dtype=torch.bool)), want), what
+        assert calls == [1], "the slot guard's comparison did not take the C kernel on plain CPU tensors"
+        monkeypatch.setattr(native, "changed_slots", real)
     bf16 = torch.zeros(L, S, 5, dtype=torch.bfloat16)  # a slot of 10 bytes: not whole words
     changed = bf16.clone()
     changed[L - 1, 3, 4] = 1.0
