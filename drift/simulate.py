@@ -142,6 +142,7 @@ class SlotGuard:
         self._flags_t = torch.empty(self._t_words.shape, dtype=torch.bool, device=pool.device)
         self._flags_c = torch.empty(self._c_words.shape, dtype=torch.bool, device=pool.device)
         S = pool.temporal.shape[1]
+        self._stored: Optional[np.ndarray] = None  # [S] bool: the slots the verify kernel stores to
         self.keep(kernel_slots)
         # [call, step, slot]: call 0 the verify kernel, 1 the update (untouched slots)
         self.violations = torch.zeros(len(self.CALLS), capacity, S, dtype=torch.bool, device=pool.device)
@@ -153,7 +154,13 @@ class SlotGuard:
         all of them (``_kept`` None), or an index (it stores in place). Every conv window is kept (the conv
         verify runs before the kernel). A churning lifecycle calls it again whenever the batch changes."""
         S = self.pool.temporal.shape[1]
-        kept = np.setdiff1d(np.arange(S), np.asarray(kernel_slots if kernel_slots is not None else [], np.int64))
+        slots = np.asarray(kernel_slots if kernel_slots is not None else [], np.int64)
+        stored = np.zeros(S, bool)
+        stored[slots[(slots >= 0) & (slots < S)]] = True
+        if self._stored is not None and np.array_equal(stored, self._stored):
+            return  # called at every step of a churning lifecycle; the batch's blocks rarely change
+        self._stored = stored
+        kept = np.flatnonzero(~stored)  # ascending, as the index_select and index_copy_ below take them
         self._kept = None if len(kept) == S else torch.from_numpy(kept.astype(np.int64)).to(self.pool.device)
         self._kept_t = None if self._kept is None else self._t_words.index_select(1, self._kept)
         self._flags_k = None if self._kept is None else torch.empty(self._kept_t.shape, dtype=torch.bool,

@@ -220,6 +220,29 @@ def test_slot_guard_records_a_captured_steps_index_as_a_host_one():
     assert flags[0][1].nonzero().flatten().tolist() == [int(sim.pool.spare_slots[0])]  # the update
 
 
+def test_slot_guard_follows_the_kernels_slots_as_the_batch_changes():
+    """Under a churning lifecycle the guard is told the verify kernel's slots at every step (``keep``) and
+    reuses what it built while they stay the same: a write to a slot is the kernel's to make exactly while
+    that slot is in the latest set given, whatever the sets before it."""
+    sim = Simulation(resolve(small_cfg(4)))
+    g, owned = sim.guard, int(sim.pool.active_slots[0])
+    touched = torch.zeros(sim.pool.temporal.shape[1], dtype=torch.bool)
+
+    def kernel_flags(kernel_slots, value):
+        g.keep(kernel_slots)
+        g.before_verify()
+        raw_state(sim.pool.temporal)[0, owned] = value  # as a verify storing in place would
+        g.before()
+        g.after(0, touched)
+        flags = g.violations[0, 0].nonzero().flatten().tolist()
+        g.violations.zero_()
+        return flags
+
+    sets = ([owned], [owned], np.zeros(0, np.int64), np.zeros(0, np.int64), [owned, owned], None, [owned])
+    got = [kernel_flags(np.asarray(s) if s is not None else None, 1.0 + i) for i, s in enumerate(sets)]
+    assert got == [[], [], [owned], [owned], [], [owned], []]
+
+
 def test_slot_guard_names_the_update_when_only_it_wrote():
     sim = run_sim(small_cfg(6), bad_spec("write_dummy_conv"))
     assert sim.info.untouched_violation["call"] == "update"
