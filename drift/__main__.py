@@ -11,6 +11,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from .mkl import mkl_defaults
 from .openmp import openmp_defaults
 
 HELP_FLAGS = ("-h", "--help")
@@ -46,6 +47,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sys.stdout.write(text)
         return 0
     openmp_defaults()
+    mkl_defaults()
     try:
         from .cli import main as cli_main  # imports torch: seconds, and a Ctrl-C may land here
     except KeyboardInterrupt:

@@ -26,6 +26,10 @@ OpenMP: the ``drift`` command's defaults (drift/openmp.py), applied when pytest 
 plugin, before the imports below load torch: ``OMP_WAIT_POLICY=PASSIVE`` unless set, inherited by
 pytest-xdist's workers (each imports this plugin afresh); where torch was imported before the
 plugin, one intra-op thread instead. pytest's header says which.
+
+MKL: in drift's sessions only (``--pyargs drift``, or a ``--drift-*`` run option), its code path pinned to
+``MKL_CBWR=COMPATIBLE`` unless set (drift/mkl.py: the same figures on an Intel and an AMD runner), at
+configure time, before any test computes; the header says what was done.
 """
 
 from __future__ import annotations
@@ -35,9 +39,11 @@ from dataclasses import replace
 
 import pytest
 
+from drift.mkl import mkl_defaults
 from drift.openmp import openmp_defaults
 
 OPENMP = openmp_defaults()  # first: the imports below load torch and its OpenMP runtime
+MKL = "not pinned: not drift's session (pytest --pyargs drift, or a --drift-* option)"  # pytest_configure
 
 
 def rewrite_only_the_gate() -> bool:
@@ -103,6 +109,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
+    global MKL
+    if _drifts_session(config):  # before any test computes (MKL reads its mode when it first runs)
+        MKL = mkl_defaults()
     trace = config.getoption(dest(PREFIX, "trace"), None)
     if trace:  # a bad trace, or one too short for --drift-steps: one usage error now, not one per test
         try:
@@ -136,10 +145,16 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     config = session.config
     if hasattr(config, "workerinput") or not _distributed(config):
         return
+    if _drifts_session(config):
+        _preflight(config, config.getoption(dest(PREFIX, "update")) or [DEFAULTS["update"]])
+
+
+def _drifts_session(config: pytest.Config) -> bool:
+    """Whether this session runs drift's tests: ``--pyargs drift``, or any --drift-* run option given (a
+    plugin loaded into another project's session, which asks for neither, changes nothing there)."""
     given = any(config.getoption(dest(PREFIX, name), None) not in (None, False, [], DEFAULTS.get(name))
                 for name in RUN_OPTIONS)
-    if given or (config.getoption("pyargs", False) and "drift" in config.args):
-        _preflight(config, config.getoption(dest(PREFIX, "update")) or [DEFAULTS["update"]])
+    return given or bool(config.getoption("pyargs", False) and "drift" in config.args)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -171,8 +186,9 @@ def pytest_runtest_call(item: pytest.Item):
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    """Which GDN verify the CPU runs (the native C kernel, or why the torch-op path); OpenMP's defaults."""
-    return [f"drift: CPU GDN verify: {native.status()}", f"drift: OpenMP: {OPENMP}"]
+    """Which GDN verify the CPU runs (the native C kernel, or why the torch-op path); OpenMP's defaults;
+    MKL's code path (drift/mkl.py)."""
+    return [f"drift: CPU GDN verify: {native.status()}", f"drift: OpenMP: {OPENMP}", f"drift: MKL: {MKL}"]
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

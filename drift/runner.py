@@ -19,6 +19,7 @@ from .check.registry import CHECKS, RunContext
 from .check.result import CheckResult
 from .config import Config
 from .errors import ENDS_PROCESS, ConfigError, DriftError, LoadError, ended_by_code, raised_at, what_raised
+from .mkl import mkl_mode
 from .openmp import run_threads
 from .runspec import Resolved
 from .sim.shim import kernels_in_use
@@ -66,7 +67,7 @@ TIMINGS = ("wall_s", "steps_per_s", "pace")
 
 def versions() -> dict:
     return {"drift": __version__, "torch": torch.__version__, "numpy": np.__version__,
-            "python": platform.python_version()}
+            "python": platform.python_version(), "mkl": mkl_mode()}
 
 
 class CheckedRun:

@@ -10,7 +10,12 @@ import os
 import pytest
 import torch
 
+from drift.mkl import mkl_defaults
 from drift.sim.shim import sgl_kernels
+
+# drift's own suite compares figures recorded on other machines: MKL on the one code path every x86 CPU
+# shares (drift/mkl.py), as drift's own command and gate sessions take it. Before any test computes.
+mkl_defaults()
 
 # Under pytest-xdist every core runs a worker; torch's own intra-op threads on top would
 # oversubscribe the cores (OpenMP threads spinning against the other workers' processes). The

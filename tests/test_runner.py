@@ -41,4 +41,4 @@ def test_report_dict_is_strict_json():
     assert c["worst"] is None and c["limit"] is None
     assert c["bound"] == {"worst_ratio_per_head": [[None, 1.0]], "growth": [None]}
     assert d["schema"] == 1 and d["verdict"] == "fail" and d["run"]["steps_per_s"] is None
-    assert set(d["versions"]) == {"drift", "torch", "numpy", "python"}
+    assert set(d["versions"]) == {"drift", "torch", "numpy", "python", "mkl"}

@@ -161,6 +161,47 @@ def test_the_gate_takes_one_openmp_thread_where_torch_was_imported_before_it(tmp
     assert ("1 intra-op thread" in run.stdout) == (policy is None), run.stdout[:2000]
 
 
+# A test that records, in the process that runs it, MKL's code path and what the environment says of it.
+MKL_PROBE = """
+import json, os, torch
+from drift.mkl import mkl_mode
+def test_probe():
+    a = torch.ones(16, 16); a @ a
+    with open(os.environ["PROBE_OUT"], "a") as f:
+        f.write(json.dumps({"worker": os.environ.get("PYTEST_XDIST_WORKER"), "env": os.environ.get("MKL_CBWR"),
+                            "mode": mkl_mode()}) + "\\n")
+"""
+
+
+@pytest.mark.parametrize("session, users, pinned", [
+    (["test_probe.py"], None, False),  # another project's session: its numbers are its own
+    (["test_probe.py", "--drift-steps", "8"], None, True),  # a drift option makes it drift's
+    (["test_probe.py", "--drift-steps", "8", "-n", "1"], None, True),  # and its xdist worker's
+    (["test_probe.py", "--drift-steps", "8"], "AVX2", False),  # the user's choice stands
+], ids=["other-project", "drift-option", "drift-option-xdist", "the-users-choice"])
+def test_the_plugin_pins_mkl_in_drifts_sessions_only(tmp_path, session, users, pinned):
+    """drift's pytest sessions run MKL on the code path every x86 CPU shares (drift/mkl.py), set before any
+    test computes and reaching xdist's workers; a session that is not drift's, where the plugin is merely
+    installed, keeps MKL's own choice, and so does a user who set MKL_CBWR."""
+    (tmp_path / "test_probe.py").write_text(MKL_PROBE)
+    env = {k: v for k, v in os.environ.items() if k not in ("MKL_CBWR", "PYTEST_ADDOPTS")
+           and not k.startswith("PYTEST_XDIST_")}
+    env.update({"PROBE_OUT": str(tmp_path / "probe.jsonl")}, **({"MKL_CBWR": users} if users else {}))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *session], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    import json
+
+    [probe] = [json.loads(line) for line in (tmp_path / "probe.jsonl").read_text().splitlines()]
+    assert probe["worker"] == ("gw0" if "-n" in session else None)
+    if probe["mode"] == "none":  # a torch without MKL: nothing to pin, the environment still says it
+        assert probe["env"] == ("COMPATIBLE" if pinned else users)
+    elif pinned:
+        assert probe == {**probe, "env": "COMPATIBLE", "mode": "COMPATIBLE"}
+    else:
+        assert probe["env"] == users and probe["mode"] == (users or "AUTO"), probe
+
+
 FAKE_LEGACY = FIXTURES / "fake_legacy_npu_op.py"
 
 
