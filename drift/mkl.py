@@ -1,15 +1,17 @@
 """MKL's code path, pinned to one for every x86 CPU: the same figures on an Intel and an AMD runner.
 
 torch's x86 builds link Intel MKL, which picks a code path for the CPU it finds (``MKL_CBWR=AUTO``): AVX-512
-on an Intel Xeon, a generic path on an AMD EPYC. The paths sum in different orders, so a product drift
-computes -- a commit fold's batched contraction (drift/flows/: ``contract``), the float64 einsums of the
-golden check -- differs in its last bits from one CPU to the other, and a bf16 state
+on an Intel Xeon, a generic path on an AMD EPYC. It is more than matrix products: torch's ``exp`` on a
+contiguous CPU tensor runs MKL's vector math, whose float64 and float32 results differ bit for bit between
+its AVX-512, AVX2 and COMPATIBLE paths (65,536 values, 2026-12-07), as do its batched products (``bmm``: a
+commit fold's contraction, the golden check's einsums). Every exp drift takes -- the conv's SiLU, the
+gating, the twin's decay -- then differs in its last bits from one CPU to the other, and a bf16 value
 rounded from it can land on the other side of a rounding boundary. Over 4,096 steps that moved figures by
 up to 1% on one machine (2026-12-07, a Xeon with AVX-512 and AMX): the ReplaySSM design row's worst
 drift/bound 0.7408 on its AVX-512 path and 0.7477 on its AVX2 path against 0.7399 recorded on the CI's
-machines (docs/design_tradeoff.json, row 0); the default run's output error 0.01596 against 0.01629. ``MKL_CBWR=COMPATIBLE`` (MKL's
-conditional numerical reproducibility, one code path on every x86 CPU) gave 0.7399 there, the recorded
-figure, with no measurable cost in a default run (17.0 s against 17.2 s).
+machines (docs/design_tradeoff.json, row 0); the default run's output error 0.01596 against 0.01629.
+``MKL_CBWR=COMPATIBLE`` (MKL's conditional numerical reproducibility, one code path on every x86 CPU)
+gave 0.7399 there, the recorded figure, with no measurable cost in a default run (17.0 s against 17.2 s).
 
 Applied by the ``drift`` command (drift/__main__.py) and by drift's pytest sessions (drift/pytest_plugin.py:
 ``pytest --pyargs drift``, or any ``--drift-*`` option), never to another project's tests: it changes the
