@@ -40,7 +40,11 @@ import torch
 
 SOURCE = Path(__file__).resolve().parent / "_native" / "gdn_verify.c"
 ABI = 5  # drift_native_abi() of the source this module drives
-FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=c99", "-lm"]
+# -ffp-contract=off: each multiply and add rounds on its own, as the source writes them, whatever the
+# compiler's default. GCC contracts nothing in ISO C mode (-std=c99), but clang fuses a*b + c into one FMA
+# by default ("on"): built with -ffp-contract=fast, a 512-step default run's report.json differed in 1,075
+# fields from GCC's (2026-12-07), so the figures would have depended on which compiler $CC names.
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=c99", "-lm"]
 OPENMP = "-fopenmp"  # tried first; without it the kernel runs on one thread
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 

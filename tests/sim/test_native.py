@@ -255,6 +255,45 @@ def test_the_float64_decode_is_its_documented_arithmetic_bit_for_bit(K, V):
     assert not np.array_equal(out.numpy(), other[1]) and not np.array_equal(got.numpy(), other[0])
 
 
+def _cpu_has_fma() -> bool:
+    cpuinfo = "/proc/cpuinfo"
+    return os.path.exists(cpuinfo) and any(line.startswith("flags") and " fma " in f" {line.split(':', 1)[-1]} "
+                                           for line in open(cpuinfo))
+
+
+@pytest.mark.parametrize("contract", ["off", "fast"])
+def test_the_build_keeps_every_multiply_and_add_rounding_on_its_own(tmp_path, contract):
+    """native.FLAGS holds -ffp-contract=off, so the library's arithmetic is the source's whatever the compiler's
+    default (clang fuses ``a*b + c`` into one FMA unless told). A library built from the shipped flags (in a
+    fresh process, its own cache) is the documented arithmetic bit for bit; the same flags with contraction
+    forced on (``fast``) are not, on a CPU with FMA: the figures would follow the compiler."""
+    code = ("import sys, numpy as np, torch\n"
+            "from drift.sim import native\n"
+            f"native.FLAGS = [f.replace('-ffp-contract=off', '-ffp-contract={contract}') for f in native.FLAGS]\n"
+            "gen = torch.Generator().manual_seed(11)\n"
+            "L, R, D, HV, K, V = 2, 3, 4, 2, 32, 20\n"
+            "F64 = torch.float64\n"
+            "state = torch.randn(L, R, HV, V, K, dtype=F64, generator=gen) * 0.3\n"
+            "q = torch.randn(L, R, D, HV, K, dtype=F64, generator=gen) * K ** -0.5\n"
+            "k = torch.nn.functional.normalize(torch.randn(L, R, D, HV, K, dtype=F64, generator=gen), dim=-1)\n"
+            "v = torch.randn(L, R, D, HV, V, dtype=F64, generator=gen)\n"
+            "decay, beta = (torch.rand(L, R, D, HV, dtype=F64, generator=gen) for _ in range(2))\n"
+            "inputs = (state.clone(), q, k, v, decay, beta)\n"
+            "out, norms = torch.empty_like(v), torch.empty_like(decay)\n"
+            "native.decode_f64(state, [4, 1, 3], q, k, v, decay, beta, out, norms, [])\n"
+            "assert native.status().startswith('native C kernel'), native.status()\n"
+            "np.savez(sys.argv[1], *[t.numpy() for t in inputs], state.numpy(), out.numpy())\n")
+    saved = tmp_path / "decode.npz"
+    res = subprocess.run([sys.executable, "-c", code, str(saved)], env={**os.environ, "DRIFT_CACHE_DIR": str(tmp_path)},
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    with np.load(saved, allow_pickle=False) as z:
+        state0, q, k, v, decay, beta, got_state, got_out = (torch.from_numpy(z[f"arr_{i}"]) for i in range(8))
+    ref_state, ref_out, _, _ = _decode_f64_arithmetic(state0, [4, 1, 3], q, k, v, decay, beta, [-1, -1, -1])
+    same = np.array_equal(got_state.numpy(), ref_state) and np.array_equal(got_out.numpy(), ref_out)
+    assert same == (contract == "off" or not _cpu_has_fma())
+
+
 def _steps_case(n=5, L=2, R=3, D=4, HV=2, K=32, V=20, seed=12):
     """n steps of the twin's decode inputs (float64, each step's shapes as decode_f64 takes them)."""
     gen = torch.Generator().manual_seed(seed)
