@@ -28,6 +28,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from drift.mkl import mkl_defaults  # noqa: E402  (imports no torch)
+
+mkl_defaults()  # MKL's pinned path in this process and its workers (they inherit the environment): drift/mkl.py
+
 CASES = {
     "mtp-rne": dict(mode="mtp", rounding="rne"),
     "mtp-stochastic": dict(mode="mtp", rounding="stochastic"),

@@ -32,6 +32,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from drift.mkl import mkl_defaults  # noqa: E402
+
+mkl_defaults()  # the figures it records are MKL's pinned path, as drift's command computes them (drift/mkl.py)
+
 import drift.check  # noqa: E402,F401  (registers the checks)
 from drift.check.registry import checks_markdown  # noqa: E402
 from drift.cli import help_texts, synopsis_markdown  # noqa: E402
