@@ -150,11 +150,13 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 def _drifts_session(config: pytest.Config) -> bool:
-    """Whether this session runs drift's tests: ``--pyargs drift``, or any --drift-* run option given (a
-    plugin loaded into another project's session, which asks for neither, changes nothing there)."""
+    """Whether this session runs drift's tests: ``--pyargs drift`` (or a module of it, ``drift.test_gate``),
+    or any --drift-* run option given (a plugin loaded into another project's session, which asks for
+    neither, changes nothing there)."""
     given = any(config.getoption(dest(PREFIX, name), None) not in (None, False, [], DEFAULTS.get(name))
                 for name in RUN_OPTIONS)
-    return given or bool(config.getoption("pyargs", False) and "drift" in config.args)
+    named = any(a == "drift" or a.startswith(("drift.", "drift::")) for a in config.args)
+    return given or bool(config.getoption("pyargs", False) and named)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -202,6 +202,25 @@ def test_the_plugin_pins_mkl_in_drifts_sessions_only(tmp_path, session, users, p
         assert probe["env"] == users and probe["mode"] == (users or "AUTO"), probe
 
 
+@pytest.mark.parametrize("args, pyargs, drifts", [
+    (["drift"], True, True), (["drift.test_gate"], True, True), (["drift::test_gate.py"], True, True),
+    (["drift"], False, False),  # a folder named drift, not the package
+    (["drifter"], True, False), (["tests"], True, False), ([], False, False),
+])
+def test_a_session_is_drifts_when_it_names_drifts_package(args, pyargs, drifts):
+    """What the MKL pin and the xdist preflight key on (``--drift-*`` options: the live test above)."""
+    from drift import pytest_plugin
+
+    class Config:
+        def __init__(self):
+            self.args = args
+
+        def getoption(self, name, default=None):
+            return pyargs if name == "pyargs" else default
+
+    assert pytest_plugin._drifts_session(Config()) is drifts
+
+
 FAKE_LEGACY = FIXTURES / "fake_legacy_npu_op.py"
 
 
