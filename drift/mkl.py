@@ -23,6 +23,7 @@ where torch was imported and MKL ran before drift could set it, the mode cannot 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 from typing import Optional
@@ -39,7 +40,11 @@ _NAMES = {1: "AUTO", 2: "AUTO", 3: "COMPATIBLE", 4: "SSE2", 6: "SSSE3", 7: "SSE4
 
 def _mkl(torch_module) -> Optional[ctypes.CDLL]:
     """torch's own MKL (its x86 builds link it into libtorch_cpu), or None where this torch has none."""
-    lib_dir = os.path.join(os.path.dirname(getattr(torch_module, "__file__", "") or ""), "lib")
+    return _mkl_in(os.path.join(os.path.dirname(getattr(torch_module, "__file__", "") or ""), "lib"))
+
+
+@functools.lru_cache(maxsize=None)
+def _mkl_in(lib_dir: str) -> Optional[ctypes.CDLL]:
     for name in ("libtorch_cpu.so", "libtorch_cpu.dylib", "torch_cpu.dll"):
         path = os.path.join(lib_dir, name)
         if os.path.exists(path):
@@ -79,6 +84,7 @@ def mkl_defaults(environ=os.environ, modules=sys.modules) -> str:
 
 
 def _apply(modules) -> str:
+    """Tell MKL in this process too, where torch (and so MKL) is loaded already; the line to report."""
     torch_module = modules.get("torch")
     if torch_module is None:
         return f"{ENV}={PINNED}"
