@@ -80,3 +80,22 @@ def test_where_torch_was_imported_first_mkl_is_told_in_the_process_unless_it_alr
         assert "before starting Python" in got["said"]
     else:
         assert got == {"said": "MKL_CBWR=COMPATIBLE", "mode": "COMPATIBLE", "env": "COMPATIBLE"}
+
+
+@pytest.mark.parametrize("mode, warned", [("AUTO", True), ("AVX2,STRICT", True), ("COMPATIBLE", False),
+                                          ("none", False)])
+def test_a_run_off_the_pinned_path_says_so_in_its_summary_and_report(monkeypatch, mode, warned):
+    """A run whose MKL took another path than drift pins (the user's MKL_CBWR, or MKL ran before the pin)
+    says so under its header and in report.md, so its figures are not read against a record made on the
+    pinned path; on the pinned path, or without MKL, nothing is added."""
+    from drift.config import preset
+    from drift.jobs.report import summary_markdown, summary_text
+    from drift.runner import run_checked
+    from drift.runspec import resolve
+
+    monkeypatch.setattr("drift.runner.mkl_mode", lambda: mode)
+    rep = run_checked(resolve(preset("ci-small", steps=16)), sync_scan=False)
+    assert rep.to_dict()["versions"]["mkl"] == mode
+    line = f"MKL: {mode}, not COMPATIBLE"
+    assert (line in summary_text(rep)) == warned and (line in summary_markdown(rep)) == warned
+    assert ("MKL:" in summary_text(rep) + summary_markdown(rep)) == warned

@@ -82,6 +82,15 @@ def _options_text(cfg: dict) -> str:
     return (", flow options " + " ".join(f"--{n} {v}" for n, v in opts)) if opts else ""
 
 
+def mkl_warning(versions: dict) -> str:
+    """A line when the run's MKL took another path than the one drift pins (drift/mkl.py), else ''."""
+    mode = versions.get("mkl")
+    if mode in (None, "none", "COMPATIBLE"):
+        return ""
+    return (f"MKL: {mode}, not COMPATIBLE (MKL_CBWR was set, or MKL ran before drift could pin it): figures "
+            "may differ from another CPU's and from drift's records (docs/reliability.md)")
+
+
 def summary_text(rep) -> str:
     d = rep.to_dict()
     run, cfg = d["run"], d["config"]
@@ -93,6 +102,8 @@ def summary_text(rep) -> str:
             f"lifecycle {lifecycle_text(run, cfg)}\n"
             f"reference: {d['reference']}; {run['wall_s']:.1f} s "
             f"({run['steps_per_s']} steps/s)")
+    if mkl_warning(d["versions"]):
+        head += "\n" + mkl_warning(d["versions"])
     body = table(CHECK_HEADER, check_rows(rep.checks))
     verdict = "PASS: every check passed" if rep.passed else "FAIL: " + ", ".join(
         c.name for c in rep.checks if c.failed)
@@ -118,6 +129,7 @@ def summary_markdown(rep) -> str:
         f"- lifecycle {lifecycle_text(run, cfg)}",
         f"- reference: {d['reference']}",
         f"- wall time {run['wall_s']:.1f} s ({run['steps_per_s']} steps/s){_pace_text(run.get('pace'))}",
+        *([f"- {mkl_warning(d['versions'])}"] if mkl_warning(d["versions"]) else []),
         "",
         "## Checks",
         "",
