@@ -87,8 +87,9 @@ def mkl_warning(versions: dict) -> str:
     mode = versions.get("mkl")
     if mode in (None, "none", "COMPATIBLE"):
         return ""
-    return (f"MKL: {mode}, not COMPATIBLE (MKL_CBWR was set, or MKL ran before drift could pin it): figures "
-            "may differ from another CPU's and from drift's records (docs/reliability.md)")
+    return (f"MKL: {mode}, not COMPATIBLE (MKL_CBWR set otherwise, MKL ran before drift's pin, or a program "
+            "calling drift's API without it): figures may differ from another CPU's and from drift's records "
+            "(docs/reliability.md)")
 
 
 def summary_text(rep) -> str:
@@ -102,8 +103,9 @@ def summary_text(rep) -> str:
             f"lifecycle {lifecycle_text(run, cfg)}\n"
             f"reference: {d['reference']}; {run['wall_s']:.1f} s "
             f"({run['steps_per_s']} steps/s)")
-    if mkl_warning(d["versions"]):
-        head += "\n" + mkl_warning(d["versions"])
+    mkl = mkl_warning(d["versions"])
+    if mkl:
+        head += "\n" + mkl
     body = table(CHECK_HEADER, check_rows(rep.checks))
     verdict = "PASS: every check passed" if rep.passed else "FAIL: " + ", ".join(
         c.name for c in rep.checks if c.failed)
@@ -116,6 +118,7 @@ def summary_text(rep) -> str:
 def summary_markdown(rep) -> str:
     d = rep.to_dict()
     run, cfg = d["run"], d["config"]
+    mkl = mkl_warning(d["versions"])
     lines = [
         f"# drift run: {'PASS' if rep.passed else 'FAIL'}",
         "",
@@ -129,7 +132,7 @@ def summary_markdown(rep) -> str:
         f"- lifecycle {lifecycle_text(run, cfg)}",
         f"- reference: {d['reference']}",
         f"- wall time {run['wall_s']:.1f} s ({run['steps_per_s']} steps/s){_pace_text(run.get('pace'))}",
-        *([f"- {mkl_warning(d['versions'])}"] if mkl_warning(d["versions"]) else []),
+        *([f"- {mkl}"] if mkl else []),
         "",
         "## Checks",
         "",
