@@ -8,6 +8,7 @@ time, as a :class:`MetricsChunk` to its consumers (checks, bound model, curves).
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
@@ -17,13 +18,19 @@ import torch
 
 from ..checkpoint import restore, saveable
 from ..devices import supports_float64
+from ..errors import ConfigError
 from ..sim.twin import F64, Float64Twin
 from ..simulate import StopRun
 from .golden import Golden, load_golden
 from .measures import MEASURES, Batch, declared
+from .forked import ForkedWorker, fork_refusal
 from .pipeline import OrderedWorker, worth_a_worker
 
 BATCH_BYTES = 64 << 20  # per-step snapshots held between comparisons (a batch is at most a chunk)
+# Where the comparison runs (Comparison.pace's "thread"): "process" a forked child (drift.check.forked),
+# "worker" a thread (drift.check.pipeline), "simulation" the simulation's own thread. DRIFT_COMPARISON
+# asks for one ("process", "thread", "serial"); unset or "auto": the first this run and process allow.
+COMPARISON_CHOICES = ("auto", "process", "thread", "serial")
 
 
 class MetricsChunk:
@@ -111,14 +118,15 @@ class Comparison:
     golden: a :class:`~drift.check.golden.Golden`, ``None`` to look one up for the config, or
     ``False`` for none. The twin runs on the run's device, or on the CPU when that device
     lacks float64 (NPU). fail_fast: end the run (StopRun) after the first chunk in which a
-    consumer recorded a failure (its ``first_fail``). pipelined: compare each step on a worker thread
-    while the simulation runs the next (drift.check.pipeline), where the run has a core for it
-    (:func:`~drift.check.pipeline.worth_a_worker`) and no twin listener (they run on the worker and
-    would race the observers that feed them); the same figures either way.
+    consumer recorded a failure (its ``first_fail``). pipelined: compare each step while the simulation
+    runs the next, where the run has a core for it (:meth:`_choose_where`); forked: do it in a forked
+    process (drift.check.forked) where that is safe, else on a worker thread (drift.check.pipeline).
+    The same figures either way: the same operations on the same values in the same order.
     """
 
     fail_fast = False
     pipelined = True
+    forked = True
 
     def __init__(self, consumers: Sequence[Consumer] = (), golden: Golden | None | bool = None):
         self.consumers = list(consumers)
@@ -158,8 +166,9 @@ class Comparison:
         self._snapshot_cap = 4 * (R + cfg.serving.prefix_cache + 1)
         self._snap = None  # per-step snapshots of the current batch (allocated at the first step)
         self._pending = []
-        self._worker: Optional[OrderedWorker] = None  # made at the first step, when pipelined
-        self._pipelined = self.pipelined and not self.twin_listeners and worth_a_worker(sim.device, dev)
+        self._worker: Optional[OrderedWorker | ForkedWorker] = None  # made at the first step
+        self._where = self._choose_where(sim.device, dev)
+        self._pipelined = self._where != "simulation"
         self.golden_positions = 0  # committed positions validated against golden
         self.golden_checkpoints = 0
         self.golden_limit = None
@@ -175,6 +184,26 @@ class Comparison:
                 m.start(self)
         for c in self.consumers:
             c.start(self)
+
+    def _choose_where(self, *devices: torch.device) -> str:
+        """Where this run compares (:data:`COMPARISON_CHOICES`): a forked process where the run has a core
+        for it (:func:`~drift.check.pipeline.worth_a_worker`) and every measure is drift's own (an
+        extension's hooks may keep what its checks read on the comparison, which the child would not hand
+        back); a worker thread where it may not fork; the simulation's thread where a twin listener
+        watches (it runs with the twin and would race the observers that feed it) or an accelerator runs
+        the steps. ``DRIFT_COMPARISON`` asks for one, whatever the cores."""
+        choice = os.environ.get("DRIFT_COMPARISON", "").strip().lower() or "auto"
+        if choice not in COMPARISON_CHOICES:
+            raise ConfigError(f"DRIFT_COMPARISON={choice!r}: expected one of {', '.join(COMPARISON_CHOICES)} "
+                              "(unset: auto)")
+        if (choice == "serial" or not self.pipelined or self.twin_listeners
+                or any(d.type != "cpu" for d in devices)
+                or (choice == "auto" and not worth_a_worker(*devices))):
+            return "simulation"
+        hooks = [f for m in self.measures for f in (m.start, m.snapshot, m.twin_snapshot, m.on_step, m.on_batch,
+                                                      m.save, m.load) if f is not None]
+        own = all(getattr(f, "__module__", "").startswith("drift.") for f in hooks)
+        return "process" if self.forked and own and choice != "thread" else "worker"
 
     # ------------------------------------------------------------------- step
     def _marks(self, pre: np.ndarray, accept: np.ndarray) -> Optional[np.ndarray]:
@@ -199,7 +228,12 @@ class Comparison:
     def lane_truth(self, lane: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The twin's state ``[L, HV, V, K]`` and window ``[L, Kc-1, C]`` of ``lane`` after the last step the
         simulation ran (float64, CPU): what a resumed request's re-prefill must store."""
+        if isinstance(self._worker, ForkedWorker):
+            return self._worker.ask("lane", lane)
         self._drain()
+        return self._lane_truth_here(lane)
+
+    def _lane_truth_here(self, lane: int) -> tuple[torch.Tensor, torch.Tensor]:
         self._process()
         return self.twin.state[:, lane].cpu(), self.twin.window[:, lane].cpu()
 
@@ -243,8 +277,12 @@ class Comparison:
             self._snapshot_truth.pop(next(iter(self._snapshot_truth)))
 
     def on_step(self, view) -> None:
-        """Take the step (:meth:`_take`: a few device copies) and compare it (:meth:`_compare_step`): on the
-        worker thread where the run has one (:meth:`on_start`), else here."""
+        """Take the step (:meth:`_take`: a few device copies) and compare it (:meth:`_compare_step`): in the
+        comparison's process or on the worker thread where the run has one (:meth:`_choose_where`), else
+        here."""
+        if self._where == "process":
+            self._hand_to_process(view)
+            return
         if not self._pipelined:
             self._compare_step(self._take(view, copy=False))
             return
@@ -256,16 +294,18 @@ class Comparison:
 
     def pace(self) -> dict:
         """Where the comparison ran and how long the simulation waited for it (report.json ``run.pace``,
-        a timing like ``wall_s``): ``thread`` "worker" or "simulation", ``simulation_waited_s`` (seconds the
-        simulation's thread spent waiting for the worker: room in its queue, or a flush; 0 without one).
+        a timing like ``wall_s``): ``thread`` "process", "worker" or "simulation" (:data:`COMPARISON_CHOICES`),
+        ``simulation_waited_s`` (seconds the simulation's thread spent waiting for the process or worker: room
+        in its ring or queue, an answer, a flush; 0 without one).
         A wait near the run's wall time says the comparison, not the step, set the run's pace."""
         worker = getattr(self, "_worker", None)
-        return {"thread": "worker" if getattr(self, "_pipelined", False) else "simulation",
+        return {"thread": getattr(self, "_where", "simulation"),
                 "simulation_waited_s": round(worker.waited_s, 3) if worker is not None else 0.0}
 
     def _drain(self) -> None:
-        """Wait for the worker to compare every step taken so far (raising what it raised)."""
-        if self._worker is not None:
+        """Wait for the worker thread to compare every step taken so far (raising what it raised); the
+        comparison's process is waited for by asking it (:meth:`ForkedWorker.ask`)."""
+        if isinstance(self._worker, OrderedWorker):
             self._worker.drain()
 
     def _take(self, view, copy: bool) -> "TakenStep":
@@ -282,6 +322,56 @@ class Comparison:
         return TakenStep(step=view.step, index=view.index, pre=view.pre.copy(), accept=view.accept.copy(),
                          track=view.track.copy(), starts=view.starts, lanes=lanes, views=views,
                          extra={m.key: m.snapshot(self, view) for m in self.measures if m.snapshot is not None})
+
+    # ------------------------------------------------------------ the comparison's process
+    def _host_row(self, view) -> np.ndarray:
+        """A step's host integers as one int64 row: step, index, pre, accept, track ``[R]`` and, under a
+        churning lifecycle, each lane's request, start, source and live ``[R]`` (:meth:`_take`'s lanes)."""
+        parts = [np.array([view.step, view.index], np.int64), view.pre, view.accept, view.track]
+        plan = view.schedule
+        if plan is not None:
+            request = plan.request[view.index]
+            parts += [request, plan.start[view.index], plan.source[view.index], request >= 0]
+        return np.concatenate([np.asarray(p).astype(np.int64, copy=False) for p in parts])
+
+    def _hand_to_process(self, view) -> None:
+        """The step's tensors and host row into the comparison's process's ring, and what else the step
+        left (its starts, the measures' snapshots of the run) into its next message. The process is
+        forked at the first step, with everything it compares with in place."""
+        views = self._views(view)
+        row = self._host_row(view)
+        if self._worker is None:
+            refusal = fork_refusal()
+            if refusal is not None:  # a thread started since on_start: the worker thread instead
+                self._where = "worker"
+                self.on_step(view)
+                return
+            self._host_types = [np.asarray(a).dtype for a in (view.pre, view.accept, view.track)]
+            plan = view.schedule
+            if plan is not None:
+                self._host_types += [plan.request.dtype, plan.start.dtype, plan.source.dtype, np.dtype(bool)]
+            self._worker = ForkedWorker(views, len(row), self._compare_handed, self._compare_early,
+                                        {"chunk": lambda _: self._chunk_payload(),
+                                         "lane": self._lane_truth_here, "state": lambda _: self._own_state()})
+        extra = {m.key: m.snapshot(self, view) for m in self.measures if m.snapshot is not None}
+        self._worker.submit(views, row, (view.starts, extra))
+
+    def _compare_handed(self, views: dict, row: np.ndarray, meta) -> None:
+        """In the comparison's process: one step as :meth:`_hand_to_process` handed it."""
+        R = self.sim.cfg.num_requests
+        cols = [row[2 + i * R:2 + (i + 1) * R].astype(t) for i, t in enumerate(self._host_types)]
+        lanes = tuple(cols[3:]) if len(cols) > 3 else None
+        starts, extra = meta
+        self._compare_step(TakenStep(step=int(row[0]), index=int(row[1]), pre=cols[0], accept=cols[1],
+                                     track=cols[2], starts=starts, lanes=lanes, views=views, extra=extra))
+
+    def _compare_early(self) -> bool:
+        """In the comparison's process, while no step waits: compare the steps buffered so far (less is left
+        to do when the simulation asks for the chunk). Whether it did any."""
+        if not self._pending:
+            return False
+        self._process()
+        return True
 
     def _compare_step(self, step: "TakenStep") -> None:
         """Buffer the step; the comparison itself runs once per batch of up to ``batch`` steps
@@ -363,10 +453,27 @@ class Comparison:
 
     # ------------------------------------------------------------------ flush
     def flush(self) -> None:
-        self._drain()
+        """The chunk's arrays, from wherever the comparison runs, to every consumer."""
+        if isinstance(self._worker, ForkedWorker):
+            payload = self._worker.ask("chunk")
+            if payload is None:
+                return
+            step0, n, arrays, counters = payload
+            self.golden_positions, self.golden_checkpoints, self.beyond_golden_steps = counters
+        else:
+            self._drain()
+            payload = self._chunk_payload()
+            if payload is None:
+                return
+            step0, n, arrays, _ = payload
+        self._consume(MetricsChunk(step0, n, arrays))
+
+    def _chunk_payload(self) -> Optional[tuple]:
+        """Every step taken so far compared: ``(first step, steps, arrays, golden counters)`` with the
+        buffers reset for the next chunk; None when there was no step."""
         self._process()
         if not self._host:
-            return
+            return None
         n = len(self._host)
         arrays = {k: v[:n].cpu().numpy().copy() for k, v in self.buf.items()}
         for k, v in self.buf.items():
@@ -379,8 +486,11 @@ class Comparison:
                 arrays[name] = np.stack([h[4][i] for h in self._host])
             ulps = np.stack([h[4][5] for h in self._host])  # [S, 2, L, R, HV]
             arrays["start_ulp2"], arrays["start_ulp4"] = ulps[:, 0], ulps[:, 1]
-        chunk = MetricsChunk(self._host[0][0], n, arrays)
+        step0 = self._host[0][0]
         self._host.clear()
+        return step0, n, arrays, (self.golden_positions, self.golden_checkpoints, self.beyond_golden_steps)
+
+    def _consume(self, chunk: MetricsChunk) -> None:
         stop = None
         for c in self.consumers:  # every consumer sees the chunk, even after a fatal finding
             try:
@@ -397,7 +507,7 @@ class Comparison:
     def on_end(self) -> None:
         try:
             self._drain()
-        finally:  # the run's worker thread ends with the run (drift.check.pipeline: close)
+        finally:  # the run's worker thread or process ends with the run (its close)
             if self._worker is not None:
                 self._worker.close()
         for c in self.consumers:
@@ -405,12 +515,20 @@ class Comparison:
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
-        """Counters and the twin's state (taken between chunks, after a flush)."""
-        self._drain()
+        """Counters and the twin's state (taken between chunks, after a flush), and the consumers'."""
+        if isinstance(self._worker, ForkedWorker):
+            own = self._worker.ask("state")
+        else:
+            self._drain()
+            own = self._own_state()
+        return {**own, "consumers": [c.state_dict() if hasattr(c, "state_dict") else None for c in self.consumers]}
+
+    def _own_state(self) -> dict:
+        """What the comparison itself carries (where it runs): counters, the twin, the lanes' ages, the
+        measures' state."""
         return {"golden_positions": self.golden_positions, "golden_checkpoints": self.golden_checkpoints,
                 "beyond_golden_steps": self.beyond_golden_steps,
                 "twin_state": saveable(self.twin.state), "twin_window": saveable(self.twin.window),
-                "consumers": [c.state_dict() if hasattr(c, "state_dict") else None for c in self.consumers],
                 "age": saveable(self.age), "col_frac": saveable(getattr(self, "col_frac", None)),
                 "row_conc": saveable(getattr(self, "row_conc", None)),
                 "snapshot_truth": [[q, P, saveable(st), saveable(w)] for q, (P, st, w) in self._snapshot_truth.items()],

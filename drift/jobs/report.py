@@ -60,10 +60,10 @@ def _pace_text(pace: Optional[dict]) -> str:
     """report.md's words for ``run.pace`` (:meth:`drift.check.compare.Comparison.pace`)."""
     if not pace:
         return ""
-    if pace["thread"] != "worker":
+    where = {"process": "in a process of its own", "worker": "on a worker thread"}.get(pace["thread"])
+    if where is None:
         return "; the comparison ran on the simulation's thread"
-    return (f"; the comparison ran on a worker thread, and the simulation waited {pace['simulation_waited_s']:.1f} s "
-            "for it")
+    return f"; the comparison ran {where}, and the simulation waited {pace['simulation_waited_s']:.1f} s for it"
 
 
 def lifecycle_text(run: dict, cfg: dict) -> str:

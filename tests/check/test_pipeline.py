@@ -130,6 +130,7 @@ def test_close_from_the_workers_own_handler_only_asks(monkeypatch):
 def test_a_runs_end_leaves_no_worker_thread(monkeypatch):
     monkeypatch.setattr(pipeline, "IDLE_S", 30.0)  # only the run's end can end the thread within this test
     monkeypatch.setattr(compare, "worth_a_worker", lambda *devices: True)
+    monkeypatch.setattr(compare.Comparison, "forked", False)  # the thread (tests/check/test_forked.py: the process)
     rep = run_checked(resolve(preset("ci-small", steps=32)), sync_scan=False)
     assert rep.to_dict()["run"]["pace"]["thread"] == "worker"
     assert not any(t.name == "drift-comparison" for t in threading.enumerate())
@@ -212,6 +213,7 @@ def test_a_run_reports_where_its_comparison_ran_and_the_wait_for_it(monkeypatch,
 
     run = resolve(preset("ci-small", steps=64))
     monkeypatch.setattr(compare, "worth_a_worker", lambda *devices: True)
+    monkeypatch.setattr(compare.Comparison, "forked", False)  # the thread (tests/check/test_forked.py: the process)
     piped = run_checked(run, sync_scan=False)
     monkeypatch.setattr(compare.Comparison, "pipelined", False)
     plain = run_checked(run, sync_scan=False)
@@ -246,6 +248,7 @@ def test_a_pipelined_run_has_the_same_figures(monkeypatch, lifecycle):
     plain = run_checked(run, sync_scan=False)
     monkeypatch.setattr(compare.Comparison, "pipelined", True)
     monkeypatch.setattr(compare, "worth_a_worker", lambda *devices: True)  # whatever this box's cores
+    monkeypatch.setattr(compare.Comparison, "forked", False)  # the thread (tests/check/test_forked.py: the process)
     where = set()
     take = compare.Comparison._compare_step
     monkeypatch.setattr(compare.Comparison, "_compare_step",

@@ -1,0 +1,301 @@
+"""The comparison in a forked child process, fed each step through shared memory.
+
+A worker thread (drift.check.pipeline) overlaps the comparison's torch and C calls with the simulation's,
+but both threads run Python between microsecond-sized calls and take turns holding the interpreter's lock:
+on a default run the thread hid about 4 of the comparison's 8 s. A forked child has its own interpreter
+and runs on the other core. It starts as a copy of the process at the run's first step (the comparison,
+its twin and measures as they are then), so nothing but each step's data has to cross:
+
+* a ring of ``slots`` steps in anonymous shared memory (``mmap``, not ``/dev/shm``), holding each step's
+  tensors (the run's committed states, outputs, windows, true inputs) and its host integers; the
+  simulation copies into slot ``i % slots`` once the child has released it;
+* a pipe carrying, every :data:`SEND_EVERY` steps, what else those steps left (the starts of requests,
+  the measures' snapshots: drift.check.wire, no pickle), and the questions that need an answer (a
+  chunk's arrays at each flush, a lane's truth, a checkpoint's state);
+* a pipe back carrying acknowledgements (slots released), answers, and the child's error, if any.
+
+The child compares the same steps in the same order with the same operations: the figures are the
+thread's, bit for bit. It compares a batch early when no step waits (less left to do at a flush).
+
+Where it is not safe to fork it is not done (:func:`fork_refusal`): off Linux, and while another thread
+runs in the process (a lock it holds would stay held in the child forever; Python 3.12 warns for the same
+reason). The child ignores SIGINT (the simulation's process handles an interrupt and closes the pipe),
+ends when the pipe closes, and never returns into the parent's code (``os._exit``).
+"""
+
+from __future__ import annotations
+
+import collections
+import mmap
+import os
+import signal
+import struct
+import sys
+import threading
+import time
+import traceback
+import weakref
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+from .wire import pack, unpack
+
+SEND_EVERY = 4  # steps whose small data go to the child in one message
+MAX_SLOTS = 64  # steps the simulation may run ahead of the child
+RING_BYTES = 64 << 20  # at most this much shared memory per run (fewer slots for bigger steps)
+END_WAIT_S = 10.0  # how long closing waits for the child to exit before killing it
+_FRAME = struct.Struct("<Q")
+_ALIGN = 64
+_LIVE: "weakref.WeakSet[ForkedWorker]" = weakref.WeakSet()
+
+
+class ComparisonProcessError(RuntimeError):
+    """The comparison's process failed (its traceback in the message) or ended without a word."""
+
+
+def fork_refusal() -> Optional[str]:
+    """Why the comparison cannot be forked off here, or None when it can."""
+    if not sys.platform.startswith("linux") or not hasattr(os, "fork"):
+        return f"no fork on {sys.platform}"
+    if threading.active_count() > 1:
+        return f"{threading.active_count() - 1} other thread(s) run in this process"
+    return None
+
+
+def _write(fd: int, obj: Any) -> None:
+    data = pack(obj)
+    view = memoryview(_FRAME.pack(len(data)) + data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _read_exact(fd: int, n: int) -> Optional[bytes]:
+    parts, got = [], 0
+    while got < n:
+        chunk = os.read(fd, min(n - got, 1 << 20))
+        if not chunk:
+            return None
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+def _read(fd: int) -> Any:
+    """The next message on ``fd``; EOFError where the other end closed."""
+    head = _read_exact(fd, _FRAME.size)
+    body = None if head is None else _read_exact(fd, _FRAME.unpack(head)[0])
+    if body is None:
+        raise EOFError
+    return unpack(body)
+
+
+class _Ring:
+    """``slots`` steps' tensors (``views``: a dict of tensors ``[slots, *shape]``) and host integers
+    (``host``: int64 ``[slots, host_len]``) in one anonymous shared mapping, which a fork shares."""
+
+    def __init__(self, like: dict[str, torch.Tensor], host_len: int, slots: int):
+        layout, size = [], 0
+        for key, t in like.items():
+            nbytes = slots * t.numel() * t.element_size()
+            layout.append((key, t, size, nbytes))
+            size += -(-nbytes // _ALIGN) * _ALIGN
+        host_at = size
+        size += slots * host_len * 8
+        self._memory = mmap.mmap(-1, max(size, 1))  # MAP_SHARED | MAP_ANONYMOUS
+        whole = torch.frombuffer(self._memory, dtype=torch.uint8)
+        self.slots = slots
+        self.views = {key: whole[at:at + n].view(t.dtype).view(slots, *t.shape) for key, t, at, n in layout}
+        self.host = whole[host_at:host_at + slots * host_len * 8].view(torch.int64).view(slots, host_len).numpy()
+
+
+class ForkedWorker:
+    """The simulation's end of the comparison's process.
+
+    like: one step's tensors (shapes and dtypes of every later step's), CPU; host_len: int64 per step.
+    on_step(views, host, meta): the child's handling of one step (``views``: that step's tensors in the
+    ring, valid until it returns; ``host``: its int64 row, a copy; ``meta``: what :meth:`submit` was given);
+    on_idle() -> bool: work the child may do while no step waits (True: it did some); answers: kind ->
+    function(arg) -> a reply, for :meth:`ask`. The child is forked here: construct it after everything
+    the child needs is in place.
+    """
+
+    def __init__(self, like: dict[str, torch.Tensor], host_len: int,
+                 on_step: Callable[[dict, np.ndarray, Any], None], on_idle: Callable[[], bool],
+                 answers: dict[str, Callable[[Any], Any]]):
+        per_step = sum(t.numel() * t.element_size() for t in like.values()) + 8 * host_len
+        self.ring = _Ring(like, host_len, max(2, min(MAX_SLOTS, RING_BYTES // max(per_step, 1))))
+        self.waited_s = 0.0  # the simulation's time blocked on the child (a full ring, an answer)
+        self._sent = self._released = 0
+        self._metas: list = []
+        to_child, from_child = os.pipe(), os.pipe()
+        inherited = [fd for worker in list(_LIVE) for fd in worker._fds()]
+        pid = os.fork()
+        if pid == 0:  # the child: never returns
+            status = 1
+            try:
+                for worker in list(_LIVE):  # another run's child: its pipes are not this child's to close
+                    worker._finalize.detach()
+                for fd in (to_child[1], from_child[0], *inherited):
+                    os.close(fd)
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                _serve(self.ring, to_child[0], from_child[1], on_step, on_idle, answers)
+                status = 0
+            finally:
+                os._exit(status)
+        os.close(to_child[0])
+        os.close(from_child[1])
+        self.pid, self._out, self._in = pid, to_child[1], from_child[0]
+        self._closed = False
+        _LIVE.add(self)
+        self._finalize = weakref.finalize(self, _reap, pid, self._out, self._in)
+
+    def _fds(self) -> tuple:
+        return () if self._closed else (self._out, self._in)
+
+    # ------------------------------------------------------------ the simulation's side
+    def submit(self, views: dict[str, torch.Tensor], host: np.ndarray, meta: Any) -> None:
+        """Hand one step to the child: its tensors and host row into the next slot, once the child released
+        it; ``meta`` with the next :data:`SEND_EVERY` steps' (drift.check.wire's types)."""
+        self._wait_for_room()
+        slot = self._sent % self.ring.slots
+        for key, t in views.items():
+            self.ring.views[key][slot].copy_(t)
+        self.ring.host[slot] = host
+        self._metas.append(meta)
+        self._sent += 1
+        if len(self._metas) >= SEND_EVERY:
+            self._push()
+
+    def _wait_for_room(self) -> None:
+        """Until the child released the slot the next step goes to (it copies a step out as it takes it)."""
+        if self._sent - self._released >= self.ring.slots:
+            self._wait(lambda: self._sent - self._released < self.ring.slots)
+
+    def ask(self, kind: str, arg: Any = None) -> Any:
+        """The child's answer to ``kind`` (``answers[kind](arg)`` there), after every step submitted."""
+        self._push()
+        self._send(("ask", kind, arg))
+        return self._wait(None)
+
+    def close(self) -> None:
+        """End the child (it finishes nothing more) and wait for it; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        _LIVE.discard(self)
+        self._finalize()
+
+    def _push(self) -> None:
+        if self._metas:
+            metas, self._metas = self._metas, []
+            self._send(("steps", metas))
+
+    def _send(self, message) -> None:
+        try:
+            _write(self._out, message)
+        except (BrokenPipeError, ConnectionResetError):
+            self._wait(None)  # the child's last words, or its exit status
+            raise ComparisonProcessError("the comparison's process closed its pipe") from None
+
+    def _wait(self, until: Optional[Callable[[], bool]]) -> Any:
+        """Read the child's messages until ``until()`` holds, or (``until`` None) until its answer."""
+        t0 = time.perf_counter()
+        try:
+            while True:
+                try:
+                    message = _read(self._in)
+                except EOFError:
+                    status = self._finalize() or "closed"
+                    self._closed = True
+                    _LIVE.discard(self)
+                    raise ComparisonProcessError(f"the comparison's process ended unexpectedly ({status})") from None
+                if message[0] == "released":
+                    self._released += message[1]
+                    if until is not None and until():
+                        return None
+                elif message[0] == "answer":
+                    return message[1]
+                else:  # "error"
+                    self.close()
+                    raise ComparisonProcessError(f"the comparison's process failed:\n{message[1]}")
+        finally:
+            self.waited_s += time.perf_counter() - t0
+
+
+def _reap(pid: int, *fds: int) -> str:
+    """Close the simulation's ends of the pipes (the child reads the end of its input and exits) and wait
+    for the child, killing it after :data:`END_WAIT_S`; how it ended."""
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    deadline = time.monotonic() + END_WAIT_S
+    while True:
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return "already reaped"
+        if done:
+            return (f"exit status {os.waitstatus_to_exitcode(status)}" if os.WIFEXITED(status)
+                    else f"signal {-os.waitstatus_to_exitcode(status)}")
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            deadline = float("inf")
+        time.sleep(0.005)
+
+
+# ---------------------------------------------------------------- the child's side
+def _serve(ring: _Ring, inp: int, out: int, on_step, on_idle, answers) -> None:
+    """The child's loop: a reader thread queues the simulation's messages (the pipe never fills while the
+    child computes); the loop handles them in order, and works ahead (``on_idle``) while none waits."""
+    queue: collections.deque = collections.deque()
+    ready = threading.Condition()
+
+    def reader() -> None:
+        while True:
+            try:
+                message = _read(inp)
+            except EOFError:
+                message = ("end",)
+            except BaseException:  # a message that does not unpack: said once, then the end
+                message = ("broken", traceback.format_exc())
+            with ready:
+                queue.append(message)
+                ready.notify()
+            if message[0] in ("end", "broken"):
+                return
+
+    threading.Thread(target=reader, name="drift-comparison-reader", daemon=True).start()
+    slot = 0
+    try:
+        while True:
+            with ready:
+                message = queue.popleft() if queue else None
+            if message is None:
+                if on_idle():
+                    continue
+                with ready:
+                    ready.wait_for(lambda: bool(queue))
+                    message = queue.popleft()
+            kind = message[0]
+            if kind == "steps":
+                for meta in message[1]:
+                    host = ring.host[slot].copy()
+                    on_step({key: v[slot] for key, v in ring.views.items()}, host, meta)
+                    slot = (slot + 1) % ring.slots
+                _write(out, ("released", len(message[1])))
+            elif kind == "ask":
+                _write(out, ("answer", answers[message[1]](message[2])))
+            elif kind == "broken":
+                raise RuntimeError(message[1])
+            else:  # "end": the simulation closed the pipe
+                return
+    except BaseException:
+        try:
+            _write(out, ("error", traceback.format_exc()))
+        except OSError:
+            pass
+        raise

@@ -1,0 +1,149 @@
+"""The bytes the simulation and the comparison's process exchange (drift.check.forked): a closed set of
+types, packed and unpacked without pickle.
+
+What crosses is what a step leaves to compare besides its tensors in shared memory (the starts of
+requests, the measures' snapshots), a chunk's per-step arrays, a lane's truth, and a checkpoint's part
+of the comparison: ``None``, ``bool``, ``int`` (int64), ``float``, ``str``, tuples, lists, dicts (str or
+int keys), numpy arrays of numbers or bools, CPU tensors (any dtype, bfloat16 included), and
+:class:`drift.sim.serving.Start`. Anything else raises :class:`TypeError` naming its type, at packing,
+in the process that made it.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import fields
+
+import numpy as np
+import torch
+
+from ..sim.serving import Start
+
+_LEN = struct.Struct("<Q")
+_INT = struct.Struct("<q")
+_FLOAT = struct.Struct("<d")
+_TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool)}
+
+
+def pack(obj) -> bytes:
+    """``obj`` as bytes (:func:`unpack` restores it)."""
+    out: list[bytes] = []
+    _pack(obj, out)
+    return b"".join(out)
+
+
+def unpack(data: bytes):
+    """What :func:`pack` packed."""
+    obj, end = _unpack(memoryview(data), 0)
+    if end != len(data):
+        raise ValueError(f"{len(data) - end} bytes left after the value")
+    return obj
+
+
+def _blob(out: list, raw: bytes) -> None:
+    out.append(_LEN.pack(len(raw)))
+    out.append(raw)
+
+
+def _pack(obj, out: list) -> None:
+    if obj is None:
+        out.append(b"N")
+    elif isinstance(obj, (bool, np.bool_)):
+        out.append(b"T" if obj else b"F")
+    elif isinstance(obj, (int, np.integer)):
+        out.append(b"i" + _INT.pack(int(obj)))
+    elif isinstance(obj, (float, np.floating)):
+        out.append(b"f" + _FLOAT.pack(float(obj)))
+    elif isinstance(obj, str):
+        out.append(b"s")
+        _blob(out, obj.encode())
+    elif isinstance(obj, (tuple, list)):
+        out.append((b"t" if isinstance(obj, tuple) else b"l") + _LEN.pack(len(obj)))
+        for item in obj:
+            _pack(item, out)
+    elif isinstance(obj, dict):
+        out.append(b"d" + _LEN.pack(len(obj)))
+        for key, value in obj.items():
+            if not isinstance(key, (str, int)):
+                raise TypeError(f"cannot send a dict keyed by {type(key).__name__} to the comparison's process")
+            _pack(key, out)
+            _pack(value, out)
+    elif isinstance(obj, np.ndarray):
+        if obj.dtype.kind not in "biuf":
+            raise TypeError(f"cannot send a numpy array of {obj.dtype} to the comparison's process")
+        out.append(b"a")
+        _blob(out, obj.dtype.str.encode())
+        _pack(tuple(obj.shape), out)
+        _blob(out, np.ascontiguousarray(obj).tobytes())
+    elif isinstance(obj, torch.Tensor):
+        name = str(obj.dtype).removeprefix("torch.")
+        if name not in _TORCH_DTYPES or obj.device.type != "cpu":
+            raise TypeError(f"cannot send a {obj.dtype} tensor on {obj.device} to the comparison's process")
+        out.append(b"x")
+        _blob(out, name.encode())
+        _pack(tuple(obj.shape), out)
+        flat = obj.detach().contiguous().reshape(-1)
+        _blob(out, flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
+    elif isinstance(obj, Start):
+        out.append(b"S")
+        _pack({f.name: getattr(obj, f.name) for f in fields(obj)}, out)
+    else:
+        raise TypeError(f"cannot send a {type(obj).__name__} to the comparison's process (drift/check/wire.py "
+                        "lists what it takes)")
+
+
+def _take(data: memoryview, at: int) -> tuple[memoryview, int]:
+    (n,) = _LEN.unpack_from(data, at)
+    at += _LEN.size
+    return data[at:at + n], at + n
+
+
+def _unpack(data: memoryview, at: int):
+    tag = bytes(data[at:at + 1])
+    at += 1
+    if tag == b"N":
+        return None, at
+    if tag in (b"T", b"F"):
+        return tag == b"T", at
+    if tag == b"i":
+        return _INT.unpack_from(data, at)[0], at + _INT.size
+    if tag == b"f":
+        return _FLOAT.unpack_from(data, at)[0], at + _FLOAT.size
+    if tag == b"s":
+        raw, at = _take(data, at)
+        return bytes(raw).decode(), at
+    if tag in (b"t", b"l"):
+        (n,) = _LEN.unpack_from(data, at)
+        at += _LEN.size
+        items = []
+        for _ in range(n):
+            item, at = _unpack(data, at)
+            items.append(item)
+        return (tuple(items) if tag == b"t" else items), at
+    if tag == b"d":
+        (n,) = _LEN.unpack_from(data, at)
+        at += _LEN.size
+        out = {}
+        for _ in range(n):
+            key, at = _unpack(data, at)
+            out[key], at = _unpack(data, at)
+        return out, at
+    if tag == b"a":
+        dtype, at = _take(data, at)
+        shape, at = _unpack(data, at)
+        raw, at = _take(data, at)
+        return np.frombuffer(raw, dtype=np.dtype(bytes(dtype).decode())).reshape(shape).copy(), at
+    if tag == b"x":
+        name, at = _take(data, at)
+        shape, at = _unpack(data, at)
+        raw, at = _take(data, at)
+        dtype = _TORCH_DTYPES[bytes(name).decode()]
+        if not len(raw):
+            return torch.empty(shape, dtype=dtype), at
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape), at
+    if tag == b"S":
+        values, at = _unpack(data, at)
+        return Start(**values), at
+    raise ValueError(f"unknown tag {tag!r} at byte {at - 1}")

@@ -1,0 +1,211 @@
+"""The comparison in a forked process (drift/check/forked.py) and what crosses to it (drift/check/wire.py):
+every step arrives whole and in order through the shared ring, even when the child is slower; the child's
+error and its death reach the simulation as one clear error; closing leaves no process behind; a run
+compared there has the figures of the same run compared on the simulation's thread (a process that loses
+one step is seen), and so has a run resumed from a checkpoint it took.
+
+Forking needs a process with no other thread, which pytest-xdist's workers are not: each case runs in a
+fresh interpreter (``python -c``), where drift forks as ``drift run`` does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from drift.check.forked import fork_refusal
+from drift.check.wire import pack, unpack
+from drift.sim.serving import Start
+
+
+def _python(code: str, **env) -> dict:
+    """Run ``code`` in a fresh interpreter; the JSON it prints last."""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **env})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------------------------------ the wire
+def test_the_wire_restores_every_type_it_takes_bit_for_bit():
+    value = {"none": None, "flags": (True, False, np.bool_(True)), 3: -2 ** 63, "f": float("-0.0"), "nan": float("nan"),
+             "s": "naïve", "list": [1, [2.5, ()]], "i64": np.arange(6, dtype=np.int64).reshape(2, 3),
+             "b": np.array([True, False]), "empty": np.empty((0, 4), np.float32),
+             "bf16": torch.tensor([1.0, -3.140625, 1e-38], dtype=torch.bfloat16),
+             "view": torch.arange(24, dtype=torch.float64).view(2, 3, 4).transpose(0, 2),  # not contiguous
+             "none_left": torch.empty(0, 3, dtype=torch.int32), "start": Start(lane=1, request=7, code=2, p0=3, p1=9)}
+    back = unpack(pack(value))
+    assert list(back) == list(value)
+    assert back["none"] is None and back["flags"] == (True, False, True) and back[3] == -2 ** 63
+    assert str(back["f"]) == "-0.0" and back["nan"] != back["nan"] and back["s"] == "naïve"
+    assert back["list"] == [1, [2.5, ()]] and back["start"] == value["start"]
+    for key in ("i64", "b", "empty"):
+        assert back[key].dtype == value[key].dtype and np.array_equal(back[key], value[key]), key
+    for key in ("bf16", "view", "none_left"):
+        assert back[key].dtype == value[key].dtype and back[key].shape == value[key].shape, key
+        assert torch.equal(back[key].view(-1).view(torch.uint8) if back[key].numel() else back[key],
+                           value[key].contiguous().view(-1).view(torch.uint8) if value[key].numel() else value[key])
+
+
+@pytest.mark.parametrize("bad", [{1, 2}, np.array(["a"], dtype=object), b"bytes", {(1, 2): 3}],
+                         ids=["set", "object-array", "bytes", "tuple-key"])
+def test_the_wire_refuses_what_it_does_not_take_naming_it(bad):
+    with pytest.raises(TypeError, match="cannot send a"):
+        pack({"ok": 1, "bad": bad})
+
+
+def test_the_wire_refuses_bytes_it_did_not_make():
+    data = pack((1, "two"))
+    with pytest.raises(ValueError, match="bytes left"):
+        unpack(data + b"N")
+    with pytest.raises(ValueError, match="unknown tag"):
+        unpack(b"?" + data)
+
+
+# ------------------------------------------------------------------------------------- the process
+def test_no_fork_while_another_thread_runs():
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+        assert "other thread" in fork_refusal()
+    finally:
+        stop.set()
+        thread.join()
+    assert _python("import json; from drift.check.forked import fork_refusal; print(json.dumps(fork_refusal()))") \
+        is None  # a fresh interpreter, one thread: it may fork
+
+
+_WORKER = """
+import json, os, signal, sys, time
+import numpy as np, torch
+from drift.check import forked
+from drift.check.forked import ComparisonProcessError, ForkedWorker
+
+case = sys.argv[1] if len(sys.argv) > 1 else os.environ["CASE"]
+if case == "unguarded":  # a ring that does not wait for the child to release a slot
+    forked.ForkedWorker._wait_for_room = lambda self: None
+seen = []
+def on_step(views, host, meta):
+    if meta == "boom":
+        raise ValueError(f"boom at step {host[0]}")
+    time.sleep(0.002 if meta == "slow" else 0)
+    seen.append([int(host[0]), float(views["x"].double().sum()), meta])
+worker = ForkedWorker({"x": torch.zeros(3, dtype=torch.bfloat16)}, 1, on_step, lambda: False,
+                      {"seen": lambda _: seen, "pid": lambda _: os.getpid()})
+pid = worker.ask("pid")
+out = {"slots": worker.ring.slots, "pid": pid}
+try:
+    if case in ("order", "unguarded"):
+        for i in range(200):  # exact in bfloat16: integers to 256
+            worker.submit({"x": torch.full((3,), float(i), dtype=torch.bfloat16)}, np.array([i]), "slow")
+        out["seen"] = worker.ask("seen")
+        out["waited_s"] = worker.waited_s
+    elif case == "error":
+        for i in range(10):
+            worker.submit({"x": torch.zeros(3, dtype=torch.bfloat16)}, np.array([i]), "boom" if i == 5 else None)
+        worker.ask("seen")
+    elif case == "killed":
+        os.kill(pid, signal.SIGKILL)
+        worker.ask("seen")
+except ComparisonProcessError as exc:
+    out["error"] = str(exc)
+worker.close()
+out["child_left"] = os.path.exists(f"/proc/{pid}")
+print(json.dumps(out))
+"""
+
+
+def test_every_step_reaches_the_process_whole_and_in_order_even_when_it_is_slower():
+    out = _python(_WORKER, CASE="order")
+    assert out["seen"] == [[i, 3.0 * i, "slow"] for i in range(200)]
+    assert out["slots"] < 200 and out["waited_s"] > 0  # the ring filled: the simulation waited for room
+    assert not out["child_left"]
+
+
+def test_a_ring_that_does_not_wait_for_the_process_is_seen():  # the negative control of the one above
+    out = _python(_WORKER, CASE="unguarded")
+    assert len(out["seen"]) == 200  # as many steps arrive...
+    assert out["seen"] != [[i, 3.0 * i, "slow"] for i in range(200)]  # ...but slots were overwritten before read
+
+
+def test_the_processes_error_reaches_the_simulation_with_its_traceback():
+    out = _python(_WORKER, CASE="error")
+    assert "the comparison's process failed" in out["error"] and "ValueError: boom at step 5" in out["error"]
+    assert not out["child_left"]
+
+
+def test_a_process_that_dies_is_said_not_waited_for():
+    out = _python(_WORKER, CASE="killed")
+    assert "ended unexpectedly (signal 9)" in out["error"], out
+    assert not out["child_left"]
+
+
+# ------------------------------------------------------------------------------------------ runs
+_RUN = """
+import json, os, sys
+from drift import preset
+from drift.check import forked
+from drift.runner import TIMINGS, run_checked
+from drift.runspec import resolve
+
+lifecycle, lose = sys.argv[1], int(sys.argv[2])
+if lose:  # a broken hand-over: step `lose` never reaches the process
+    submit, count = forked.ForkedWorker.submit, [0]
+    def lossy(self, *args):
+        count[0] += 1
+        if count[0] != lose:
+            submit(self, *args)
+    forked.ForkedWorker.submit = lossy
+rep = run_checked(resolve(preset("ci-small", steps=300, lifecycle=lifecycle)), sync_scan=False)
+d = rep.to_dict()
+pace = d["run"]["pace"]
+d["run"] = {k: v for k, v in d["run"].items() if k not in TIMINGS}
+print(json.dumps({"pace": pace, "passed": rep.passed, "figures": d}))
+"""
+
+
+def _run(lifecycle: str, where: str, lose: int = 0) -> dict:
+    return _python(_RUN.replace("sys.argv[1], int(sys.argv[2])", f"{lifecycle!r}, {lose}"), DRIFT_COMPARISON=where)
+
+
+@pytest.mark.parametrize("lifecycle", ["fixed", "serving"])
+def test_a_run_compared_in_a_process_has_the_same_figures(lifecycle):
+    plain, forked = _run(lifecycle, "serial"), _run(lifecycle, "process")
+    assert plain["pace"]["thread"] == "simulation" and forked["pace"]["thread"] == "process"
+    assert plain["passed"] and forked["figures"] == plain["figures"]
+    lossy = _run(lifecycle, "process", lose=100)
+    assert lossy["pace"]["thread"] == "process" and lossy["figures"] != plain["figures"]
+
+
+_RESUME = """
+import json, sys
+from pathlib import Path
+from drift import checkpoint, preset
+from drift.runner import CheckedRun
+from drift.runspec import resolve
+
+cfg, path = preset("ci-small", steps=320, lifecycle="serving"), Path(sys.argv[1])
+whole = CheckedRun(resolve(cfg))
+whole_rep = whole.report(whole.run(), sync_scan=False)
+first = CheckedRun(resolve(cfg))
+first.run(checkpoint=lambda done, snap: checkpoint.save(path, snap) if not path.exists() else None, checkpoint_every=128)
+resumed = CheckedRun(resolve(cfg))
+rep = resumed.report(resumed.run(resume_state=checkpoint.load(path)), sync_scan=False)
+key = lambda r: {c.key: (c.passed, c.worst, c.where) for c in r.checks}
+print(json.dumps({"same": key(rep) == key(whole_rep), "where": [first.comparison.pace()["thread"],
+                  resumed.comparison.pace()["thread"]], "passed": rep.passed}))
+"""
+
+
+def test_a_checkpoint_taken_in_the_process_resumes_to_the_same_figures(tmp_path):
+    code = _RESUME.replace("Path(sys.argv[1])", f"Path({str(tmp_path / 'ckpt.pt')!r})")
+    out = _python(code, DRIFT_COMPARISON="process")
+    assert out == {"same": True, "where": ["process", "process"], "passed": True}
