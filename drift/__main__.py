@@ -12,7 +12,7 @@ import sys
 from typing import Optional, Sequence
 
 from .mkl import mkl_defaults
-from .openmp import openmp_defaults
+from .openmp import blas_defaults, openmp_defaults
 
 HELP_FLAGS = ("-h", "--help")
 
@@ -47,6 +47,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sys.stdout.write(text)
         return 0
     openmp_defaults()
+    blas_defaults()  # before numpy loads: a process without OpenBLAS's threads may fork its comparison
     mkl_defaults()
     try:
         from .cli import main as cli_main  # imports torch: seconds, and a Ctrl-C may land here

@@ -1,8 +1,8 @@
-"""drift's OpenMP defaults, for both front ends: the ``drift`` command (drift/__main__.py) and the
-pytest gate (drift/pytest_plugin.py, and so every pytest-xdist worker, which imports it afresh).
+"""drift's OpenMP (and OpenBLAS) defaults, for both front ends: the ``drift`` command (drift/__main__.py)
+and the pytest gate (drift/pytest_plugin.py, and so every pytest-xdist worker, which imports it afresh).
 
-Imports no torch: it must run before torch loads its OpenMP runtime, which reads
-``OMP_WAIT_POLICY`` once, when it loads (``import torch``).
+Imports no torch and no numpy: it must run before torch loads its OpenMP runtime, which reads
+``OMP_WAIT_POLICY`` once, when it loads (``import torch``), and before numpy starts OpenBLAS's threads.
 """
 
 from __future__ import annotations
@@ -36,6 +36,23 @@ def openmp_defaults(environ=os.environ, modules=sys.modules) -> str:
                 f"{environ['OMP_NUM_THREADS']} thread(s) as OMP_NUM_THREADS says")
     modules["torch"].set_num_threads(1)
     return f"OMP_WAIT_POLICY={WAIT_POLICY} for child processes; torch was imported before it: 1 intra-op thread"
+
+
+def blas_defaults(environ=os.environ, modules=sys.modules) -> str:
+    """One OpenBLAS thread in drift's own process unless the user chose otherwise; returns what was done.
+
+    numpy's OpenBLAS starts a pool of threads (one per core but one) when numpy loads, and a process with
+    threads does not fork its comparison (drift.check.forked.fork_refusal: a default run then compares on
+    a thread, 16.7 s against 13.1 s on this project's 2-core box, 2026-12-07, docs/speed.md). drift's
+    numpy BLAS calls are a few small fits: figures unchanged (report.json equal). A user's
+    ``OPENBLAS_NUM_THREADS`` stands; where numpy is already loaded its pool stands too.
+    """
+    if "OPENBLAS_NUM_THREADS" in environ:
+        return f"OPENBLAS_NUM_THREADS={environ['OPENBLAS_NUM_THREADS']} (the user's)"
+    if "numpy" in modules:
+        return "numpy was imported before it: its OpenBLAS threads stand"
+    environ["OPENBLAS_NUM_THREADS"] = "1"
+    return "OPENBLAS_NUM_THREADS=1"
 
 
 # A run whose committed states hold fewer elements than this takes one intra-op thread. Below it a

@@ -35,14 +35,31 @@ configure time, before any test computes; the header says what was done.
 from __future__ import annotations
 
 import contextlib
+import os
+import shlex
+import sys
 from dataclasses import replace
 
 import pytest
 
 from drift.mkl import mkl_defaults
-from drift.openmp import openmp_defaults
+from drift.openmp import blas_defaults, openmp_defaults
 
 OPENMP = openmp_defaults()  # first: the imports below load torch and its OpenMP runtime
+
+
+def drifts_command_line(argv) -> bool:
+    """Whether pytest's arguments ask for drift's tests, as :func:`_drifts_session` decides once they are
+    parsed (``--pyargs`` and ``drift`` or a module of it, or a ``--drift-*`` option); read before, at import."""
+    named = any(a == "drift" or a.startswith(("drift.", "drift::")) for a in argv)
+    return ("--pyargs" in argv and named) or any(a.startswith("--drift-") for a in argv)
+
+
+# Before the imports below load numpy: one OpenBLAS thread leaves the process one thread, so a run may
+# fork its comparison (drift/openmp.py: blas_defaults). drift's sessions only: another project's numpy
+# keeps its threads.
+BLAS = (blas_defaults() if drifts_command_line(sys.argv[1:] + shlex.split(os.environ.get("PYTEST_ADDOPTS", "")))
+        else "not drift's session: OpenBLAS left alone")
 MKL = "not pinned: not drift's session (pytest --pyargs drift, or a --drift-* option)"  # pytest_configure
 
 
@@ -188,9 +205,10 @@ def pytest_runtest_call(item: pytest.Item):
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    """Which GDN verify the CPU runs (the native C kernel, or why the torch-op path); OpenMP's defaults;
-    MKL's code path (drift/mkl.py)."""
-    return [f"drift: CPU GDN verify: {native.status()}", f"drift: OpenMP: {OPENMP}", f"drift: MKL: {MKL}"]
+    """Which GDN verify the CPU runs (the native C kernel, or why the torch-op path); OpenMP's and OpenBLAS's
+    defaults; MKL's code path (drift/mkl.py)."""
+    return [f"drift: CPU GDN verify: {native.status()}", f"drift: OpenMP: {OPENMP}", f"drift: OpenBLAS: {BLAS}",
+            f"drift: MKL: {MKL}"]
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

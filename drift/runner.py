@@ -226,12 +226,15 @@ def preflight(run: Resolved) -> Resolved:
     refuse = getattr(run.update.fn, "preflight", None) if run.update is not None else None
     if refuse is not None and run.mode == "mtp":  # what the update itself cannot run (drift/plug/vllm_engine.py)
         refuse(run.cfg)
-    if run.mode == "mtp":
-        try:
-            scan_update(run, device=None)
-        except UpdateRaised:
-            pass
-    checked = CheckedRun(run)  # every check built (an extension's that raises there is refused now)
+    # On the run's thread count: a matmul on more threads starts OpenMP's pool, whose idle threads then
+    # keep the run from forking its comparison (drift.check.forked.fork_refusal)
+    with run_threads(run.cfg):
+        if run.mode == "mtp":
+            try:
+                scan_update(run, device=None)
+            except UpdateRaised:
+                pass
+        checked = CheckedRun(run)  # every check built (an extension's that raises there is refused now)
     if _crosses_no_tracking_boundary(checked.sim):
         raise ConfigError(no_tracking_boundary(run.cfg.track_interval, run.cfg.steps))
     return run

@@ -240,6 +240,19 @@ def test_the_command_lets_idle_openmp_threads_sleep_unless_told_otherwise():
     assert mine == {"OMP_WAIT_POLICY": "ACTIVE"}
 
 
+def test_the_command_gives_openblas_one_thread_unless_told_otherwise_or_too_late():
+    """One OpenBLAS thread leaves drift's process one thread, so a run may fork its comparison
+    (drift/check/forked.py); the user's count stands, and so does the pool of a numpy already loaded."""
+    from drift.openmp import blas_defaults
+
+    env = {}
+    assert blas_defaults(env, modules={}) == "OPENBLAS_NUM_THREADS=1" and env == {"OPENBLAS_NUM_THREADS": "1"}
+    mine = {"OPENBLAS_NUM_THREADS": "4"}
+    assert "the user's" in blas_defaults(mine, modules={}) and mine == {"OPENBLAS_NUM_THREADS": "4"}
+    late = {}
+    assert "numpy was imported before" in blas_defaults(late, modules={"numpy": object()}) and late == {}
+
+
 def test_openmp_defaults_take_one_thread_where_torch_read_the_environment_already():
     """torch imported before the defaults (the pytest plugin after a conftest or another plugin):
     its runtime spins as it read the environment, so torch gets one thread, unless the user chose

@@ -55,12 +55,28 @@ class ComparisonProcessError(RuntimeError):
     """The comparison's process failed (its traceback in the message) or ended without a word."""
 
 
+def os_threads(status: str = "/proc/self/status") -> int:
+    """Threads of this process as Linux counts them (a library's own threads too), 0 where unknown."""
+    try:
+        with open(status) as f:
+            return next((int(line.split()[1]) for line in f if line.startswith("Threads:")), 0)
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def fork_refusal() -> Optional[str]:
-    """Why the comparison cannot be forked off here, or None when it can."""
+    """Why the comparison cannot be forked off here, or None when it can: only a process with one thread
+    forks (another's lock would stay held in the child; Python 3.12 warns for the same reason). numpy's
+    OpenBLAS starts a pool of threads when it loads unless ``OPENBLAS_NUM_THREADS=1`` (the ``drift``
+    command sets it, drift/openmp.py)."""
     if not sys.platform.startswith("linux") or not hasattr(os, "fork"):
         return f"no fork on {sys.platform}"
     if threading.active_count() > 1:
-        return f"{threading.active_count() - 1} other thread(s) run in this process"
+        return f"{threading.active_count() - 1} other Python thread(s) run in this process"
+    threads = os_threads()
+    if threads != 1:
+        return (f"{threads - 1} other thread(s) run in this process (a library's pool: numpy's OpenBLAS "
+                "starts one unless OPENBLAS_NUM_THREADS=1)" if threads else "its threads cannot be counted")
     return None
 
 

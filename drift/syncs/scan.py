@@ -20,6 +20,7 @@ from ..devices import resolve_device
 from ..errors import ENDS_PROCESS, DriftError, UpdateRaised, ended_by_code, what_raised
 from ..flows.base import Harness
 from ..flows.registry import state_flow
+from ..openmp import run_threads
 from ..runspec import Resolved
 from ..sim.pool import StatePool
 from ..sim.stream import InputStream
@@ -171,7 +172,14 @@ def scan_update(run: Resolved, steps: int = 4, device: Optional[str] = "auto", s
     tracking as configured (``track_interval = 0`` passes ``None`` as the simulation does). An update
     declaring ``DEVICE_ONLY`` (it launches an engine's device kernels, or holds an engine's device
     buffers, which take no virtual tensor: drift/plug/flashinfer_replayssm.py, drift/plug/vllm_engine.py)
-    runs on the accelerator alone, and without one is not scanned (no pass)."""
+    runs on the accelerator alone, and without one is not scanned (no pass). On the run's thread count
+    (drift.openmp.run_threads): a matmul on more threads starts OpenMP's pool, whose idle threads keep a
+    later run in this process from forking its comparison (drift.check.forked.fork_refusal)."""
+    with run_threads(run.cfg):
+        return _scan_update(run, steps, device, sample)
+
+
+def _scan_update(run: Resolved, steps: int, device: Optional[str], sample: int) -> UpdateScan:
     cfg, upd = run.cfg, run.update
     chosen, last, trk = representative_steps(cfg, steps)
     more, last2, trk2 = sampled_steps(cfg, sample, chosen)

@@ -25,10 +25,11 @@ from drift.check.wire import pack, unpack
 from drift.sim.serving import Start
 
 
-def _python(code: str, **env) -> dict:
-    """Run ``code`` in a fresh interpreter; the JSON it prints last."""
+def _python(code: str, drop: tuple = (), **env) -> dict:
+    """Run ``code`` in a fresh interpreter (the environment less the variables ``drop`` names, plus ``env``);
+    the JSON it prints last."""
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **env})
+                          env={**{k: v for k, v in os.environ.items() if k not in drop}, **env})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -75,7 +76,7 @@ def test_no_fork_while_another_thread_runs():
     thread = threading.Thread(target=stop.wait)
     thread.start()
     try:
-        assert "other thread" in fork_refusal()
+        assert "other Python thread" in fork_refusal()
     finally:
         stop.set()
         thread.join()
@@ -209,3 +210,54 @@ def test_a_checkpoint_taken_in_the_process_resumes_to_the_same_figures(tmp_path)
     code = _RESUME.replace("Path(sys.argv[1])", f"Path({str(tmp_path / 'ckpt.pt')!r})")
     out = _python(code, DRIFT_COMPARISON="process")
     assert out == {"same": True, "where": ["process", "process"], "passed": True}
+
+
+# ------------------------------------------------------------------------------ when it forks
+def test_a_library_thread_keeps_the_process_from_forking(monkeypatch, tmp_path):
+    from drift.check import forked
+
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nThreads:\t3\nVmRSS:\t1 kB\n")
+    assert forked.os_threads(str(status)) == 3 and forked.os_threads(str(tmp_path / "absent")) == 0
+    monkeypatch.setattr(forked, "os_threads", lambda: 3)
+    monkeypatch.setattr(forked.threading, "active_count", lambda: 1)
+    assert "2 other thread(s)" in forked.fork_refusal() and "OPENBLAS_NUM_THREADS=1" in forked.fork_refusal()
+    monkeypatch.setattr(forked, "os_threads", lambda: 1)
+    assert forked.fork_refusal() is None
+
+
+_GATE_THREADS = """
+import json, torch
+from drift import preset
+from drift.check.forked import os_threads
+from drift.runner import preflight
+from drift.runspec import resolve
+from drift.syncs.scan import sync_check
+
+run = resolve(preset("ci-small", steps=64))  # torch's own thread count until a run takes one (run_threads)
+preflight(run)
+sync_check(run, sample=2)
+after_gate = os_threads()
+torch.set_num_threads(2)  # the control: two threads, and a matmul on them; OpenMP's pool starts
+torch.randn(64, 64) @ torch.randn(64, 64)
+print(json.dumps([after_gate, os_threads()]))
+"""
+
+
+def test_the_gates_scan_and_preflight_leave_the_process_able_to_fork():
+    """The sync tests and the preflight run before the precision runs, on the run's one thread: no OpenMP
+    pool starts, so each precision run can fork its comparison (a matmul on two threads, the control, does
+    start one)."""
+    # as an engine's CI runs the gate: no OMP_NUM_THREADS (this suite's xdist workers set it: a user's count
+    # stands, drift.openmp.run_threads)
+    after_gate, after_matmul = _python(_GATE_THREADS, drop=("OMP_NUM_THREADS",), OPENBLAS_NUM_THREADS="1")
+    assert after_gate == 1 and after_matmul > 1
+
+
+def test_drift_run_compares_in_a_process_where_it_has_a_core_for_it(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST_", "OPENBLAS_", "DRIFT_COMPARISON"))}
+    proc = subprocess.run([sys.executable, "-m", "drift", "run", "--steps", "32", "--quiet", "--report",
+                           str(tmp_path)], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pace = json.loads((tmp_path / "report.json").read_text())["run"]["pace"]
+    assert pace["thread"] == ("process" if len(os.sched_getaffinity(0)) >= 2 else "simulation"), pace

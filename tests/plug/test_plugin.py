@@ -219,6 +219,18 @@ def test_a_session_is_drifts_when_it_names_drifts_package(args, pyargs, drifts):
             return pyargs if name == "pyargs" else default
 
     assert pytest_plugin._drifts_session(Config()) is drifts
+    # the same rule on the raw command line, read at import (the OpenBLAS default, before numpy loads)
+    assert pytest_plugin.drifts_command_line((["--pyargs"] if pyargs else []) + args + ["-q"]) is drifts
+
+
+@pytest.mark.parametrize("argv, drifts", [
+    (["-q", "--drift-steps", "512", "tests"], True), (["--drift-update=x:y"], True),
+    (["-q", "tests/test_drift_things.py"], False), (["--pyargs", "drifter", "--drift"], False),
+])
+def test_the_command_line_is_drifts_with_a_drift_option(argv, drifts):
+    from drift import pytest_plugin
+
+    assert pytest_plugin.drifts_command_line(argv) is drifts
 
 
 FAKE_LEGACY = FIXTURES / "fake_legacy_npu_op.py"
