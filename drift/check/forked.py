@@ -19,8 +19,8 @@ thread's, bit for bit. It compares a batch early when no step waits (less left t
 
 Where it is not safe to fork it is not done (:func:`fork_refusal`): off Linux, and while another thread
 runs in the process (a lock it holds would stay held in the child forever; Python 3.12 warns for the same
-reason). The child ignores SIGINT (the simulation's process handles an interrupt and closes the pipe),
-ends when the pipe closes, and never returns into the parent's code (``os._exit``).
+reason). The child ignores SIGINT (the simulation's process handles an interrupt and closes the pipe), dies
+of SIGTERM, ends when the pipe closes, and never returns into the parent's code (``os._exit``).
 """
 
 from __future__ import annotations
@@ -40,13 +40,14 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from .wire import pack, unpack
+from .wire import pack_parts, unpack
 
 SEND_EVERY = 4  # steps whose small data go to the child in one message
 MAX_SLOTS = 64  # steps the simulation may run ahead of the child
 RING_BYTES = 64 << 20  # at most this much shared memory per run (fewer slots for bigger steps)
 END_WAIT_S = 10.0  # how long closing waits for the child to exit before killing it
 _FRAME = struct.Struct("<Q")
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 16, 1024)
 _ALIGN = 64
 _LIVE: "weakref.WeakSet[ForkedWorker]" = weakref.WeakSet()
 
@@ -81,10 +82,20 @@ def fork_refusal() -> Optional[str]:
 
 
 def _write(fd: int, obj: Any) -> None:
-    data = pack(obj)
-    view = memoryview(_FRAME.pack(len(data)) + data)
-    while view:
-        view = view[os.write(fd, view):]
+    """One message: its length, then its parts, gathered by the kernel (no copy of a tensor's bytes here)."""
+    parts = pack_parts(obj)
+    parts.insert(0, _FRAME.pack(sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in parts)))
+    while parts:
+        batch = parts[:_IOV_MAX]
+        done = os.writev(fd, batch)
+        total = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in batch)
+        if done == total:
+            del parts[:len(batch)]
+            continue
+        rest = memoryview(b"".join(batch))[done:]  # a partial write (a signal): the rest of the batch, in one
+        while rest:
+            rest = rest[os.write(fd, rest):]
+        del parts[:len(batch)]
 
 
 def _read_exact(fd: int, n: int) -> Optional[bytes]:
@@ -147,7 +158,14 @@ class ForkedWorker:
         self._metas: list = []
         to_child, from_child = os.pipe(), os.pipe()
         inherited = [fd for worker in list(_LIVE) for fd in worker._fds()]
-        pid = os.fork()
+        # No interrupt between the fork and the child's own handlers (Python's at-fork hooks run first in
+        # the child, and a KeyboardInterrupt there prints a traceback); the parent's waits until after.
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            pid = os.fork()
+        except BaseException:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+            raise
         if pid == 0:  # the child: never returns
             status = 1
             try:
@@ -155,11 +173,14 @@ class ForkedWorker:
                     worker._finalize.detach()
                 for fd in (to_child[1], from_child[0], *inherited):
                     os.close(fd)
-                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                signal.signal(signal.SIGINT, signal.SIG_IGN)  # the simulation's process handles an interrupt
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a SIGTERM ends the child, not drift's handler
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
                 _serve(self.ring, to_child[0], from_child[1], on_step, on_idle, answers)
                 status = 0
             finally:
                 os._exit(status)
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
         os.close(to_child[0])
         os.close(from_child[1])
         self.pid, self._out, self._in = pid, to_child[1], from_child[0]

@@ -29,9 +29,15 @@ _TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in (
 
 def pack(obj) -> bytes:
     """``obj`` as bytes (:func:`unpack` restores it)."""
-    out: list[bytes] = []
+    return b"".join(pack_parts(obj))
+
+
+def pack_parts(obj) -> list:
+    """``obj`` as a list of bytes-like parts whose concatenation is :func:`pack`'s (arrays and tensors are
+    views of their memory, not copies: write them out before they change)."""
+    out: list = []
     _pack(obj, out)
-    return b"".join(out)
+    return out
 
 
 def unpack(data: bytes):
@@ -42,8 +48,8 @@ def unpack(data: bytes):
     return obj
 
 
-def _blob(out: list, raw: bytes) -> None:
-    out.append(_LEN.pack(len(raw)))
+def _blob(out: list, raw) -> None:
+    out.append(_LEN.pack(raw.nbytes if isinstance(raw, memoryview) else len(raw)))
     out.append(raw)
 
 
@@ -76,7 +82,7 @@ def _pack(obj, out: list) -> None:
         out.append(b"a")
         _blob(out, obj.dtype.str.encode())
         _pack(tuple(obj.shape), out)
-        _blob(out, np.ascontiguousarray(obj).tobytes())
+        _blob(out, memoryview(np.ascontiguousarray(obj)).cast("B") if obj.size else b"")
     elif isinstance(obj, torch.Tensor):
         name = str(obj.dtype).removeprefix("torch.")
         if name not in _TORCH_DTYPES or obj.device.type != "cpu":
@@ -85,7 +91,7 @@ def _pack(obj, out: list) -> None:
         _blob(out, name.encode())
         _pack(tuple(obj.shape), out)
         flat = obj.detach().contiguous().reshape(-1)
-        _blob(out, flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
+        _blob(out, memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else b"")
     elif isinstance(obj, Start):
         out.append(b"S")
         _pack({f.name: getattr(obj, f.name) for f in fields(obj)}, out)

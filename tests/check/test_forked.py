@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -261,3 +263,32 @@ def test_drift_run_compares_in_a_process_where_it_has_a_core_for_it(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     pace = json.loads((tmp_path / "report.json").read_text())["run"]["pace"]
     assert pace["thread"] == ("process" if len(os.sched_getaffinity(0)) >= 2 else "simulation"), pace
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_an_interrupted_run_ends_with_its_comparisons_process(tmp_path, sig, code):
+    """A terminal's Ctrl-C or a CI runner's SIGTERM reaches the whole process group mid-run: the command
+    exits with its one line and code, and its comparison's process is gone with it."""
+    proc = subprocess.Popen([sys.executable, "-m", "drift", "run", "--report", str(tmp_path / "r")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "DRIFT_COMPARISON": "process"})
+    deadline = time.monotonic() + 120
+    while not _children(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    [child] = _children(proc.pid)  # the run is under way, its comparison forked
+    os.killpg(proc.pid, sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, f"stdout: {out!r}\nstderr: {err!r}"
+    assert "Traceback" not in err and "interrupted" in err.strip().splitlines()[-1]
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:  # init reaps an orphan
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{child}")
