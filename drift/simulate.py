@@ -89,6 +89,7 @@ class Observer(Protocol):
     def on_step(self, view: StepView) -> None: ...
     def flush(self) -> None: ...
     def on_end(self) -> None: ...
+    # optional: abandon() -> None, called instead of on_end when the run raises (ends what runs beside it)
 
 
 def _slot_words(bits: torch.Tensor) -> torch.Tensor:
@@ -443,6 +444,12 @@ class Simulation:
             stopped = str(why)
             for obs in self.observers:
                 obs.flush()
+        except BaseException:  # the run is abandoned: what an observer runs beside it ends now (abandon)
+            for obs in self.observers:
+                abandon = getattr(obs, "abandon", None)
+                if abandon is not None:
+                    abandon()
+            raise
         self._flush_guard()
         for obs in self.observers:
             obs.on_end()

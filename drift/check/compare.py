@@ -513,6 +513,13 @@ class Comparison:
         for c in self.consumers:
             c.finish()
 
+    def abandon(self) -> None:
+        """The run raised (Simulation.run): its worker thread or process ends now, comparing nothing more,
+        rather than when the comparison is garbage-collected (an exception kept with its traceback keeps
+        it alive: a catalogue of raising mutants kept a process each)."""
+        if self._worker is not None:
+            self._worker.close()
+
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """Counters and the twin's state (taken between chunks, after a flush), and the consumers'."""

@@ -292,3 +292,35 @@ def test_an_interrupted_run_ends_with_its_comparisons_process(tmp_path, sig, cod
     while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:  # init reaps an orphan
         time.sleep(0.05)
     assert not os.path.exists(f"/proc/{child}")
+
+
+_ABANDONED = """
+import json, os
+import drift.simulate as simulate
+from drift import preset
+from drift.check import compare
+from drift.runner import run_checked
+from drift.runspec import resolve
+
+if os.environ.get("NO_ABANDON"):  # the control: a comparison that is not told
+    del compare.Comparison.abandon
+step, kept = simulate.Simulation._step, []
+def raising(self, *args, **kwargs):
+    if self.step_count == 40:
+        raise RuntimeError("the run raised")
+    self.step_count += 1
+    return step(self, *args, **kwargs)
+simulate.Simulation._step, simulate.Simulation.step_count = raising, 0
+for _ in range(2):
+    try:
+        run_checked(resolve(preset("ci-small", steps=128)), sync_scan=False)
+    except RuntimeError as exc:
+        kept.append(exc)  # with its traceback: the run's objects stay alive
+pid = os.getpid()
+print(json.dumps(open(f"/proc/{pid}/task/{pid}/children").read().split()))
+"""
+
+
+def test_a_run_that_raises_ends_its_comparisons_process_at_once():
+    assert _python(_ABANDONED, DRIFT_COMPARISON="process", OPENBLAS_NUM_THREADS="1") == []
+    assert len(_python(_ABANDONED, DRIFT_COMPARISON="process", OPENBLAS_NUM_THREADS="1", NO_ABANDON="1")) == 2
