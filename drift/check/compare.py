@@ -350,9 +350,14 @@ class Comparison:
             plan = view.schedule
             if plan is not None:
                 self._host_types += [plan.request.dtype, plan.start.dtype, plan.source.dtype, np.dtype(bool)]
-            self._worker = ForkedWorker(views, len(row), self._compare_handed, self._compare_early,
-                                        {"chunk": lambda _: self._chunk_payload(),
-                                         "lane": self._lane_truth_here, "state": lambda _: self._own_state()})
+            try:
+                self._worker = ForkedWorker(views, len(row), self._compare_handed, self._compare_early,
+                                            {"chunk": lambda _: self._chunk_payload(),
+                                             "lane": self._lane_truth_here, "state": lambda _: self._own_state()})
+            except OSError:  # no fork, pipe or shared memory to be had (EAGAIN, ENOMEM): the thread instead
+                self._where = "worker"
+                self.on_step(view)
+                return
         extra = {m.key: m.snapshot(self, view) for m in self.measures if m.snapshot is not None}
         self._worker.submit(views, row, (view.starts, extra))
 

@@ -324,3 +324,27 @@ print(json.dumps(open(f"/proc/{pid}/task/{pid}/children").read().split()))
 def test_a_run_that_raises_ends_its_comparisons_process_at_once():
     assert _python(_ABANDONED, DRIFT_COMPARISON="process", OPENBLAS_NUM_THREADS="1") == []
     assert len(_python(_ABANDONED, DRIFT_COMPARISON="process", OPENBLAS_NUM_THREADS="1", NO_ABANDON="1")) == 2
+
+
+def test_a_fork_the_system_refuses_leaves_the_comparison_on_a_thread(monkeypatch):
+    """fork(), a pipe or the shared memory refused (EAGAIN, ENOMEM): the run goes on, compared on the worker
+    thread, with the same figures."""
+    from drift import preset
+    from drift.check import compare
+    from drift.runner import run_checked
+    from drift.runspec import resolve
+
+    run = resolve(preset("ci-small", steps=48))
+    monkeypatch.setenv("DRIFT_COMPARISON", "serial")
+    plain = run_checked(run, sync_scan=False)
+
+    def refused(*args, **kwargs):
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setenv("DRIFT_COMPARISON", "process")
+    monkeypatch.setattr(compare, "fork_refusal", lambda: None)  # as a one-thread process would be
+    monkeypatch.setattr(compare.ForkedWorker, "__init__", refused)
+    rep = run_checked(run, sync_scan=False)
+    assert rep.to_dict()["run"]["pace"]["thread"] == "worker"
+    strip = lambda r: {k: v for k, v in r.to_dict().items() if k != "run"}
+    assert strip(rep) == strip(plain) and rep.passed
