@@ -351,7 +351,7 @@ class Comparison:
             if plan is not None:
                 self._host_types += [plan.request.dtype, plan.start.dtype, plan.source.dtype, np.dtype(bool)]
             try:
-                self._worker = ForkedWorker(views, len(row), self._compare_handed, self._compare_early,
+                self._worker = ForkedWorker(views, len(row), self._compare_handed, self._process,
                                             {"chunk": lambda _: self._chunk_payload(),
                                              "lane": self._lane_truth_here, "state": lambda _: self._own_state()})
             except OSError:  # no fork, pipe or shared memory to be had (EAGAIN, ENOMEM): the thread instead
@@ -369,14 +369,6 @@ class Comparison:
         starts, extra = meta
         self._compare_step(TakenStep(step=int(row[0]), index=int(row[1]), pre=cols[0], accept=cols[1],
                                      track=cols[2], starts=starts, lanes=lanes, views=views, extra=extra))
-
-    def _compare_early(self) -> bool:
-        """In the comparison's process, while no step waits: compare the steps buffered so far (less is left
-        to do when the simulation asks for the chunk). Whether it did any."""
-        if not self._pending:
-            return False
-        self._process()
-        return True
 
     def _compare_step(self, step: "TakenStep") -> None:
         """Buffer the step; the comparison itself runs once per batch of up to ``batch`` steps

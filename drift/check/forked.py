@@ -15,7 +15,8 @@ its twin and measures as they are then), so nothing but each step's data has to 
 * a pipe back carrying acknowledgements (slots released), answers, and the child's error, if any.
 
 The child compares the same steps in the same order with the same operations: the figures are the
-thread's, bit for bit. It compares a batch early when no step waits (less left to do at a flush).
+thread's, bit for bit. It compares the steps of each message as it comes (less left to do at a flush),
+so where a batch of compared steps ends is fixed by the messages, never by timing.
 
 Where it is not safe to fork it is not done (:func:`fork_refusal`): off Linux, and while another thread
 runs in the process (a lock it holds would stay held in the child forever; Python 3.12 warns for the same
@@ -143,13 +144,13 @@ class ForkedWorker:
     like: one step's tensors (shapes and dtypes of every later step's), CPU; host_len: int64 per step.
     on_step(views, host, meta): the child's handling of one step (``views``: that step's tensors in the
     ring, valid until it returns; ``host``: its int64 row, a copy; ``meta``: what :meth:`submit` was given);
-    on_idle() -> bool: work the child may do while no step waits (True: it did some); answers: kind ->
+    after_steps(): the child's work after each message of :data:`SEND_EVERY` steps; answers: kind ->
     function(arg) -> a reply, for :meth:`ask`. The child is forked here: construct it after everything
     the child needs is in place.
     """
 
     def __init__(self, like: dict[str, torch.Tensor], host_len: int,
-                 on_step: Callable[[dict, np.ndarray, Any], None], on_idle: Callable[[], bool],
+                 on_step: Callable[[dict, np.ndarray, Any], None], after_steps: Callable[[], None],
                  answers: dict[str, Callable[[Any], Any]]):
         per_step = sum(t.numel() * t.element_size() for t in like.values()) + 8 * host_len
         self.ring = _Ring(like, host_len, max(2, min(MAX_SLOTS, RING_BYTES // max(per_step, 1))))
@@ -176,7 +177,7 @@ class ForkedWorker:
                 signal.signal(signal.SIGINT, signal.SIG_IGN)  # the simulation's process handles an interrupt
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a SIGTERM ends the child, not drift's handler
                 signal.pthread_sigmask(signal.SIG_SETMASK, held)
-                _serve(self.ring, to_child[0], from_child[1], on_step, on_idle, answers)
+                _serve(self.ring, to_child[0], from_child[1], on_step, after_steps, answers)
                 status = 0
             finally:
                 os._exit(status)
@@ -285,9 +286,9 @@ def _reap(pid: int, *fds: int) -> str:
 
 
 # ---------------------------------------------------------------- the child's side
-def _serve(ring: _Ring, inp: int, out: int, on_step, on_idle, answers) -> None:
+def _serve(ring: _Ring, inp: int, out: int, on_step, after_steps, answers) -> None:
     """The child's loop: a reader thread queues the simulation's messages (the pipe never fills while the
-    child computes); the loop handles them in order, and works ahead (``on_idle``) while none waits."""
+    child computes); the loop handles them in order, ``after_steps`` after each message of steps."""
     queue: collections.deque = collections.deque()
     ready = threading.Condition()
 
@@ -310,13 +311,8 @@ def _serve(ring: _Ring, inp: int, out: int, on_step, on_idle, answers) -> None:
     try:
         while True:
             with ready:
-                message = queue.popleft() if queue else None
-            if message is None:
-                if on_idle():
-                    continue
-                with ready:
-                    ready.wait_for(lambda: bool(queue))
-                    message = queue.popleft()
+                ready.wait_for(lambda: bool(queue))
+                message = queue.popleft()
             kind = message[0]
             if kind == "steps":
                 for meta in message[1]:
@@ -324,6 +320,7 @@ def _serve(ring: _Ring, inp: int, out: int, on_step, on_idle, answers) -> None:
                     on_step({key: v[slot] for key, v in ring.views.items()}, host, meta)
                     slot = (slot + 1) % ring.slots
                 _write(out, ("released", len(message[1])))
+                after_steps()
             elif kind == "ask":
                 _write(out, ("answer", answers[message[1]](message[2])))
             elif kind == "broken":

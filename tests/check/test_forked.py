@@ -101,7 +101,7 @@ def on_step(views, host, meta):
         raise ValueError(f"boom at step {host[0]}")
     time.sleep(0.002 if meta == "slow" else 0)
     seen.append([int(host[0]), float(views["x"].double().sum()), meta])
-worker = ForkedWorker({"x": torch.zeros(3, dtype=torch.bfloat16)}, 1, on_step, lambda: False,
+worker = ForkedWorker({"x": torch.zeros(3, dtype=torch.bfloat16)}, 1, on_step, lambda: None,
                       {"seen": lambda _: seen, "pid": lambda _: os.getpid()})
 pid = worker.ask("pid")
 out = {"slots": worker.ring.slots, "pid": pid}
