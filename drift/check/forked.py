@@ -164,8 +164,10 @@ class ForkedWorker:
         held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
             pid = os.fork()
-        except BaseException:
+        except BaseException:  # EAGAIN, ENOMEM: no child; nothing of it is left open
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
+            for fd in (*to_child, *from_child):
+                os.close(fd)
             raise
         if pid == 0:  # the child: never returns
             status = 1

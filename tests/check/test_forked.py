@@ -348,3 +348,16 @@ def test_a_fork_the_system_refuses_leaves_the_comparison_on_a_thread(monkeypatch
     assert rep.to_dict()["run"]["pace"]["thread"] == "worker"
     strip = lambda r: {k: v for k, v in r.to_dict().items() if k != "run"}
     assert strip(rep) == strip(plain) and rep.passed
+
+
+def test_a_refused_fork_leaves_no_pipe_open(monkeypatch):
+    from drift.check import forked
+
+    def refused():
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    before = set(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(forked.os, "fork", refused)
+    with pytest.raises(BlockingIOError):
+        forked.ForkedWorker({"x": torch.zeros(2)}, 1, lambda *a: None, lambda: None, {})
+    assert set(os.listdir("/proc/self/fd")) == before
