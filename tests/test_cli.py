@@ -287,3 +287,62 @@ def test_an_interrupt_while_starting_exits_130_without_a_traceback(monkeypatch, 
     monkeypatch.setitem(sys.modules, "drift.cli", Interrupted())
     assert entry(["run"]) == 130
     assert capsys.readouterr().err == "drift: interrupted (SIGINT) while starting; nothing was written\n"
+
+
+END = """
+import atexit, sys, threading, time
+from pathlib import Path
+from drift.__main__ import end_process
+out = Path(sys.argv[1])
+atexit.register(lambda: (out / "exit-handler").write_text("ran"))
+
+class Held:  # freed by Python's teardown, not by end_process's
+    def __del__(self):
+        (out / "teardown").write_text("ran")
+
+held = Held()
+if sys.argv[2] == "thread":  # a thread that is not a daemon: Python's own exit waits for it
+    threading.Thread(target=lambda: (time.sleep(0.3), (out / "thread").write_text("done"))).start()
+sys.stdout.write("unflushed " * int(sys.argv[3]))
+end_process(3)
+"""
+
+
+@pytest.mark.parametrize("thread", ["none", "thread"])
+def test_the_command_ends_its_process_with_its_code_after_the_exit_handlers(tmp_path, thread):
+    """``drift``'s process ends with the command's code, its exit handlers run and its output flushed,
+    and without the module teardown (drift/__main__.py: end_process); a thread that is not a daemon
+    is waited for, by Python's own exit."""
+    proc = subprocess.run([sys.executable, "-c", END, str(tmp_path), thread, "3"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout == "unflushed " * 3
+    assert (tmp_path / "exit-handler").read_text() == "ran"
+    if thread == "thread":
+        assert (tmp_path / "thread").read_text() == "done"
+        assert (tmp_path / "teardown").exists()  # Python's exit: the teardown ran
+    else:
+        assert not (tmp_path / "teardown").exists()  # the 0.7 s end_process saves
+
+
+def test_the_command_ending_on_a_closed_pipe_exits_120_as_python_does(tmp_path):
+    """``drift run | head``: the output left to flush at the end (under the pipe buffer: 1,000 bytes) cannot
+    be written, and the process ends with 120, Python's code for it."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # the output waits in the buffer
+    proc = subprocess.Popen([sys.executable, "-c", END, str(tmp_path), "none", "100"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, env=env)
+    proc.stdout.close()
+    assert proc.wait(timeout=60) == 120
+    assert (tmp_path / "exit-handler").read_text() == "ran"
+
+
+def test_the_drift_command_is_the_entry_that_ends_its_process():
+    """The installed ``drift`` script and ``python -m drift`` both go through ``entry``."""
+    from importlib.metadata import entry_points
+
+    (script,) = [e for e in entry_points(group="console_scripts") if e.name == "drift"]
+    assert script.value == "drift.__main__:entry"
+    proc = subprocess.run([sys.executable, "-m", "drift", "--version"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.startswith("drift ")
