@@ -44,6 +44,7 @@ import pytest
 
 from drift.mkl import mkl_defaults
 from drift.openmp import blas_defaults, openmp_defaults
+from drift.process_end import freeze_for_exit
 
 OPENMP = openmp_defaults()  # first: the imports below load torch and its OpenMP runtime
 
@@ -135,6 +136,18 @@ def pytest_configure(config: pytest.Config) -> None:
             spec_from_options(config.getoption).config()
         except DriftError as exc:
             raise pytest.UsageError(f"--drift-trace {trace}: {exc}") from None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The last hook of drift's session in a process of its own -- the ``pytest`` command, or an xdist
+    worker -- leaves the process's objects out of Python's final collections
+    (:func:`drift.process_end.freeze_for_exit`: 0.6 s of every such process). A session run inside
+    another program (``pytest.main``, whose arguments are not the process's) is left alone: the
+    program goes on, and its cycles must stay collectable."""
+    own_process = hasattr(config, "workerinput") or list(config.invocation_params.args) == sys.argv[1:]
+    if own_process and _drifts_session(config):
+        freeze_for_exit()
 
 
 # ------------------------------------------------------------------------ exit codes

@@ -17,7 +17,7 @@ ROOT = Path(drift.__file__).resolve().parent
 STAGES = [
     {"drift.version", "drift._help", "drift.errors", "drift.registry", "drift.dtypes", "drift.layouts", "drift.compat",
      "drift.lifecycles",
-     "drift.config", "drift.devices", "drift.fileio", "drift.mkl", "drift.openmp",
+     "drift.config", "drift.devices", "drift.fileio", "drift.mkl", "drift.openmp", "drift.process_end",
      "drift.checkpoint"},
     {"drift.sim"},
     {"drift.flows"},

@@ -440,3 +440,76 @@ def test_with_tracking_off_the_gates_tracking_sync_test_says_the_other_one_scans
                   "fixed", "--drift-track-interval", "0", "-rs", cwd=tmp_path)
     assert run.returncode == 0 and "2 passed" in run.stdout, run.stdout[-2000:]
     assert "tracking is off in this run (--drift-track-interval 0): the no-tracking test scans it" in run.stdout
+
+
+# A test module holding, alive to the end, an object in a reference cycle: only a collection frees it.
+FREEZE_PROBE = """
+import os
+{imports}
+
+class Cycle:  # what __del__ needs is its own: the modules may be torn down before the collection
+    def __init__(self, path, opener):
+        self.path, self.opener, self.me = path, opener, self
+
+    def __del__(self):
+        with self.opener(self.path, "w") as f:
+            f.write("collected")
+
+held = Cycle(os.environ["PROBE_OUT"], open)
+
+def test_probe():
+    pass
+"""
+
+
+@pytest.mark.parametrize("how, frozen", [
+    (["-m", "pytest", "test_probe.py", "--drift-steps", "8"], True),  # drift's session, pytest's own process
+    (["-m", "pytest", "test_probe.py", "--drift-steps", "8", "-n", "1"], True),  # and its xdist worker
+    (["-m", "pytest", "test_probe.py"], False),  # another project's session: its exit is its own
+    (["-c", "import sys, pytest; sys.exit(pytest.main(['test_probe.py', '--drift-steps', '8']))"], False),
+], ids=["drift-session", "drift-session-xdist", "other-project", "inside-another-program"])
+def test_drifts_session_in_a_process_of_its_own_ends_without_the_final_collections(tmp_path, how, frozen):
+    """drift's session, in the pytest command's process or an xdist worker, freezes the objects alive at its
+    end (drift/process_end.py: Python's final collections, 0.6 s a process, leave them alone); another
+    project's session, and one inside a program that goes on (``pytest.main``), are left to Python."""
+    (tmp_path / "test_probe.py").write_text(FREEZE_PROBE.format(imports=""))
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS" and not k.startswith("PYTEST_XDIST_")}
+    env["PROBE_OUT"] = str(tmp_path / "collected.txt")
+    argv = [*how, "-q", "-p", "no:cacheprovider"] if how[0] == "-m" else how
+    run = subprocess.run([sys.executable, *argv], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert (tmp_path / "collected.txt").exists() != frozen
+
+
+def test_a_session_with_nanobinds_objects_keeps_pythons_exit_and_prints_no_leak_report(tmp_path):
+    """Where a nanobind extension is loaded (triton's), drift's session exits as Python does: nanobind
+    reports every one of its objects alive at the end as a leak (hundreds of stderr lines, seen once),
+    and a frozen process leaves them alive."""
+    pytest.importorskip("triton", reason="needs the triton extra (pip install '.[triton]'); CI installs it")
+    (tmp_path / "test_probe.py").write_text(FREEZE_PROBE.format(imports="import triton"))
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS" and not k.startswith("PYTEST_XDIST_")}
+    env["PROBE_OUT"] = str(tmp_path / "collected.txt")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_probe.py",
+                          "--drift-steps", "8"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert (tmp_path / "collected.txt").exists()  # not frozen
+    assert "leaked" not in run.stdout + run.stderr
+
+
+def test_nanobind_is_told_by_its_functions_and_classes():
+    """drift.process_end.nanobind_loaded: a module holding a function of type ``nb_func`` or a class of type
+    ``nb_type_*`` (nanobind's metaclass) is nanobind's; plain modules are not."""
+    import types
+
+    from drift.process_end import nanobind_loaded
+
+    nb_func = type("nb_func", (), {})
+    nb_meta = type("nb_type_0", (type,), {})
+    plain = types.ModuleType("plain")
+    plain.f, plain.C = len, type("C", (), {})
+    with_func, with_class = types.ModuleType("a"), types.ModuleType("b")
+    with_func.f = nb_func()
+    with_class.C = nb_meta("C", (), {})
+    assert not nanobind_loaded({"plain": plain, "os": os})
+    assert nanobind_loaded({"plain": plain, "a": with_func})
+    assert nanobind_loaded({"b": with_class})
