@@ -166,15 +166,53 @@ def fold_checkpoints(c: Commit, fold: Optional[Callable] = None, rounding: Optio
     old_raw = temporal.index_select(1, safe)
     old = old_raw.to(F32)
     d, kh, kl, g = _records(c)
-    new = store_fold(fold(old, d, kh, kl, g, n_hist), temporal.dtype, rounding, c.h.fold_key)
+    by_row = _folds_by_row(temporal.dtype, rounding, active, c.track)
+
+    def stored(picked: torch.Tensor, hist: torch.Tensor):
+        """The fold of ``hist [N]`` records, stored, for the rows ``picked`` (bool ``[N]``): ``(rows or None
+        for all, [L, m, HV, V, K])``; None when no row is picked (host tensors only)."""
+        if not by_row:
+            return None, store_fold(fold(old, d, kh, kl, g, hist), temporal.dtype, rounding, c.h.fold_key)
+        rows = torch.nonzero(picked).flatten()
+        if rows.numel() == 0:
+            return None
+        if rows.numel() == picked.numel():
+            rows = None
+        pick = (lambda t, dim: t) if rows is None else (lambda t, dim: None if t is None else t.index_select(dim, rows))
+        new = fold(pick(old, 1), pick(d, 1), pick(kh, 1), pick(kl, 1), pick(g, 1), pick(hist, 0))
+        return rows, store_fold(new, temporal.dtype, rounding, c.h.fold_key)
+
     if c.track is not None:
         has = valid & (c.track > NULL) & (c.steps >= 0)
         tslot = torch.where(has, c.track, torch.zeros_like(c.track))
-        tnew = store_fold(fold(old, d, kh, kl, g, torch.clamp(n_hist - c.accept + c.steps + 1, min=0)),
-                          temporal.dtype, rounding, c.h.fold_key)
-        temporal.index_copy_(1, tslot, torch.where(has[None, :, None, None, None], tnew,
-                                                   temporal.index_select(1, tslot)))
-    temporal.index_copy_(1, safe, torch.where(active[None, :, None, None, None], new, old_raw))
+        folded = stored(has, torch.clamp(n_hist - c.accept + c.steps + 1, min=0))
+        if folded is not None:
+            rows, tnew = folded
+            if rows is None:
+                temporal.index_copy_(1, tslot, torch.where(has[None, :, None, None, None], tnew,
+                                                           temporal.index_select(1, tslot)))
+            else:  # only the tracked rows: their slots, in their order
+                temporal.index_copy_(1, tslot.index_select(0, rows), tnew)
+    folded = stored(active, n_hist)
+    if folded is not None:
+        rows, new = folded
+        if rows is None:
+            temporal.index_copy_(1, safe, torch.where(active[None, :, None, None, None], new, old_raw))
+        else:
+            temporal.index_copy_(1, safe.index_select(0, rows), new)
+
+
+def _folds_by_row(dtype: torch.dtype, rounding: str, *rows: Optional[torch.Tensor]) -> bool:
+    """Whether a commit may fold only the rows whose checkpoint or track slot it stores to: where finding
+    them is no sync -- host tensors (plain CPU ``torch.Tensor``s; on an accelerator, and under the host-sync
+    scan's virtual device, every row is folded, as the kernel's grid does) -- and each row's stored fold
+    has the same bits alone as in the batch: a store to nearest (a row's fold is elementwise, and one
+    matrix product per row and head, its own), not a stochastic store, which draws by each element's
+    place in the batch. A row is tracked once in ``track_interval`` steps: the track fold of the tracked
+    rows alone is a fraction of the batch's (about half of this flow's commit, on ci-small)."""
+    if not (rounding == "rne" or dtype == F32):
+        return False
+    return all(t is None or (type(t) is torch.Tensor and t.device.type == "cpu") for t in rows)
 
 
 # ------------------------------------------------------------------------------ 3. finish

@@ -104,3 +104,39 @@ def test_the_tracked_check_catches_a_track_fold_one_record_short():
     bad = run_checked(resolve(cfg, bad_update), sync_scan=False)
     res = find_result(bad.checks, "tracked_snapshots")
     assert not res.passed, res.to_dict()
+
+
+@pytest.mark.parametrize("ssm_dtype,flush", [("bfloat16", [1, 1, 1, 1]), ("float32", [0, 1, 0, 0])])
+@pytest.mark.parametrize("tracked", [[-1, -1, -1, -1], [-1, 1, -1, -1], [2, 0, 1, -1]], ids=["none", "one", "three"])
+def test_folding_only_the_rows_that_store_gives_every_slot_the_bits_of_the_whole_batchs_fold(
+        monkeypatch, ssm_dtype, flush, tracked):
+    """On host tensors the commit folds only the rows it stores to (updates.py: _folds_by_row): the flushing
+    rows' checkpoints and the tracked rows' track slots. Every slot of the pool, the padded rows' dummy
+    included, must hold the bits the kernel's whole-batch fold leaves, with none, one or several rows
+    tracked and some rows not flushing."""
+    pools = []
+    for by_row in (True, False):
+        cfg, flow = _harness(ssm_dtype)
+        h, pool, N = flow.harness, flow.pool, cfg.num_rows
+        h.mamba_pool.replayssm_is_flush[:4] = torch.tensor(flush, dtype=torch.int8)
+        monkeypatch.setattr(rs, "_folds_by_row", (lambda *a, _orig=rs._folds_by_row: _orig(*a)) if by_row
+                            else (lambda *a: False))
+        steps = torch.full((N,), -1)
+        steps[:4] = torch.tensor(tracked)
+        last = torch.full((N,), -1)
+        last[:cfg.num_requests] = 2
+        c = rs.Commit(h, last + 1, last, pool.row_track_slots, steps)
+        rs.fold_checkpoints(c)
+        pools.append(pool.states.clone())
+    assert same_bits(*pools)
+
+
+def test_the_rows_are_folded_alone_only_where_finding_them_is_no_sync_and_the_store_is_per_row():
+    """A stochastic store draws by each element's place in the batch, and a row on an accelerator or on the
+    sync scan's virtual device cannot be found without a host read: the whole batch is folded there."""
+    host, meta = torch.ones(4, dtype=torch.bool), torch.ones(4, dtype=torch.bool, device="meta")
+    assert rs._folds_by_row(torch.bfloat16, "rne", host, None)
+    assert rs._folds_by_row(torch.float32, "stochastic", host, host)  # an fp32 checkpoint: the store is a cast
+    assert not rs._folds_by_row(torch.bfloat16, "stochastic", host, None)
+    assert not rs._folds_by_row(torch.bfloat16, "rne", meta, None)
+    assert not rs._folds_by_row(torch.bfloat16, "rne", host, meta)
