@@ -168,38 +168,33 @@ def fold_checkpoints(c: Commit, fold: Optional[Callable] = None, rounding: Optio
     d, kh, kl, g = _records(c)
     by_row = _folds_by_row(temporal.dtype, rounding, active, c.track)
 
-    def stored(picked: torch.Tensor, hist: torch.Tensor):
-        """The fold of ``hist [N]`` records, stored, for the rows ``picked`` (bool ``[N]``): ``(rows or None
-        for all, [L, m, HV, V, K])``; None when no row is picked (host tensors only)."""
+    def stored(picked: torch.Tensor, hist: torch.Tensor, slots: torch.Tensor, held: Callable[[], torch.Tensor]):
+        """``(slots, states)`` to write: the fold of the first ``hist [N]`` records, stored, where ``picked [N]``,
+        and ``held()`` (what the slots hold) elsewhere -- or, folding by row, the picked rows' slots and folds
+        alone; None when no row is picked."""
         if not by_row:
-            return None, store_fold(fold(old, d, kh, kl, g, hist), temporal.dtype, rounding, c.h.fold_key)
+            new = store_fold(fold(old, d, kh, kl, g, hist), temporal.dtype, rounding, c.h.fold_key)
+            return slots, torch.where(picked[None, :, None, None, None], new, held())
         rows = torch.nonzero(picked).flatten()
         if rows.numel() == 0:
             return None
-        if rows.numel() == picked.numel():
-            rows = None
-        pick = (lambda t, dim: t) if rows is None else (lambda t, dim: None if t is None else t.index_select(dim, rows))
+
+        def pick(t, dim):
+            return None if t is None else t.index_select(dim, rows)
+
         new = fold(pick(old, 1), pick(d, 1), pick(kh, 1), pick(kl, 1), pick(g, 1), pick(hist, 0))
-        return rows, store_fold(new, temporal.dtype, rounding, c.h.fold_key)
+        return pick(slots, 0), store_fold(new, temporal.dtype, rounding, c.h.fold_key)
 
     if c.track is not None:
         has = valid & (c.track > NULL) & (c.steps >= 0)
         tslot = torch.where(has, c.track, torch.zeros_like(c.track))
-        folded = stored(has, torch.clamp(n_hist - c.accept + c.steps + 1, min=0))
-        if folded is not None:
-            rows, tnew = folded
-            if rows is None:
-                temporal.index_copy_(1, tslot, torch.where(has[None, :, None, None, None], tnew,
-                                                           temporal.index_select(1, tslot)))
-            else:  # only the tracked rows: their slots, in their order
-                temporal.index_copy_(1, tslot.index_select(0, rows), tnew)
-    folded = stored(active, n_hist)
-    if folded is not None:
-        rows, new = folded
-        if rows is None:
-            temporal.index_copy_(1, safe, torch.where(active[None, :, None, None, None], new, old_raw))
-        else:
-            temporal.index_copy_(1, safe.index_select(0, rows), new)
+        write = stored(has, torch.clamp(n_hist - c.accept + c.steps + 1, min=0), tslot,
+                       lambda: temporal.index_select(1, tslot))
+        if write is not None:
+            temporal.index_copy_(1, *write)
+    write = stored(active, n_hist, safe, lambda: old_raw)  # the checkpoints as the commit found them
+    if write is not None:
+        temporal.index_copy_(1, *write)
 
 
 def _folds_by_row(dtype: torch.dtype, rounding: str, *rows: Optional[torch.Tensor]) -> bool:
