@@ -25,6 +25,7 @@ from .runspec import Resolved
 from .sim.shim import kernels_in_use
 from .sim.twin import F64
 from .simulate import ResumePoint, RunInfo, Simulation
+from .syncs.process import ScanProcess, scan_refusal
 from .syncs.scan import sync_check
 from .version import __version__
 
@@ -266,7 +267,8 @@ def run_checked(run: Resolved, steps: Optional[int] = None, checks: Optional[Seq
                 fail_fast: bool = False, sync_sample: int = 0, diagnose: bool = True) -> RunReport:
     """Run the resolved ``run`` under every check (see :class:`CheckedRun`) and report.
     sync_scan: also run the update on the virtual accelerator and fail on any host sync; the scan
-    runs before the simulation (cheap, and a sync fails the run whatever else it finds).
+    runs as the simulation starts, in a process of its own where it can (drift/syncs/process.py),
+    else before it, in this one (a sync fails the run whatever else it finds).
     sync_first: when the scan finds a sync, report at once (the precision checks not run).
     fail_fast: stop the simulation at the end of the first chunk in which a check failed.
     sync_sample: real steps of the run's horizon the scan re-checks beyond its representative ones.
@@ -274,14 +276,31 @@ def run_checked(run: Resolved, steps: Optional[int] = None, checks: Optional[Seq
     it (report ``extra["diagnosis"]``, :func:`diagnose_report`); the catalogues that only count
     verdicts turn it off. A small run takes one intra-op thread (drift/openmp.py: run_threads)."""
     with run_threads(run.cfg):
-        syncs = None
+        syncs, beside, t0 = None, None, time.perf_counter()
         if sync_scan and run.mode == "mtp":
-            t0 = time.perf_counter()
-            syncs = sync_check(run, sample=sync_sample)
-            if syncs.failed and sync_first:
-                return sync_failed_report(run, syncs, time.perf_counter() - t0)
-        checked = CheckedRun(run, checks, golden, vs_sequential, start, env2_start, observers, fail_fast)
-        rep = checked.report(checked.run(steps, progress=progress), sync_scan, syncs)
+            if scan_refusal(run) is None:  # the scan in a process of its own, while this one simulates
+                beside = ScanProcess(run, sync_sample, stop_on_sync=sync_first)
+            else:
+                syncs = sync_check(run, sample=sync_sample)
+                if syncs.failed and sync_first:
+                    return sync_failed_report(run, syncs, time.perf_counter() - t0)
+        try:
+            try:
+                checked = CheckedRun(run, checks, golden, vs_sequential, start, env2_start,
+                                     [*observers, beside] if beside is not None else observers, fail_fast)
+                info = checked.run(steps, progress=progress)
+            except Exception:  # the scan came first: what it raised, or a sync it found (sync_first), stands
+                if beside is not None and beside.result().failed and sync_first:
+                    return sync_failed_report(run, beside.result(), time.perf_counter() - t0)
+                raise
+            if beside is not None:
+                syncs = beside.result()
+                if syncs.failed and sync_first:  # the run stopped at the chunk the result came in
+                    return sync_failed_report(run, syncs, time.perf_counter() - t0)
+        finally:
+            if beside is not None:
+                beside.close()
+        rep = checked.report(info, sync_scan, syncs)
         if diagnose and not rep.passed:
             diagnosis = diagnose_report(run, checked, steps, start)
             if diagnosis is not None:

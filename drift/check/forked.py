@@ -36,7 +36,7 @@ import threading
 import time
 import traceback
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -50,7 +50,9 @@ END_WAIT_S = 10.0  # how long closing waits for the child to exit before killing
 _FRAME = struct.Struct("<Q")
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 16, 1024)
 _ALIGN = 64
-_LIVE: "weakref.WeakSet[ForkedWorker]" = weakref.WeakSet()
+# Every live child's handle (a ForkedWorker, drift.syncs.process.ScanProcess): ``_fds()`` its open pipe
+# ends, ``_finalize`` what reaps it; a later child closes the pipes and detaches the finalizers.
+LIVE_CHILDREN: weakref.WeakSet = weakref.WeakSet()
 
 
 class ComparisonProcessError(RuntimeError):
@@ -82,7 +84,7 @@ def fork_refusal() -> Optional[str]:
     return None
 
 
-def _write(fd: int, obj: Any) -> None:
+def write_message(fd: int, obj: Any) -> None:
     """One message: its length, then its parts, gathered by the kernel (no copy of a tensor's bytes here)."""
     parts = pack_parts(obj)
     parts.insert(0, _FRAME.pack(sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in parts)))
@@ -110,7 +112,7 @@ def _read_exact(fd: int, n: int) -> Optional[bytes]:
     return b"".join(parts)
 
 
-def _read(fd: int) -> Any:
+def read_message(fd: int) -> Any:
     """The next message on ``fd``; EOFError where the other end closed."""
     head = _read_exact(fd, _FRAME.size)
     body = None if head is None else _read_exact(fd, _FRAME.unpack(head)[0])
@@ -138,6 +140,41 @@ class _Ring:
         self.host = whole[host_at:host_at + slots * host_len * 8].view(torch.int64).view(slots, host_len).numpy()
 
 
+def fork_child(work: Callable[[], None], close_in_child: Sequence[int] = (),
+               close_on_failure: Sequence[int] = ()) -> int:
+    """Fork a child that runs ``work()`` and ends (``os._exit``: 0 where it returned, 1 where it raised),
+    never returning into the caller's code; the child's pid. In the child, first: the pipes of every other
+    live child (:data:`LIVE_CHILDREN`) and ``close_in_child`` closed, SIGINT ignored (the parent handles an
+    interrupt), SIGTERM at its default. SIGINT and SIGTERM stay blocked across the fork: Python's at-fork
+    hooks run in the child before its handlers are set, and an interrupt there would print a traceback.
+    A failed fork (EAGAIN, ENOMEM) closes ``close_on_failure`` and raises."""
+    inherited = [fd for child in list(LIVE_CHILDREN) for fd in child._fds()]
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        pid = os.fork()
+    except BaseException:  # no child: nothing of it is left open
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        for fd in close_on_failure:
+            os.close(fd)
+        raise
+    if pid == 0:  # the child: never returns
+        status = 1
+        try:
+            for child in list(LIVE_CHILDREN):  # another child's pipes: not this child's to close at its end
+                child._finalize.detach()
+            for fd in (*close_in_child, *inherited):
+                os.close(fd)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a SIGTERM ends the child, not drift's handler
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+            work()
+            status = 0
+        finally:
+            os._exit(status)
+    signal.pthread_sigmask(signal.SIG_SETMASK, held)
+    return pid
+
+
 class ForkedWorker:
     """The simulation's end of the comparison's process.
 
@@ -158,38 +195,14 @@ class ForkedWorker:
         self._sent = self._released = 0
         self._metas: list = []
         to_child, from_child = os.pipe(), os.pipe()
-        inherited = [fd for worker in list(_LIVE) for fd in worker._fds()]
-        # No interrupt between the fork and the child's own handlers (Python's at-fork hooks run first in
-        # the child, and a KeyboardInterrupt there prints a traceback); the parent's waits until after.
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-        try:
-            pid = os.fork()
-        except BaseException:  # EAGAIN, ENOMEM: no child; nothing of it is left open
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
-            for fd in (*to_child, *from_child):
-                os.close(fd)
-            raise
-        if pid == 0:  # the child: never returns
-            status = 1
-            try:
-                for worker in list(_LIVE):  # another run's child: its pipes are not this child's to close
-                    worker._finalize.detach()
-                for fd in (to_child[1], from_child[0], *inherited):
-                    os.close(fd)
-                signal.signal(signal.SIGINT, signal.SIG_IGN)  # the simulation's process handles an interrupt
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a SIGTERM ends the child, not drift's handler
-                signal.pthread_sigmask(signal.SIG_SETMASK, held)
-                _serve(self.ring, to_child[0], from_child[1], on_step, after_steps, answers)
-                status = 0
-            finally:
-                os._exit(status)
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        pid = fork_child(lambda: _serve(self.ring, to_child[0], from_child[1], on_step, after_steps, answers),
+                         close_in_child=(to_child[1], from_child[0]), close_on_failure=(*to_child, *from_child))
         os.close(to_child[0])
         os.close(from_child[1])
         self.pid, self._out, self._in = pid, to_child[1], from_child[0]
         self._closed = False
-        _LIVE.add(self)
-        self._finalize = weakref.finalize(self, _reap, pid, self._out, self._in)
+        LIVE_CHILDREN.add(self)
+        self._finalize = weakref.finalize(self, reap_child, pid, self._out, self._in)
 
     def _fds(self) -> tuple:
         return () if self._closed else (self._out, self._in)
@@ -224,7 +237,7 @@ class ForkedWorker:
         if self._closed:
             return
         self._closed = True
-        _LIVE.discard(self)
+        LIVE_CHILDREN.discard(self)
         self._finalize()
 
     def _push(self) -> None:
@@ -234,7 +247,7 @@ class ForkedWorker:
 
     def _send(self, message) -> None:
         try:
-            _write(self._out, message)
+            write_message(self._out, message)
         except (BrokenPipeError, ConnectionResetError):
             self._wait(None)  # the child's last words, or its exit status
             raise ComparisonProcessError("the comparison's process closed its pipe") from None
@@ -245,11 +258,11 @@ class ForkedWorker:
         try:
             while True:
                 try:
-                    message = _read(self._in)
+                    message = read_message(self._in)
                 except EOFError:
                     status = self._finalize() or "closed"
                     self._closed = True
-                    _LIVE.discard(self)
+                    LIVE_CHILDREN.discard(self)
                     raise ComparisonProcessError(f"the comparison's process ended unexpectedly ({status})") from None
                 if message[0] == "released":
                     self._released += message[1]
@@ -264,9 +277,9 @@ class ForkedWorker:
             self.waited_s += time.perf_counter() - t0
 
 
-def _reap(pid: int, *fds: int) -> str:
-    """Close the simulation's ends of the pipes (the child reads the end of its input and exits) and wait
-    for the child, killing it after :data:`END_WAIT_S`; how it ended."""
+def reap_child(pid: int, *fds: int) -> str:
+    """Close the parent's ends of the child's pipes (the comparison's child reads the end of its input and
+    exits) and wait for the child, killing it after :data:`END_WAIT_S`; how it ended."""
     for fd in fds:
         try:
             os.close(fd)
@@ -297,7 +310,7 @@ def _serve(ring: _Ring, inp: int, out: int, on_step, after_steps, answers) -> No
     def reader() -> None:
         while True:
             try:
-                message = _read(inp)
+                message = read_message(inp)
             except EOFError:
                 message = ("end",)
             except BaseException:  # a message that does not unpack: said once, then the end
@@ -321,17 +334,17 @@ def _serve(ring: _Ring, inp: int, out: int, on_step, after_steps, answers) -> No
                     host = ring.host[slot].copy()
                     on_step({key: v[slot] for key, v in ring.views.items()}, host, meta)
                     slot = (slot + 1) % ring.slots
-                _write(out, ("released", len(message[1])))
+                write_message(out, ("released", len(message[1])))
                 after_steps()
             elif kind == "ask":
-                _write(out, ("answer", answers[message[1]](message[2])))
+                write_message(out, ("answer", answers[message[1]](message[2])))
             elif kind == "broken":
                 raise RuntimeError(message[1])
             else:  # "end": the simulation closed the pipe
                 return
     except BaseException:
         try:
-            _write(out, ("error", traceback.format_exc()))
+            write_message(out, ("error", traceback.format_exc()))
         except OSError:
             pass
         raise

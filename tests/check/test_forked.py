@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from drift.check.forked import fork_refusal
+from drift.check.forked import fork_refusal, os_threads
 from drift.check.wire import pack, unpack
 from drift.sim.serving import Start
 
@@ -280,18 +280,22 @@ def test_an_interrupted_run_ends_with_its_comparisons_process(tmp_path, sig, cod
     proc = subprocess.Popen([sys.executable, "-m", "drift", "run", "--report", str(tmp_path / "r")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env={**os.environ, "DRIFT_COMPARISON": "process"})
+    def comparisons() -> list[int]:  # the comparison's child runs a reader thread; the scan's child, one thread
+        return [c for c in _children(proc.pid) if os_threads(f"/proc/{c}/status") > 1]
+
     deadline = time.monotonic() + 120
-    while not _children(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
+    while not comparisons() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    [child] = _children(proc.pid)  # the run is under way, its comparison forked
+    assert comparisons(), "the run's comparison was not forked"  # the run is under way
+    children = _children(proc.pid)  # the comparison's, and the host-sync scan's while it scans
     os.killpg(proc.pid, sig)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == code, f"stdout: {out!r}\nstderr: {err!r}"
     assert "Traceback" not in err and "interrupted" in err.strip().splitlines()[-1]
     deadline = time.monotonic() + 10
-    while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:  # init reaps an orphan
+    while any(os.path.exists(f"/proc/{c}") for c in children) and time.monotonic() < deadline:  # init reaps an orphan
         time.sleep(0.05)
-    assert not os.path.exists(f"/proc/{child}")
+    assert not [c for c in children if os.path.exists(f"/proc/{c}")]
 
 
 _ABANDONED = """
