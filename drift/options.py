@@ -145,8 +145,8 @@ SPECS: dict[str, dict] = {
                  "(token p mod tokens; the conv window wraps too), so --steps may exceed the trace"),
     "no-graph": dict(action="store_true", help="eager decode, as SGLang without graph mode: no device "
                      "graph capture of the step, and the verify op's eager arguments (prepare_gdn_inputs)"),
-    "all-checks": dict(action="store_true", help="run every check even when the host-sync scan (run first) "
-                       "finds a sync; without it a sync fails the run at once, before the simulation"),
+    "all-checks": dict(action="store_true", help="run every check even when the host-sync scan (started first) "
+                       "finds a sync; without it a sync fails the run at once, its precision checks not run"),
     "fail-fast": dict(action="store_true", help="stop the simulation at the end of the chunk in which a check "
                       "first fails (16 steps, then as many as are done, up to 256), and report the table so far"),
 }

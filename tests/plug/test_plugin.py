@@ -198,8 +198,9 @@ def test_the_plugin_pins_mkl_in_drifts_sessions_only(tmp_path, session, users, p
         assert probe["env"] == ("COMPATIBLE" if pinned else users)
     elif pinned:
         assert probe == {**probe, "env": "COMPATIBLE", "mode": "COMPATIBLE"}
-    else:
-        assert probe["env"] == users and probe["mode"] == (users or "AUTO"), probe
+    else:  # MKL's own path, or the user's: on a CPU not Intel's, MKL reads an Intel path's name back as AUTO
+        # (an AMD EPYC, family 26: MKL_CBWR=AVX2 reads back AUTO), so the user's name or AUTO, never drift's pin
+        assert probe["env"] == users and probe["mode"] in {users or "AUTO", "AUTO"}, probe
 
 
 @pytest.mark.parametrize("args, pyargs, drifts", [
