@@ -603,6 +603,7 @@ def _ident(rep: dict) -> dict:
     ("twice", "shard 1/2 is given 2 times"),
     ("duplicate", "is in 2 shards"),
     ("code", "the code of update sglang-0.5.23 differs"),
+    ("arch", "what computes the figures differs"),
     ("no identity", "records no identity"),
 ])
 def test_merge_refuses_reports_that_do_not_belong_together(shards, tmp_path, capsys, case, words):
@@ -613,6 +614,8 @@ def test_merge_refuses_reports_that_do_not_belong_together(shards, tmp_path, cap
                 {key_one: json.loads((one / "report.json").read_text())["entries"][key_one]}))],
             "code": lambda: [one, _edited(two, tmp_path / "code", lambda r: _ident(r)["update"]["modules"].update(
                 {"drift.flows.copy_commit.updates": "0" * 16}))],
+            "arch": lambda: [one, _edited(two, tmp_path / "arch", lambda r: _ident(r)["numerics"].update(
+                {"machine": "aarch64" if _ident(r)["numerics"]["machine"] != "aarch64" else "x86_64"}))],
             "no identity": lambda: [one, _edited(two, tmp_path / "old", lambda r: next(iter(
                 r["entries"].values())).pop("identity"))]}[case]()
     out = tmp_path / "merged"

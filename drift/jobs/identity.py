@@ -9,6 +9,8 @@ matches, and a baseline pairs entries by what they measured rather than by a pat
   instead of walked. File contents are hashed, never mtimes.
 * :func:`checks_identity`: the checks that run, each with its settings (its limits).
 * :func:`extensions_identity`: ``$DRIFT_EXTENSIONS`` and the code identity of each module it names.
+* :func:`numerics_identity`: what computes the figures beside the code: the CPU architecture, torch,
+  numpy and Python by version, and MKL's code path (drift/mkl.py).
 * :func:`comparable` and :func:`pair`: what a baseline entry must share with an entry to be compared.
 """
 
@@ -22,6 +24,7 @@ import importlib.metadata
 import inspect
 import math
 import os
+import platform
 import sys
 from pathlib import Path
 from typing import Iterable, Optional
@@ -30,7 +33,7 @@ from ..check.checks import Check
 from ..check.registry import CHECKS, RunContext
 from ..plug import extensions
 from ..plug.specs import MUTANT_PREFIX
-from ..runner import build_extension_check, extension_of
+from ..runner import build_extension_check, extension_of, versions
 
 HASH_CHARS = 16
 FILE_MODULE = "<file>"  # the label of a module loaded from a spec's file path (its name derives from the path)
@@ -182,6 +185,14 @@ def extensions_identity() -> dict:
         module = extensions._loaded[name]
         code[name] = code_identity([module], _from_file([module], name))
     return {"env": os.environ.get(extensions.ENV, ""), "code": code}
+
+
+def numerics_identity() -> dict:
+    """What computes the figures beside the code: the CPU architecture (``platform.machine()``), torch,
+    numpy and Python by version, and MKL's code path (report.json's ``versions``, less drift's own,
+    which the identity holds as ``drift``). A float kernel of another library or another architecture
+    rounds differently; MKL's pinned path gives every x86 CPU the same (docs/reliability.md)."""
+    return {"machine": platform.machine(), **{k: v for k, v in versions().items() if k != "drift"}}
 
 
 # ------------------------------------------------------------------ comparing

@@ -18,8 +18,9 @@ to keep its last.
 
 A run's identity (:func:`identity`) is everything its result depends on: the entry (preset, seed,
 update, variant, steps, layers, trace, loop, graph), the full config it ran (profile, flow, device,
-horizon, ...), drift's version, the update's code by content, the checks with their limits and the
-extensions (drift/jobs/identity.py). Every finished entry, every checkpoint and every report entry
+horizon, ...), drift's version, the update's code by content, the checks with their limits, the
+extensions, and what computes the figures (the CPU architecture, torch, numpy, Python, MKL's code path)
+(drift/jobs/identity.py). Every finished entry, every checkpoint and every report entry
 records it; ``--resume`` reuses only exact matches and says which entries it redid and why, and
 ``drift report merge`` combines only the shards of one matrix made alike. A baseline pairs entries
 by configuration, not by key (:func:`drift.jobs.identity.pair`). A report directory is locked
@@ -50,7 +51,7 @@ from ..check.metrics import BINS_PER_OCTAVE
 from ..check.registry import find_result, result_key
 from ..runspec import Resolved, RunSpec
 from ..version import __version__
-from .identity import checks_identity, differences, extensions_identity, pair, update_identity
+from .identity import checks_identity, differences, extensions_identity, numerics_identity, pair, update_identity
 from .plots import nightly_plots
 from .report import NIGHTLY_FILES, nightly_markdown
 
@@ -228,7 +229,8 @@ def identity(entry: Entry, device: str, run: Optional[Resolved] = None) -> dict:
     cfg = run.cfg
     ident = {"entry": entry_dict(entry), "config": {**cfg.to_dict(), "profile": cfg.profile}, "drift": __version__,
              "update": None if entry.update == "-" else update_identity(run.update),
-             "checks": checks_identity(cfg, run.mode), "extensions": extensions_identity()}
+             "checks": checks_identity(cfg, run.mode), "extensions": extensions_identity(),
+             "numerics": numerics_identity()}
     return json.loads(json.dumps(ident, sort_keys=True))  # as a file holds it: tuples are lists
 
 
@@ -432,7 +434,8 @@ def check_shards(shards: Sequence[tuple[Path, dict]]) -> tuple[int, list[dict]]:
 
 def _unlike(shards: Sequence[tuple[Path, dict]]) -> list[str]:
     """What differs between the entries' identities where they must be alike: drift's version, the
-    extensions, per update its code, per decode mode the checks; an entry without an identity."""
+    extensions, per update its code, per decode mode the checks, what computes the figures; an entry
+    without an identity."""
     problems, facets = [], defaultdict(lambda: defaultdict(list))  # what must be alike -> value (JSON) -> where
     for d, rep in shards:
         for key, e in rep["entries"].items():
@@ -443,7 +446,8 @@ def _unlike(shards: Sequence[tuple[Path, dict]]) -> list[str]:
                 continue
             for facet, value in (("drift's version", ident["drift"]), ("the extensions", ident["extensions"]),
                                  (f"the code of update {ident['entry'].get('update')}", ident["update"]),
-                                 (f"the checks of {mode_of(ident['entry'].get('variant'))} entries", ident["checks"])):
+                                 (f"the checks of {mode_of(ident['entry'].get('variant'))} entries", ident["checks"]),
+                                 ("what computes the figures", ident.get("numerics"))):
                 facets[facet][json.dumps(value, sort_keys=True)].append(f"{key} of {d}")
     for facet, values in facets.items():
         if len(values) > 1:

@@ -165,3 +165,22 @@ def test_a_baseline_of_a_moved_update_file_is_compared(tmp_path, capsys, monkeyp
     ((key, base),) = rep["trend_pairs"].items()
     assert key != base and rep["trend"] == [] and rep["trend_unmatched"] == []
     assert seen and seen[0]["entries"].keys() == {base}
+
+
+def test_resume_redoes_an_entry_whose_figures_another_mkl_path_computed(tmp_path, capsys, monkeypatch):
+    """What computes the figures is part of the identity: an entry finished under another MKL code path (or
+    torch, numpy, Python, CPU architecture) is redone, naming it; the same path reuses it."""
+    out = tmp_path / "rep"
+    monkeypatch.setattr(identity, "versions", lambda: {"drift": "x", "torch": "t", "numpy": "n", "python": "p",
+                                                       "mkl": "AUTO"})
+    assert main(NIGHTLY + ["--report", str(out)]) == EXIT_PASS
+    (entry,) = json.loads((out / "report.json").read_text())["entries"].values()
+    assert entry["identity"]["numerics"] == {"machine": identity.platform.machine(), "torch": "t", "numpy": "n",
+                                             "python": "p", "mkl": "AUTO"}
+    capsys.readouterr()
+    assert main(NIGHTLY + ["--report", str(out), "--resume"]) == EXIT_PASS
+    assert "redoing" not in capsys.readouterr().err  # the control: the same numerics, reused
+    monkeypatch.setattr(identity, "versions", lambda: {"drift": "x", "torch": "t", "numpy": "n", "python": "p",
+                                                       "mkl": "COMPATIBLE"})
+    assert main(NIGHTLY + ["--report", str(out), "--resume"]) == EXIT_PASS
+    assert "redoing" in (err := capsys.readouterr().err) and "numerics.mkl 'AUTO' -> 'COMPATIBLE'" in err, err
