@@ -279,8 +279,11 @@ def run_checked(run: Resolved, steps: Optional[int] = None, checks: Optional[Seq
         syncs, beside, t0 = None, None, time.perf_counter()
         if sync_scan and run.mode == "mtp":
             if scan_refusal(run) is None:  # the scan in a process of its own, while this one simulates
-                beside = ScanProcess(run, sync_sample, stop_on_sync=sync_first)
-            else:
+                try:
+                    beside = ScanProcess(run, sync_sample, stop_on_sync=sync_first)
+                except OSError:  # no fork or pipe to be had (EAGAIN, ENOMEM, EMFILE): the scan here instead
+                    beside = None
+            if beside is None:
                 syncs = sync_check(run, sample=sync_sample)
                 if syncs.failed and sync_first:
                     return sync_failed_report(run, syncs, time.perf_counter() - t0)

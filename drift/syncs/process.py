@@ -32,6 +32,14 @@ from .scan import _device_pass, sync_check
 _FIELDS = ("name", "passed", "worst", "limit", "where", "detail", "extra", "key")
 
 
+def _readable(fd: int) -> bool:
+    """Whether ``fd`` has bytes to read, or its writer closed it, now (``poll``: any descriptor number,
+    where ``select`` refuses those past 1023)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
 def scan_refusal(run: Resolved) -> Optional[str]:
     """Why ``run``'s scan cannot run in a forked process, or None when it can."""
     if _device_pass(run.cfg, "auto") is not None:
@@ -72,7 +80,7 @@ class ScanProcess:
     def _take(self, block: bool) -> Optional[CheckResult]:
         """The result once it is in (waiting for it when ``block``); an unfinished scan is made here."""
         if self._result is None and not self._closed:
-            if not block and not select.select([self._in], [], [], 0)[0]:
+            if not block and not _readable(self._in):
                 return None
             try:
                 message = read_message(self._in)

@@ -166,3 +166,44 @@ def test_where_forking_is_not_safe_the_run_scans_in_its_own_process(monkeypatch)
     assert process.scan_refusal(run) is None  # the control: one thread, no accelerator
     monkeypatch.setattr(process, "_device_pass", lambda cfg, device: "cuda")
     assert "accelerator pass" in process.scan_refusal(run)
+
+
+def test_a_fork_the_system_refuses_leaves_the_scan_in_the_runs_process(monkeypatch):
+    """fork() or a pipe refused (EAGAIN, ENOMEM, EMFILE): the run scans in its own process, with the same row."""
+    from drift import runner
+
+    run = resolve(preset("ci-small", steps=48), "sglang-32130")
+    plain = runner.run_checked(run, sync_first=True)  # this worker has threads: scanned here
+
+    def refused(*args, **kwargs):
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(runner, "scan_refusal", lambda run: None)  # as a one-thread process would be
+    monkeypatch.setattr(runner.ScanProcess, "__init__", refused)
+    rep = runner.run_checked(run, sync_first=True)
+    row = lambda r: next(c for c in r.to_dict()["checks"] if c["key"] == "host_syncs")
+    assert row(rep) == row(plain) and row(rep)["verdict"] == "FAIL" and rep.info.steps == 0
+
+
+def test_the_result_is_polled_on_any_descriptor_number():
+    """``select`` refuses a descriptor past 1023, which a process with many files open hands out; ``poll``
+    does not. Nothing written: not readable; written, or its writer closed: readable."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    r, w = os.pipe()
+    high = min(soft - 1, 1500)
+    try:
+        os.dup2(r, high)
+        for fd in (r, high):
+            assert not process._readable(fd)
+        os.write(w, b"x")
+        assert process._readable(r) and process._readable(high)
+        os.read(r, 1)
+        os.close(w)
+        w = None
+        assert process._readable(r)  # the writer's end: readable (EOF)
+    finally:
+        for fd in (r, high, w):
+            if fd is not None:
+                os.close(fd)
