@@ -291,6 +291,8 @@ def run_checked(run: Resolved, steps: Optional[int] = None, checks: Optional[Seq
             try:
                 checked = CheckedRun(run, checks, golden, vs_sequential, start, env2_start,
                                      [*observers, beside] if beside is not None else observers, fail_fast)
+                if beside is not None and sync_first:  # short first chunks: a sync stops the run soon after it is found
+                    checked.sim.ramp = True
                 info = checked.run(steps, progress=progress)
             except Exception:  # the scan came first: what it raised, or a sync it found (sync_first), stands
                 if beside is not None and beside.result().failed and sync_first:

@@ -85,7 +85,7 @@ simulated = []
 class Checked(drift.runner.CheckedRun):
     def run(self, *args, **kwargs):
         info = super().run(*args, **kwargs)
-        simulated.append([info.steps, info.stopped_early])
+        simulated.append([info.steps, info.stopped_early, self.sim.ramp])
         return info
 drift.runner.CheckedRun = Checked
 if sys.argv[1] == "here":
@@ -112,11 +112,12 @@ def test_a_run_that_scans_in_a_process_reports_what_a_run_that_scans_here_report
     if spec == "sglang-32130":  # the sync stopped the run: the precision checks are not reported
         assert checks["host_syncs"]["verdict"] == "FAIL" and checks["precision_checks"]["verdict"] == "n/a"
         assert there["figures"]["run"]["steps"] == 0 and here["simulated"] == []  # here: the scan came first
-        [[simulated, why]] = there["simulated"]  # there: the run began, and stopped once the scan's result was in
-        assert simulated < steps and why.startswith("host sync: "), there["simulated"]
-    else:
+        # there: the run began, on fail-fast's short first chunks, and stopped once the scan's result was in
+        [[simulated, why, ramp]] = there["simulated"]
+        assert simulated < steps and why.startswith("host sync: ") and ramp, there["simulated"]
+    else:  # the short first chunks move where checks run, not what they find (tests/test_fail_fast.py)
         assert checks["host_syncs"]["verdict"] == "PASS" and there["figures"]["run"]["steps"] == steps
-        assert there["simulated"] == here["simulated"] == [[steps, None]]
+        assert there["simulated"] == [[steps, None, True]] and here["simulated"] == [[steps, None, False]]
 
 
 _RAISES = """
