@@ -25,7 +25,7 @@ from .runspec import Resolved
 from .sim.shim import kernels_in_use
 from .sim.twin import F64
 from .simulate import ResumePoint, RunInfo, Simulation
-from .syncs.process import ScanProcess, scan_refusal
+from .syncs.process import scan_beside
 from .syncs.scan import sync_check
 from .version import __version__
 
@@ -278,12 +278,8 @@ def run_checked(run: Resolved, steps: Optional[int] = None, checks: Optional[Seq
     with run_threads(run.cfg):
         syncs, beside, t0 = None, None, time.perf_counter()
         if sync_scan and run.mode == "mtp":
-            if scan_refusal(run) is None:  # the scan in a process of its own, while this one simulates
-                try:
-                    beside = ScanProcess(run, sync_sample, stop_on_sync=sync_first)
-                except OSError:  # no fork or pipe to be had (EAGAIN, ENOMEM, EMFILE): the scan here instead
-                    beside = None
-            if beside is None:
+            beside = scan_beside(run, sync_sample, stop_on_sync=sync_first)  # the scan while this process simulates
+            if beside is None:  # where it cannot fork: the scan here, first
                 syncs = sync_check(run, sample=sync_sample)
                 if syncs.failed and sync_first:
                     return sync_failed_report(run, syncs, time.perf_counter() - t0)
@@ -295,7 +291,7 @@ def run_checked(run: Resolved, steps: Optional[int] = None, checks: Optional[Seq
                     checked.sim.ramp = True
                 info = checked.run(steps, progress=progress)
             except Exception:  # the scan came first: what it raised, or a sync it found (sync_first), stands
-                if beside is not None and beside.result().failed and sync_first:
+                if beside is not None and sync_first and beside.result().failed:
                     return sync_failed_report(run, beside.result(), time.perf_counter() - t0)
                 raise
             if beside is not None:

@@ -21,6 +21,7 @@ import os
 import select
 import signal
 import weakref
+from dataclasses import fields
 from typing import Optional
 
 from ..check.forked import LIVE_CHILDREN, fork_child, fork_refusal, read_message, reap_child, write_message
@@ -28,9 +29,6 @@ from ..check.result import CheckResult
 from ..runspec import Resolved
 from ..simulate import StopRun
 from .scan import _device_pass, sync_check
-
-_FIELDS = ("name", "passed", "worst", "limit", "where", "detail", "extra", "key")
-
 
 def _readable(fd: int) -> bool:
     """Whether ``fd`` has bytes to read, or its writer closed it, now (``poll``: any descriptor number,
@@ -45,6 +43,17 @@ def scan_refusal(run: Resolved) -> Optional[str]:
     if _device_pass(run.cfg, "auto") is not None:
         return "the scan makes an accelerator pass (its runtime does not survive a fork)"
     return fork_refusal()
+
+
+def scan_beside(run: Resolved, sample: int, stop_on_sync: bool) -> Optional["ScanProcess"]:
+    """The scan of ``run`` in a :class:`ScanProcess`, or None where the run must scan in its own process:
+    a :func:`scan_refusal`, or a fork or pipe the system refuses (EAGAIN, ENOMEM, EMFILE)."""
+    if scan_refusal(run) is not None:
+        return None
+    try:
+        return ScanProcess(run, sample, stop_on_sync)
+    except OSError:
+        return None
 
 
 class ScanProcess:
@@ -63,7 +72,7 @@ class ScanProcess:
         def scan_and_send() -> None:
             try:
                 res = sync_check(run, sample=sample)
-                message = ("result", {f: getattr(res, f) for f in _FIELDS})
+                message = ("result", {f.name: getattr(res, f.name) for f in fields(res)})
             except BaseException:  # the parent scans again, in-process, and raises what the scan raised
                 message = ("raised",)
             write_message(w, message)

@@ -80,7 +80,7 @@ class Spy(process.ScanProcess):
         super().__init__(*args, **kwargs)
         forked.append(self.pid)
 import drift.runner
-drift.runner.ScanProcess = Spy
+process.ScanProcess = Spy
 simulated = []
 class Checked(drift.runner.CheckedRun):
     def run(self, *args, **kwargs):
@@ -89,7 +89,7 @@ class Checked(drift.runner.CheckedRun):
         return info
 drift.runner.CheckedRun = Checked
 if sys.argv[1] == "here":
-    drift.runner.scan_refusal = lambda run: "scanned here: the control"
+    process.scan_refusal = lambda run: "scanned here: the control"
 run = resolve(preset("ci-small", steps=int(sys.argv[3])), sys.argv[2])
 rep = run_checked(run, sync_first=True, sync_sample=RUN_SAMPLE, diagnose=False)
 d = rep.to_dict()
@@ -123,10 +123,10 @@ def test_a_run_that_scans_in_a_process_reports_what_a_run_that_scans_here_report
 _RAISES = """
 import json
 from drift import preset
-from drift import runner
 from drift.errors import UpdateRaised
 from drift.runner import run_checked
 from drift.runspec import resolve
+from drift.syncs import process
 
 calls = []
 def update(self, last_correct_step_indices, mamba_track_indices=None, mamba_steps_to_track=None):
@@ -137,8 +137,8 @@ run = resolve(preset("ci-small", steps=64), update)
 said = {}
 for where in ("process", "here"):
     if where == "here":  # the control: the scan in the run's own process
-        runner.scan_refusal = lambda run: "here"
-    assert (runner.scan_refusal(run) is None) == (where == "process")
+        process.scan_refusal = lambda run: "here"
+    assert (process.scan_refusal(run) is None) == (where == "process")
     try:
         run_checked(run, sync_first=True)
     except UpdateRaised as exc:
@@ -179,8 +179,8 @@ def test_a_fork_the_system_refuses_leaves_the_scan_in_the_runs_process(monkeypat
     def refused(*args, **kwargs):
         raise BlockingIOError(11, "Resource temporarily unavailable")
 
-    monkeypatch.setattr(runner, "scan_refusal", lambda run: None)  # as a one-thread process would be
-    monkeypatch.setattr(runner.ScanProcess, "__init__", refused)
+    monkeypatch.setattr(process, "scan_refusal", lambda run: None)  # as a one-thread process would be
+    monkeypatch.setattr(process.ScanProcess, "__init__", refused)
     rep = runner.run_checked(run, sync_first=True)
     row = lambda r: next(c for c in r.to_dict()["checks"] if c["key"] == "host_syncs")
     assert row(rep) == row(plain) and row(rep)["verdict"] == "FAIL" and rep.info.steps == 0
