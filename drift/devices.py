@@ -63,3 +63,9 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
     elif device.type == "npu":
         torch.npu.synchronize(device)
+
+
+def on_host(*tensors: torch.Tensor) -> bool:
+    """Whether every tensor is a plain CPU ``torch.Tensor`` (no subclass: not the host-sync scan's virtual
+    device): reading its values is no host-device sync, so a path may branch on them."""
+    return all(type(t) is torch.Tensor and t.device.type == "cpu" for t in tensors)

@@ -30,6 +30,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..devices import on_host
 from ..dtypes import as_bits
 from . import native
 from .pool import raw_state
@@ -54,7 +55,7 @@ _MASK_HI16 = -65536  # int32 0xFFFF0000: keeps sign, exponent and the 7 bf16 man
 
 def _host_indexed(*tensors: torch.Tensor) -> bool:
     """Whether the host-index row paths apply: every tensor a plain CPU tensor."""
-    return HOST_INDEX_PATHS and all(type(t) is torch.Tensor and t.device.type == "cpu" for t in tensors)
+    return HOST_INDEX_PATHS and on_host(*tensors)
 
 
 def native_takes(*tensors: torch.Tensor) -> bool:

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import torch
 
 from ...config import Config
+from ...devices import on_host
 from ...fileio import check_memory
 from ...sim.pool import StatePool
 from ..base import Harness
@@ -199,17 +200,13 @@ def contract(u: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return torch.bmm(u.flatten(0, 2).transpose(1, 2), k.flatten(0, 2)).view(*u.shape[:3], u.shape[4], k.shape[4])
 
 
-def _plain(*tensors: torch.Tensor) -> bool:
-    return all(type(t) is torch.Tensor and t.device.type == "cpu" for t in tensors)
-
-
 def effective_states(pool: ReplayPool, replay: torch.Tensor, slots: torch.Tensor, nv: int) -> torch.Tensor:
     """fp32 ``[L, B, HV, V, K]``: what a row's verify starts from -- its checkpoint with the records
     still in its ring (``write_pos`` of them) folded in. Rows with an empty ring get the checkpoint
     exactly; on plain CPU tensors a batch whose rings are all empty skips the fold."""
     h0 = pool.states.index_select(1, slots).to(F32)
     wp = pool.write_pos.index_select(0, replay)
-    if _plain(wp) and int(wp.max()) == 0:  # host tensors: reading them is no sync
+    if on_host(wp) and int(wp.max()) == 0:  # host tensors: reading them is no sync
         return h0
     d, k, g = gather_records(pool, replay, pool.cache_base.index_select(0, replay), nv)
     return fold_records(h0, d, k, g, wp)

@@ -35,6 +35,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ...devices import on_host
 from ...sim import kernels
 from ...sim.pool import raw_state
 from ...sim.shim import sgl_kernels
@@ -207,7 +208,7 @@ def _folds_by_row(dtype: torch.dtype, rounding: str, *rows: Optional[torch.Tenso
     rows alone is a fraction of the batch's (about half of this flow's commit, on ci-small)."""
     if not (rounding == "rne" or dtype == F32):
         return False
-    return all(t is None or (type(t) is torch.Tensor and t.device.type == "cpu") for t in rows)
+    return on_host(*(t for t in rows if t is not None))
 
 
 # ------------------------------------------------------------------------------ 3. finish
