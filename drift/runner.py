@@ -362,7 +362,7 @@ class SnapshotCatcher:
         if not (view.track >= 0).any():
             return
         # What the flow's tracked slots hold (SGLang's track slot, or vLLM's align destination).
-        rows, states, windows, _ = self.sim.flow.tracked_snapshot(view.track)
+        rows, states, windows = self.sim.flow.tracked_snapshot(view.track)[:3]
         for i, r in enumerate(rows.tolist()):
             if r in self.rows:
                 continue

@@ -5,6 +5,10 @@ every kernel test. Deterministic: fixed seeds, explicit dtypes, small shapes."""
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Optional
@@ -270,3 +274,13 @@ def resumed_from_checkpoint(cfg, path: Path, every: int):
               checkpoint_every=every)
     resumed = CheckedRun(resolve(cfg))
     return whole_rep, resumed.report(resumed.run(resume_state=checkpoint.load(path)), sync_scan=False)
+
+
+def python_json(code: str, drop: tuple = (), **env) -> dict:
+    """Run ``code`` in a fresh interpreter (the environment less the variables ``drop`` names, plus ``env``);
+    the JSON it prints last. For what must start in a process of its own: one that may fork (an xdist
+    worker has threads), or whose imports are observed."""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**{k: v for k, v in os.environ.items() if k not in drop}, **env})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -22,18 +22,10 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import python_json
 from drift.check.forked import fork_refusal, os_threads
 from drift.check.wire import pack, unpack
 from drift.sim.serving import Start
-
-
-def _python(code: str, drop: tuple = (), **env) -> dict:
-    """Run ``code`` in a fresh interpreter (the environment less the variables ``drop`` names, plus ``env``);
-    the JSON it prints last."""
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          env={**{k: v for k, v in os.environ.items() if k not in drop}, **env})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 # ------------------------------------------------------------------------------------------ the wire
@@ -82,7 +74,7 @@ def test_no_fork_while_another_thread_runs():
     finally:
         stop.set()
         thread.join()
-    assert _python("import json; from drift.check.forked import fork_refusal; print(json.dumps(fork_refusal()))") \
+    assert python_json("import json; from drift.check.forked import fork_refusal; print(json.dumps(fork_refusal()))") \
         is None  # a fresh interpreter, one thread: it may fork
 
 
@@ -127,26 +119,26 @@ print(json.dumps(out))
 
 
 def test_every_step_reaches_the_process_whole_and_in_order_even_when_it_is_slower():
-    out = _python(_WORKER, CASE="order")
+    out = python_json(_WORKER, CASE="order")
     assert out["seen"] == [[i, 3.0 * i, "slow"] for i in range(200)]
     assert out["slots"] < 200 and out["waited_s"] > 0  # the ring filled: the simulation waited for room
     assert not out["child_left"]
 
 
 def test_a_ring_that_does_not_wait_for_the_process_is_seen():  # the negative control of the one above
-    out = _python(_WORKER, CASE="unguarded")
+    out = python_json(_WORKER, CASE="unguarded")
     assert len(out["seen"]) == 200  # as many steps arrive...
     assert out["seen"] != [[i, 3.0 * i, "slow"] for i in range(200)]  # ...but slots were overwritten before read
 
 
 def test_the_processes_error_reaches_the_simulation_with_its_traceback():
-    out = _python(_WORKER, CASE="error")
+    out = python_json(_WORKER, CASE="error")
     assert "the comparison's process failed" in out["error"] and "ValueError: boom at step 5" in out["error"]
     assert not out["child_left"]
 
 
 def test_a_process_that_dies_is_said_not_waited_for():
-    out = _python(_WORKER, CASE="killed")
+    out = python_json(_WORKER, CASE="killed")
     assert "ended unexpectedly (signal 9)" in out["error"], out
     assert not out["child_left"]
 
@@ -176,7 +168,7 @@ print(json.dumps({"pace": pace, "passed": rep.passed, "figures": d}))
 
 
 def _run(lifecycle: str, where: str, lose: int = 0) -> dict:
-    return _python(_RUN.replace("sys.argv[1], int(sys.argv[2])", f"{lifecycle!r}, {lose}"), DRIFT_COMPARISON=where)
+    return python_json(_RUN.replace("sys.argv[1], int(sys.argv[2])", f"{lifecycle!r}, {lose}"), DRIFT_COMPARISON=where)
 
 
 @pytest.mark.parametrize("lifecycle", ["fixed", "serving"])
@@ -210,7 +202,7 @@ print(json.dumps({"same": key(rep) == key(whole_rep), "where": [first.comparison
 
 def test_a_checkpoint_taken_in_the_process_resumes_to_the_same_figures(tmp_path):
     code = _RESUME.replace("Path(sys.argv[1])", f"Path({str(tmp_path / 'ckpt.pt')!r})")
-    out = _python(code, DRIFT_COMPARISON="process")
+    out = python_json(code, DRIFT_COMPARISON="process")
     assert out == {"same": True, "where": ["process", "process"], "passed": True}
 
 
@@ -252,7 +244,7 @@ def test_the_gates_scan_and_preflight_leave_the_process_able_to_fork():
     start one)."""
     # as an engine's CI runs the gate: no OMP_NUM_THREADS (this suite's xdist workers set it: a user's count
     # stands, drift.openmp.run_threads)
-    after_gate, after_matmul = _python(_GATE_THREADS, drop=("OMP_NUM_THREADS",), OPENBLAS_NUM_THREADS="1")
+    after_gate, after_matmul = python_json(_GATE_THREADS, drop=("OMP_NUM_THREADS",), OPENBLAS_NUM_THREADS="1")
     assert after_gate == 1 and after_matmul > 1
 
 
@@ -326,8 +318,8 @@ print(json.dumps(open(f"/proc/{pid}/task/{pid}/children").read().split()))
 
 
 def test_a_run_that_raises_ends_its_comparisons_process_at_once():
-    assert _python(_ABANDONED, DRIFT_COMPARISON="process", OPENBLAS_NUM_THREADS="1") == []
-    assert len(_python(_ABANDONED, DRIFT_COMPARISON="process", OPENBLAS_NUM_THREADS="1", NO_ABANDON="1")) == 2
+    assert python_json(_ABANDONED, DRIFT_COMPARISON="process", OPENBLAS_NUM_THREADS="1") == []
+    assert len(python_json(_ABANDONED, DRIFT_COMPARISON="process", OPENBLAS_NUM_THREADS="1", NO_ABANDON="1")) == 2
 
 
 def test_a_fork_the_system_refuses_leaves_the_comparison_on_a_thread(monkeypatch):

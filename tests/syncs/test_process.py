@@ -10,26 +10,15 @@ run in a fresh interpreter (``python -c``), as ``drift run`` does.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import threading
 
 import pytest
 
+from helpers import python_json
 from drift import preset
 from drift.runspec import resolve
 from drift.syncs import process
-
-
-def _python(code: str) -> dict:
-    """``code`` in a fresh interpreter with one thread (OpenBLAS's pool off, as the ``drift`` command sets
-    it); the JSON it prints last."""
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 _SAME = """
@@ -56,7 +45,7 @@ print(json.dumps(out))
 
 
 def test_the_scan_in_a_process_finds_what_the_scan_here_finds():
-    out = _python(_SAME)
+    out = python_json(_SAME, OPENBLAS_NUM_THREADS="1")
     passing, syncing = out["sglang-0.5.23"], out["sglang-32130"]
     assert passing["here"]["passed"] and not syncing["here"]["passed"]  # the pair the comparison needs
     assert "copy_commit/updates.py" in syncing["here"]["where"]
@@ -99,8 +88,8 @@ print(json.dumps({"forked": len(forked), "figures": d, "simulated": simulated}))
 
 
 def _run(where: str, spec: str, steps: int) -> dict:
-    return _python(_RUN.replace("sys.argv[1]", repr(where)).replace("sys.argv[2]", repr(spec))
-                   .replace("int(sys.argv[3])", str(steps)))
+    return python_json(_RUN.replace("sys.argv[1]", repr(where)).replace("sys.argv[2]", repr(spec))
+                       .replace("int(sys.argv[3])", str(steps)), OPENBLAS_NUM_THREADS="1")
 
 
 @pytest.mark.parametrize("spec, steps", [("sglang-0.5.23", 320), ("sglang-32130", 2048)], ids=["passes", "syncs"])
@@ -148,7 +137,7 @@ print(json.dumps(said))
 
 
 def test_an_update_that_raises_in_the_scans_process_raises_here():
-    said = _python(_RAISES)
+    said = python_json(_RAISES, OPENBLAS_NUM_THREADS="1")
     assert "ValueError('the update raised')" in said["process"] and "host-sync scan" in said["process"], said
     assert said["process"] == said["here"]
 

@@ -73,7 +73,7 @@ class CopyCommitFlow(MambaPoolFlow):
         batch_rows = torch.from_numpy(self.lane_rows_host[rows]).to(pool.device)  # the scratch is per batch row
         held = pool.scratch[:, batch_rows, torch.from_numpy(track[rows]).to(pool.device)]
         bits_bad = (as_bits(got) != as_bits(held)).sum((0, 2, 3, 4))
-        return rows, got.clone(), windows, bits_bad
+        return rows, got.clone(), windows, bits_bad, None
 
     def buffers(self) -> list[torch.Tensor]:
         return [self.args.prev_accept]

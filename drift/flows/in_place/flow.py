@@ -177,7 +177,7 @@ class InPlaceBlockFlow(FlowKind):
         got = pool.states[:, dest]  # [L, n, HV, V, K] in the state dtype
         held = pool.states[:, pool.block_table[rows_t, steps]]
         bits_bad = (as_bits(got) != as_bits(held)).sum((0, 2, 3, 4))
-        return lanes, got.clone(), pool.conv[:, dest, :cfg.conv_kernel - 1].clone(), bits_bad
+        return lanes, got.clone(), pool.conv[:, dest, :cfg.conv_kernel - 1].clone(), bits_bad, None
 
     def unreadable_update(self) -> str:
         """An accept count past the row's D state indices (``n > D``) or negative, in a lane's row: vLLM's

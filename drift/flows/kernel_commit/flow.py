@@ -39,7 +39,7 @@ from ...dtypes import as_bits
 from ...sim import kernels
 from ..base import MambaPoolFlow
 from ..fold_model import FoldRounding, FoldSchedule
-from .reference import snapshot_outside
+from .reference import snapshot_outside, snapshot_reference
 from ..registry import FLOW_KINDS, FLOWS
 from . import design, naive
 from .pool import NULL_SLOT, ReplayHarness, ReplayPool, ReplaySlots, effective_states
@@ -186,9 +186,10 @@ class KernelCommitFlow(MambaPoolFlow):
         same records into both slots with the same code, so the track slot must equal the new
         checkpoint bit for bit. Every snapshot, mid-window included, must also agree with its exact
         reference -- the fold, in float64, of the run's own checkpoint and ring records to the tracked
-        token, within the rounding the fold may add (:func:`~drift.flows.kernel_commit.reference.
-        snapshot_outside`), unless the verify keeps its records outside drift's ring (``RingRule.
-        records_elsewhere``). Both count as bits that differ from what the run held."""
+        token, within the rounding the fold may add: the reference's inputs are gathered here
+        (:func:`~drift.flows.kernel_commit.reference.snapshot_reference`) and folded where the comparison
+        runs (:meth:`reference_mismatches`), unless the verify keeps its records outside drift's ring
+        (``RingRule.records_elsewhere``). Both count as bits that differ from what the run held."""
         pool = self.pool
         rows = np.nonzero(track >= 0)[0]  # lanes
         rows_t = torch.from_numpy(rows).to(pool.device)
@@ -199,13 +200,19 @@ class KernelCommitFlow(MambaPoolFlow):
         same_step &= torch.tensor(self.harness.fold_every_commit, device=pool.device)
         ckpt = pool.states[:, pool.active_slots[rows_t]]
         bits_bad = ((as_bits(got) != as_bits(ckpt)).sum((0, 2, 3, 4)) * same_step).to(torch.int64)
-        ring_rows = pool.lane_ring_rows.index_select(0, rows_t)
-        accept = self._last.index_select(0, batch_rows) + 1
-        step = torch.from_numpy(track[rows]).to(pool.device)
+        reference = None
         if not self.rule.records_elsewhere:  # a verify keeping its own records leaves drift's ring nothing to fold
-            bits_bad += snapshot_outside(pool, ring_rows, self._wp_before.index_select(0, ring_rows), accept, step,
-                                         self._before.index_select(1, rows_t), got, self.cfg.num_v_heads)
-        return rows, got.clone(), windows, bits_bad
+            ring_rows = pool.lane_ring_rows.index_select(0, rows_t)
+            reference = snapshot_reference(pool, ring_rows, self._wp_before.index_select(0, ring_rows),
+                                           self._last.index_select(0, batch_rows) + 1,
+                                           torch.from_numpy(track[rows]).to(pool.device),
+                                           self._before.index_select(1, rows_t), self.cfg.num_v_heads)
+        return rows, got.clone(), windows, bits_bad, reference
+
+    def reference_mismatches(self, states: torch.Tensor, reference: tuple) -> torch.Tensor:
+        """Per snapshot, its elements outside its exact reference (:func:`~drift.flows.kernel_commit.reference.
+        snapshot_outside`; int64 ``[n]``)."""
+        return snapshot_outside(self.pool.design, states, reference)
 
     def buffers(self) -> list[torch.Tensor]:
         extra = [self._wp_before] + ([self._before] if self._before is not None else [])

@@ -67,23 +67,35 @@ def subnormal_unit(design: CommitDesign) -> float:
     return 0.5 * fi.smallest_normal * fi.eps
 
 
-def snapshot_deviation(pool: ReplayPool, ring_rows: torch.Tensor, wp_before: torch.Tensor, accept: torch.Tensor,
-                       step: torch.Tensor, before: torch.Tensor, got: torch.Tensor, nv: int) -> torch.Tensor:
-    """Each tracked snapshot's elements against their reference, in units of the rounding the fold may
-    add (float64 ``[L, m, HV, V, K]``; an element within it is at most 1).
+def snapshot_reference(pool: ReplayPool, ring_rows: torch.Tensor, wp_before: torch.Tensor, accept: torch.Tensor,
+                       step: torch.Tensor, before: torch.Tensor, nv: int) -> tuple:
+    """What a tracked snapshot's reference folds, gathered from the run's pool (in the run's process,
+    :meth:`~drift.flows.kernel_commit.flow.KernelCommitFlow.tracked_snapshot`): ``(before, d, k, g, m)``,
+    new tensors that later steps do not change.
 
     ring_rows int64 ``[m]`` (the rows' ring slots), wp_before ``[m]`` (their ``write_pos`` before the
     commit), accept ``[m]`` (tokens the commit accepted, the bonus included), step ``[m]`` (the tracked
-    draft step); before / got ``[L, m, HV, V, K]``: the checkpoints the commit started from and the
-    track slots it wrote, in the checkpoint dtype. Read after the commit: a row that folded has its
-    records behind ``cache_base`` (its ``write_pos`` is 0), one that did not ahead of it."""
-    design, RL = pool.design, pool.ring_len
+    draft step); before ``[L, m, HV, V, K]``: the checkpoints the commit started from, in the checkpoint
+    dtype. Returned: before; the ring's records from the first at the commit, fp32 d ``[L, m, HV, RL,
+    V]``, k ``[L, m, HV, RL, K]``, g ``[L, m, HV, RL]`` (:func:`gather_records`); m int64 ``[m]``, the
+    records folded to the tracked token. Read after the commit: a row that folded has its records behind
+    ``cache_base`` (its ``write_pos`` is 0), one that did not ahead of it."""
+    RL = pool.ring_len
     wp_before, accept, step = (t.to(torch.int64) for t in (wp_before, accept, step))
     n, m = wp_before + accept, wp_before + step + 1
     folded = (pool.write_pos.index_select(0, ring_rows) == 0) & (n > 0)
     base = pool.cache_base.index_select(0, ring_rows).to(torch.int64)
     first = torch.where(folded, base - n, base) & (RL - 1)  # the ring's first record at the commit
-    d, k, g = (t.to(F64) for t in gather_records(pool, ring_rows, first, nv))
+    return (before, *gather_records(pool, ring_rows, first, nv), m)
+
+
+def snapshot_deviation(design: CommitDesign, got: torch.Tensor, reference: tuple) -> torch.Tensor:
+    """Each tracked snapshot's elements against their reference, in units of the rounding the fold may
+    add (float64 ``[L, m, HV, V, K]``; an element within it is at most 1): ``got [L, m, HV, V, K]``, the
+    track slots the commit wrote in the checkpoint dtype, against the fold in float64 of
+    :func:`snapshot_reference`'s gathered checkpoints and records."""
+    before, d, k, g, m = reference
+    d, k, g = (t.to(F64) for t in (d, k, g))
     h = before.to(F64)
     ref, size = fold_records(*(torch.cat((t, t.abs()), 1) for t in (h, d, k)), torch.cat((g, g), 1),
                              torch.cat((m, m))).split(len(m), 1)  # size: the terms' magnitudes, A
@@ -91,14 +103,14 @@ def snapshot_deviation(pool: ReplayPool, ring_rows: torch.Tensor, wp_before: tor
     half = 1.0 if design.store_rounding == "stochastic" else 0.5  # of an ulp
     store = half * _ulp(got, store_dtype(design.checkpoint_dtype).mantissa_bits)
     j = (m + 4).to(F64)[None, :, None, None, None]
-    live = (torch.arange(RL, device=g.device)[None, :] < m[:, None])[None, :, None, :, None]
+    live = (torch.arange(g.shape[-1], device=g.device)[None, :] < m[:, None])[None, :, None, :, None]
     keys = (k.abs() * live).sum(3)[:, :, :, None, :]  # sum_c |k_c| over the folded records [L, m, HV, 1, K]
     bound = store + (j * U32 / (1 - j * U32) + 2 * operand_unit(design)) * size + 2 * subnormal_unit(design) * keys
     err = (got - ref).abs()
     return torch.where(err == 0, torch.zeros_like(err), err / bound)
 
 
-def snapshot_outside(*args) -> torch.Tensor:
+def snapshot_outside(design: CommitDesign, got: torch.Tensor, reference: tuple) -> torch.Tensor:
     """Per tracked row (:func:`snapshot_deviation`'s arguments), the elements outside ``MARGIN`` times
     the rounding the fold may add (int64 ``[m]``; 0: the snapshot is its checkpoint folded to the token)."""
-    return (snapshot_deviation(*args) > MARGIN).sum((0, 2, 3, 4))
+    return (snapshot_deviation(design, got, reference) > MARGIN).sum((0, 2, 3, 4))

@@ -84,7 +84,7 @@ def test_the_align_copy_puts_the_boundary_tokens_state_and_window_into_its_desti
     assert same_bits(states[:, rest], per_token[:, rest]) and same_bits(conv[:, rest], conv0[:, rest])
     # the flow reports what the destinations hold, and the blocks it may write are exactly these
     track = np.array(TRACKED)
-    rows, got, win, bits_bad = flow.tracked_snapshot(track)
+    rows, got, win, bits_bad, _ = flow.tracked_snapshot(track)
     assert rows.tolist() == [0, 2, 3] and bits_bad.tolist() == [0, 0, 0]
     assert same_bits(got[:, 0], per_token[:, idx[0, 1]]) and same_bits(got[:, 2], per_token[:, idx[3, 0]])
     assert same_bits(win[:, 1], conv0[:, idx[2, 0], 3:3 + Km1])
@@ -99,7 +99,7 @@ def test_copying_the_last_accepted_tokens_block_is_caught_by_the_snapshot():
     load_update("mutant:vllm_align_wrong_block")(flow.harness, last, pool.row_track_slots, steps)
     idx = pool.block_table_host
     assert same_bits(pool.states[:, pool.track_slots[0]], per_token[:, idx[0, 2]])  # n - 1 = 2, not the boundary's 1
-    rows, _, _, bits_bad = flow.tracked_snapshot(np.array(TRACKED))
+    rows, _, _, bits_bad, _ = flow.tracked_snapshot(np.array(TRACKED))
     assert bits_bad[0] > 0 and bits_bad[1:].tolist() == [0, 0]  # rows 2, 3: boundary at the last accepted token
 
 
