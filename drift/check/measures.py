@@ -458,14 +458,14 @@ def _tracked_batch(comp, batch: Batch) -> None:
     if not steps:
         return
     buf, dev, tw = comp.buf, comp.ref_device, batch.twin
-    snaps = [batch.extra["tracked"][j] for j in steps]  # (rows, got, win, bits_bad, reference) each
+    snaps = [batch.extra["tracked"][j] for j in steps]  # (rows, got, win, bits_bad[, reference]) each
     i = torch.tensor([batch.idx[j] for j, s in zip(steps, snaps) for _ in s[0]], device=dev)
     local = torch.tensor([j for j, s in zip(steps, snaps) for _ in s[0]], device=dev)
     r = torch.from_numpy(np.concatenate([s[0] for s in snaps])).to(dev)
     got = torch.cat([s[1] for s in snaps], 1).to(dev)  # [L, m, HV, V, K] in the state dtype
     ref = torch.cat([tw.tracked[j][1] for j in steps], 1)  # the twin's, same rows in the same order
-    flow = comp.sim.flow
-    bits_bad = [s[3] if s[4] is None else s[3] + flow.reference_mismatches(s[1], s[4]) for s in snaps]
+    flow = comp.sim.flow  # a snapshot's reference (its fifth part, optional): counted here, in the comparison
+    bits_bad = [s[3] if len(s) < 5 or s[4] is None else s[3] + flow.reference_mismatches(s[1], s[4]) for s in snaps]
     buf["trk_bits_bad"][i, r] = torch.cat(bits_bad).to(dev, F64)
     # got - ref computes in float64 (exact upcast); squared in place: fewer batch-sized buffers
     buf["trk_err2"][i, :, r] = (got - ref).square_().sum((-1, -2)).transpose(0, 1)

@@ -323,9 +323,9 @@ class FlowKind(abc.ABC):
     def tracked_snapshot(self, track: np.ndarray) -> tuple:
         """What the kind's tracked slots hold for the rows tracked this step (``track [R]`` host int,
         -1 none): ``(rows [n], states [L, n, HV, V, K], windows [L, n, Kc-1, C], bit mismatches [n]
-        against the state the snapshot must equal bit for bit, 0 where there is none to compare,
-        reference)``: ``reference`` None, or what :meth:`reference_mismatches` counts more mismatches
-        from where the comparison runs (new tensors, which later steps do not change)."""
+        against the state the snapshot must equal bit for bit, 0 where there is none to compare[,
+        reference])``: ``reference`` (optional) None, or what :meth:`reference_mismatches` counts more
+        mismatches from where the comparison runs (new tensors, which later steps do not change)."""
 
     def reference_mismatches(self, states: torch.Tensor, reference) -> torch.Tensor:
         """Per snapshot, its elements outside the exact reference :meth:`tracked_snapshot` gathered for
