@@ -17,7 +17,8 @@ heads and D = 2). Also ``--drift-force-regen``: regenerate golden data a test as
 that test so the change is reviewed (as pytest-regressions' ``--force-regen``); ``--drift-fail-fast``
 (implied by ``-x``): stop a precision run at its first failing chunk. A precision run prints a
 progress line per chunk of steps through the terminal reporter (fixtures ``drift_fail_fast``,
-``drift_progress``).
+``drift_progress``). The precision runs are made ahead, in a process of their own, while the sync tests
+run, where the session may fork (drift/gate_ahead.py; fixture ``drift_ahead``; ``-v`` says where).
 
 Markers: ``cuda``, ``npu`` (a test needing that device skips, naming it, when the run did not
 ask for the device, and fails when it asked and the device is absent) and ``nightly``.
@@ -39,6 +40,7 @@ import os
 import shlex
 import sys
 from dataclasses import replace
+from typing import Optional
 
 import pytest
 
@@ -91,6 +93,7 @@ from drift.config import DEFAULT_PRESET, GATE_PRESETS
 from drift.runspec import RunSpec
 from drift.devices import resolve_device
 from drift.errors import EXIT_USAGE, DeviceUnavailable, DriftError, no_process_exit
+from drift.gate_ahead import RunsAhead, ahead_refusal
 from drift.options import DEFAULTS, RUN_OPTIONS, add_options, dest
 from drift.plug.loader import ENGINE_UPDATES
 from drift.plug.extensions import load_extensions
@@ -196,8 +199,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return  # an xdist worker: its controller did (a usage error here would crash the worker)
     items = [i for i in session.items if "drift_run" in getattr(i, "fixturenames", ())]
     if items:
-        _preflight(session.config, dict.fromkeys(
-            getattr(i, "callspec", None) and i.callspec.params.get("drift_update") for i in items))
+        _runs_ahead(session, items)  # first: they simulate while this process preflights and scans
+        try:
+            _preflight(session.config, dict.fromkeys(
+                getattr(i, "callspec", None) and i.callspec.params.get("drift_update") for i in items))
+        except BaseException:
+            pytest_sessionfinish(session)
+            raise
 
 
 @pytest.hookimpl(wrapper=True)
@@ -291,38 +299,110 @@ def update_id(spec, flow) -> str:
     return f"{stem}.{qualname}"[:60]
 
 
+def fail_fast(config: pytest.Config) -> bool:
+    """Whether a precision run stops at its first failing chunk: ``--drift-fail-fast``, or ``-x`` (pytest
+    stops at the first failure anyway, so the steps after it would be paid for nothing)."""
+    return bool(config.getoption("--drift-fail-fast") or config.getoption("maxfail") == 1)
+
+
 @pytest.fixture
 def drift_fail_fast(request: pytest.FixtureRequest) -> bool:
-    """Stop a precision run at the first failing chunk: ``--drift-fail-fast``, or ``-x`` (pytest
-    stops at the first failure anyway, so the steps after it would be paid for nothing)."""
-    cfg = request.config
-    return bool(cfg.getoption("--drift-fail-fast") or cfg.getoption("maxfail") == 1)
+    """:func:`fail_fast` of the session."""
+    return fail_fast(request.config)
 
 
-@pytest.fixture
-def drift_progress(request: pytest.FixtureRequest):
-    """``progress(done, total)`` for a simulation: one line per chunk of steps through pytest's
-    terminal reporter, past the output capture as pytest's live logging writes (shown with ``-q``
-    too; none under pytest-xdist's workers, which have no terminal, nor with ``-qq``), so a long
-    gate is never silent."""
+def progress_lines(config: pytest.Config, label: str):
+    """``progress(done, total)`` for a simulation: one line per chunk of steps, naming ``label``, through
+    pytest's terminal reporter, past the output capture as pytest's live logging writes (shown with ``-q``
+    too; none under pytest-xdist's workers, which have no terminal, nor with ``-qq``: None), flushed (a
+    run made ahead writes from its own process, drift/gate_ahead.py), so a long gate is never silent."""
     import contextlib
     import time
 
-    plugins = request.config.pluginmanager
+    plugins = config.pluginmanager
     term, capman = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
-    if term is None or request.config.getoption("verbose") < -1:
+    if term is None or config.getoption("verbose") < -1:
         return None
     uncaptured = capman.global_and_fixture_disabled if capman is not None else contextlib.nullcontext
+    t0 = time.perf_counter()
 
-    label, t0 = request.node.nodeid, time.perf_counter()
-
-    def progress(done: int, total: int) -> None:
-        el = time.perf_counter() - t0
+    def progress(done: int, total: int, elapsed: Optional[float] = None) -> None:
+        el = time.perf_counter() - t0 if elapsed is None else elapsed  # elapsed: a run made ahead's own
         eta = el / done * (total - done) if done else float("nan")
         with uncaptured():
             term.write_line(f"drift: {label}: step {done}/{total} ({done / max(el, 1e-9):.0f} steps/s, "
                             f"{el:.0f} s, ETA {eta:.0f} s)")
     return progress
+
+
+@pytest.fixture
+def drift_progress(request: pytest.FixtureRequest):
+    """:func:`progress_lines` of this test."""
+    return progress_lines(request.config, request.node.nodeid)
+
+
+# ------------------------------------------------------------------------ precision runs made ahead
+AHEAD = pytest.StashKey[RunsAhead]()
+AHEAD_NOTE = pytest.StashKey[str]()  # where the session's precision runs were made, for -v's summary
+PRECISION_TEST = "test_update_keeps_precision"
+
+
+def _runs_ahead(session: pytest.Session, items: list) -> None:
+    """The session's precision runs, started in a process of their own (drift/gate_ahead.py) where they
+    may be: pytest's own process (not xdist's), no golden regeneration (its test fails before running),
+    each run resolvable here (else its test reports why), one thread and the CPU (:func:`ahead_refusal`)."""
+    config = session.config
+    runs = []
+    for item in items:
+        if getattr(item, "originalname", None) != PRECISION_TEST or item.module.__name__ != "drift.test_gate":
+            continue
+        params = item.callspec.params
+        try:
+            run = replace(spec_from_options(config.getoption), preset=params["drift_preset"],
+                          update=params["drift_update"]).resolve()
+        except DriftError:
+            return
+        runs.append((item.nodeid, run, {"fail_fast": fail_fast(config)}))
+    if not runs:
+        return
+    refusal = ("pytest-xdist runs the tests" if _distributed(config)
+               else "--drift-force-regen" if config.getoption("--drift-force-regen")
+               else ahead_refusal([run for _, run, _ in runs]))
+    config.stash[AHEAD_NOTE] = f"each made in its test: {refusal}"
+    if refusal is not None:
+        return
+    for stream in (sys.stdout, sys.stderr):  # the child would write what they hold again
+        stream.flush()
+    try:
+        config.stash[AHEAD] = RunsAhead(runs, progress=progress_lines(config, "") is not None)
+    except OSError as exc:  # no fork or pipe to be had (EAGAIN, ENOMEM, EMFILE): each test makes its run
+        config.stash[AHEAD_NOTE] = f"each made in its test: {exc}"
+        return
+    config.stash[AHEAD_NOTE] = (f"{len(runs)} made ahead, in a process of their own, while the sync tests ran "
+                                "(drift/gate_ahead.py)")
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    """With -v: where the precision runs were made."""
+    note = config.stash.get(AHEAD_NOTE, None)
+    if note is not None and config.getoption("verbose") >= 1:
+        terminalreporter.write_line(f"drift: precision runs: {note}")
+
+
+@pytest.fixture
+def drift_ahead(request: pytest.FixtureRequest, drift_progress):
+    """``drift_ahead()``: this precision test's outcome where its run was made ahead (drift/gate_ahead.py),
+    ``(passed, failures, output)``, waiting for it and printing its progress (:func:`drift_progress`); None where the
+    test makes the run itself."""
+    ahead = request.config.stash.get(AHEAD, None)
+    return lambda: None if ahead is None else ahead.outcome(request.node.nodeid, drift_progress)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Runs made ahead and not read (``-x`` stopped the gate, or their tests were not reached): ended."""
+    ahead = session.config.stash.get(AHEAD, None)
+    if ahead is not None:
+        ahead.close()
 
 
 @pytest.fixture

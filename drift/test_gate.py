@@ -9,17 +9,14 @@ marked ``cuda`` / ``npu`` run the same on that device when --drift-device asks f
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
+from drift.gate_ahead import failures_text
 from drift.runner import run_checked
 from drift.syncs.detector import SyncDetector
 from drift.syncs.scan import RUN_SAMPLE, sync_check
-
-
-def _failures(rep) -> str:
-    text = "; ".join(f"{c.name}: {c.detail} ({c.where})" for c in rep.checks if c.failed) or "none"
-    diagnosis = rep.extra.get("diagnosis")
-    return f"{text}\ndiagnosis: {diagnosis['text']}" if diagnosis else text
 
 
 # First (pytest runs a module's tests in order; with -x a sync stops the gate in seconds): the
@@ -36,18 +33,24 @@ def test_update_is_sync_free(drift_run, tracking):
         pytest.fail(f"{run.update.spec}: {res.where}; {res.detail}", pytrace=False)
 
 
-def test_update_keeps_precision(drift_run, drift_golden, drift_fail_fast, drift_progress):
+def test_update_keeps_precision(drift_run, drift_golden, drift_fail_fast, drift_progress, drift_ahead):
     drift_golden(drift_run.cfg)  # PR-gating presets must have golden data; fails, never skips
-    rep = run_checked(drift_run, sync_scan=False, fail_fast=drift_fail_fast, progress=drift_progress)
-    if not rep.passed:  # drift's message alone (an assert would print the whole RunReport's repr too)
-        pytest.fail(f"{drift_run.update.spec}: {_failures(rep)}", pytrace=False)
+    outcome = drift_ahead()  # the same run made while the sync tests ran (drift/gate_ahead.py), where it was
+    if outcome is None:
+        rep = run_checked(drift_run, sync_scan=False, fail_fast=drift_fail_fast, progress=drift_progress)
+        passed, failures = rep.passed, failures_text(rep)
+    else:
+        passed, failures, said = outcome
+        sys.stdout.write(said)  # what the run wrote there: this test's captured output
+    if not passed:  # drift's message alone (an assert would print the whole RunReport's repr too)
+        pytest.fail(f"{drift_run.update.spec}: {failures}", pytrace=False)
 
 
 def _device_run(run):
     cfg = run.cfg
     rep = run_checked(run.replace(steps=min(cfg.steps, 512)), sync_scan=False)
     assert rep.info.device.startswith(cfg.device), rep.info.device
-    assert rep.passed, f"{run.update.spec} on {cfg.device}: {_failures(rep)}"
+    assert rep.passed, f"{run.update.spec} on {cfg.device}: {failures_text(rep)}"
 
 
 @pytest.mark.cuda

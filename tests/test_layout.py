@@ -29,7 +29,8 @@ STAGES = [
     {"drift.syncs"},
     {"drift.runner"},
     {"drift.jobs"},
-    {"drift.options", "drift.cli", "drift.pytest_plugin", "drift.test_gate", "drift", "drift.__main__"},
+    {"drift.options", "drift.cli", "drift.pytest_plugin", "drift.gate_ahead", "drift.test_gate", "drift",
+     "drift.__main__"},
 ]
 
 

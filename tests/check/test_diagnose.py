@@ -81,11 +81,11 @@ def test_the_failure_says_it_in_drift_run_and_in_the_gate(capsys, tmp_path):
     out = capsys.readouterr().out
     assert rc == EXIT_FAIL and "diagnosis (committed_state): step 0" in out and "the wrong step" in out, out
     assert "in commit_next_step" in (tmp_path / "report.json").read_text()
-    from drift.test_gate import _failures
+    from drift.gate_ahead import failures_text
 
     rep = run_checked(resolve(preset("ci-small").replace(steps=64), "mutant:step_plus1"), sync_scan=False,
                       fail_fast=True)
-    assert "\ndiagnosis: step 0" in _failures(rep) and "in commit_next_step" in _failures(rep)
+    assert "\ndiagnosis: step 0" in failures_text(rep) and "in commit_next_step" in failures_text(rep)
 
 
 def test_a_replay_that_raises_says_so_and_leaves_the_verdict(monkeypatch):
