@@ -21,14 +21,12 @@ session's end kills and reaps the child (``-x`` stops the gate at a sync with th
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import tempfile
 import time
-import weakref
 from typing import Callable, Optional
 
-from .check.forked import LIVE_CHILDREN, fork_child, fork_refusal, read_message, reap_child, write_message
+from .check.forked import ReportingChild, fork_refusal, read_message, write_message
 from .errors import no_process_exit
 from .runspec import Resolved
 
@@ -69,7 +67,7 @@ def _own_output() -> Callable[[], str]:
     return said
 
 
-class RunsAhead:
+class RunsAhead(ReportingChild):
     """``run_checked(run, sync_scan=False, **kwargs)`` for each ``(key, run, kwargs)`` of ``runs``, in order, in
     a forked child. :meth:`outcome` waits for one: ``(passed, failures, output)`` (:func:`failures_text`),
     or None where the test must run it itself. With ``progress`` the child sends each run's progress
@@ -79,12 +77,10 @@ class RunsAhead:
     def __init__(self, runs: list[tuple[str, Resolved, dict]], progress: bool = False):
         from .runner import run_checked
 
-        self._outcomes: dict[str, Optional[tuple[bool, str]]] = {}
+        self._outcomes: dict[str, Optional[tuple[bool, str, str]]] = {}
         self._progress: dict[str, list[tuple[int, int, float]]] = {}  # sent before their test asked
-        self._closed = False
-        r, w = os.pipe()
 
-        def run_all() -> None:
+        def run_all(w: int) -> None:
             said = _own_output()
             for key, run, kwargs in runs:
                 t0 = time.perf_counter()
@@ -100,14 +96,7 @@ class RunsAhead:
                     message = ("raised", key)
                 write_message(w, message)
 
-        self.pid = fork_child(run_all, close_in_child=(r,), close_on_failure=(r, w))
-        os.close(w)
-        self._in = r
-        LIVE_CHILDREN.add(self)
-        self._finalize = weakref.finalize(self, reap_child, self.pid, self._in)
-
-    def _fds(self) -> tuple:
-        return () if self._closed else (self._in,)
+        super().__init__(run_all)
 
     def outcome(self, key: str, progress: Optional[Callable[[int, int, float], None]] = None
                 ) -> Optional[tuple[bool, str, str]]:
@@ -134,14 +123,3 @@ class RunsAhead:
             else:
                 self._outcomes[message[1]] = message[2:] if message[0] == "outcome" else None
         return self._outcomes.pop(key, None)
-
-    def close(self) -> None:
-        """End the child (runs not finished are abandoned: killed) and reap it; safe to call twice."""
-        if not self._closed:
-            self._closed = True
-            LIVE_CHILDREN.discard(self)
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self._finalize()

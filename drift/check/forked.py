@@ -301,6 +301,37 @@ def reap_child(pid: int, *fds: int) -> str:
 
 
 # ---------------------------------------------------------------- the child's side
+class ReportingChild:
+    """A forked child that reports to its parent over one pipe: ``work(out)`` runs in it and writes its
+    messages (:func:`write_message`) to descriptor ``out``; the parent reads them from ``self._in``
+    (:func:`read_message`). Forked here; among :data:`LIVE_CHILDREN` (a later fork closes its pipe in the
+    new child) until :meth:`close`, which kills it where it still works and reaps it (so does collecting
+    the object). The host-sync scan's process and the gate's runs made ahead are such children."""
+
+    def __init__(self, work: Callable[[int], None]):
+        self._closed = False
+        r, w = os.pipe()
+        self.pid = fork_child(lambda: work(w), close_in_child=(r,), close_on_failure=(r, w))
+        os.close(w)
+        self._in = r
+        LIVE_CHILDREN.add(self)
+        self._finalize = weakref.finalize(self, reap_child, self.pid, self._in)
+
+    def _fds(self) -> tuple:
+        return () if self._closed else (self._in,)
+
+    def close(self) -> None:
+        """End the child (work not finished is abandoned: killed) and reap it; safe to call twice."""
+        if not self._closed:
+            self._closed = True
+            LIVE_CHILDREN.discard(self)
+            try:
+                os.kill(self.pid, signal.SIGKILL)  # where it still works; an ended child is a zombie until reaped
+            except ProcessLookupError:
+                pass
+            self._finalize()
+
+
 def _serve(ring: _Ring, inp: int, out: int, on_step, after_steps, answers) -> None:
     """The child's loop: a reader thread queues the simulation's messages (the pipe never fills while the
     child computes); the loop handles them in order, ``after_steps`` after each message of steps."""

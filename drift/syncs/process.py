@@ -17,14 +17,11 @@ next chunk once a sync was found (``stop_on_sync``), which keeps ``drift run``'s
 
 from __future__ import annotations
 
-import os
 import select
-import signal
-import weakref
 from dataclasses import fields
 from typing import Optional
 
-from ..check.forked import LIVE_CHILDREN, fork_child, fork_refusal, read_message, reap_child, write_message
+from ..check.forked import ReportingChild, fork_refusal, read_message, write_message
 from ..check.result import CheckResult
 from ..runspec import Resolved
 from ..simulate import StopRun
@@ -56,7 +53,7 @@ def scan_beside(run: Resolved, sample: int, stop_on_sync: bool) -> Optional["Sca
         return None
 
 
-class ScanProcess:
+class ScanProcess(ReportingChild):
     """``sync_check(run, sample=sample)`` in a forked child (construct it where the run would scan).
 
     ``result()`` waits for it; ``flush()`` (an observer's) raises StopRun once a failed result is in,
@@ -66,25 +63,16 @@ class ScanProcess:
         self.run, self.sample, self.stop_on_sync = run, sample, stop_on_sync
         self._result: Optional[CheckResult] = None
         self._raised: Optional[BaseException] = None  # what the scan here raised (raised again when asked)
-        self._closed = False
-        r, w = os.pipe()
 
-        def scan_and_send() -> None:
+        def scan_and_send(out: int) -> None:
             try:
                 res = sync_check(run, sample=sample)
                 message = ("result", {f.name: getattr(res, f.name) for f in fields(res)})
             except BaseException:  # the parent scans again, in-process, and raises what the scan raised
                 message = ("raised",)
-            write_message(w, message)
+            write_message(out, message)
 
-        self.pid = fork_child(scan_and_send, close_in_child=(r,), close_on_failure=(r, w))
-        os.close(w)
-        self._in = r
-        LIVE_CHILDREN.add(self)
-        self._finalize = weakref.finalize(self, reap_child, self.pid, self._in)
-
-    def _fds(self) -> tuple:
-        return () if self._closed else (self._in,)
+        super().__init__(scan_and_send)
 
     def _take(self, block: bool) -> Optional[CheckResult]:
         """The result once it is in (waiting for it when ``block``); an unfinished scan is made here."""
@@ -111,17 +99,6 @@ class ScanProcess:
     def result(self) -> CheckResult:
         """The scan's result, waiting for the child."""
         return self._take(block=True)
-
-    def close(self) -> None:
-        """End the child (a scan not finished is abandoned: killed) and reap it; safe to call twice."""
-        if not self._closed:
-            self._closed = True
-            LIVE_CHILDREN.discard(self)
-            try:
-                os.kill(self.pid, signal.SIGKILL)  # where it still scans; an ended child is a zombie until reaped
-            except ProcessLookupError:
-                pass
-            self._finalize()
 
     # -------------------------------------------------------- as an observer of the simulation
     def on_start(self, sim) -> None:
