@@ -567,11 +567,11 @@ class MambaPoolFlow(FlowKind):
         and for padded rows)."""
 
     def committed_states(self) -> torch.Tensor:
-        return self.pool.states[:, self.pool.active_slots]
+        return self.pool.states.index_select(1, self.pool.active_slots)  # index_select: a seventh of [:, idx]'s time
 
     def committed_windows(self) -> torch.Tensor:
         cfg, pool = self.cfg, self.pool
-        return pool.conv[:, pool.active_slots, cfg.conv_window - (cfg.conv_kernel - 1):]
+        return pool.conv.index_select(1, pool.active_slots)[:, :, cfg.conv_window - (cfg.conv_kernel - 1):]
 
     def track_windows(self, lanes_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The track slots of lanes ``lanes_t`` (int64 ``[n]``) and the Kc-1 conv inputs they hold."""

@@ -69,11 +69,11 @@ class CopyCommitFlow(MambaPoolFlow):
         pool = self.pool
         rows = np.nonzero(track >= 0)[0]  # lanes
         tslots, windows = self.track_windows(torch.from_numpy(rows).to(pool.device))
-        got = pool.states[:, tslots]  # [L, n, HV, V, K] in the state dtype
+        got = pool.states.index_select(1, tslots)  # [L, n, HV, V, K] in the state dtype
         batch_rows = torch.from_numpy(self.lane_rows_host[rows]).to(pool.device)  # the scratch is per batch row
         held = pool.scratch[:, batch_rows, torch.from_numpy(track[rows]).to(pool.device)]
         bits_bad = (as_bits(got) != as_bits(held)).sum((0, 2, 3, 4))
-        return rows, got.clone(), windows, bits_bad, None
+        return rows, got, windows, bits_bad, None
 
     def buffers(self) -> list[torch.Tensor]:
         return [self.args.prev_accept]

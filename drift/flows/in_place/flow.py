@@ -174,10 +174,10 @@ class InPlaceBlockFlow(FlowKind):
         rows_t = torch.from_numpy(rows).to(pool.device)
         steps = torch.from_numpy(track[lanes]).to(pool.device)
         dest = self.align_destinations(rows, steps, self._num_draft[rows_t].to(torch.int64))
-        got = pool.states[:, dest]  # [L, n, HV, V, K] in the state dtype
+        got = pool.states.index_select(1, dest)  # [L, n, HV, V, K] in the state dtype
         held = pool.states[:, pool.block_table[rows_t, steps]]
         bits_bad = (as_bits(got) != as_bits(held)).sum((0, 2, 3, 4))
-        return lanes, got.clone(), pool.conv[:, dest, :cfg.conv_kernel - 1].clone(), bits_bad, None
+        return lanes, got, pool.conv[:, dest, :cfg.conv_kernel - 1], bits_bad, None
 
     def unreadable_update(self) -> str:
         """An accept count past the row's D state indices (``n > D``) or negative, in a lane's row: vLLM's
@@ -204,7 +204,7 @@ class InPlaceBlockFlow(FlowKind):
     def committed_states(self) -> torch.Tensor:
         """The block each lane's next verify starts from: ``idx[r, n_r - 1]`` as the update left them."""
         idx, j = self._next_start()
-        return self.pool.states[:, idx.gather(1, j[:, None]).squeeze(1)]
+        return self.pool.states.index_select(1, idx.gather(1, j[:, None]).squeeze(1))
 
     def committed_windows(self) -> torch.Tensor:
         """The Kc-1 conv inputs the next verify reads: columns ``n - 1 .. n + Kc - 3`` of the conv cache
@@ -213,7 +213,7 @@ class InPlaceBlockFlow(FlowKind):
         idx, j = self._next_start()
         Km1 = cfg.conv_kernel - 1
         cols = j[:, None] + torch.arange(Km1, device=j.device)  # [R, Kc-1]
-        win = self.pool.conv[:, idx[:, 0]]  # [L, R, W, C]
+        win = self.pool.conv.index_select(1, idx[:, 0])  # [L, R, W, C]
         return win.gather(2, cols[None, :, :, None].expand(win.shape[0], -1, -1, win.shape[3]))
 
     # ------------------------------------------------------------ a churning lifecycle (docs/semantics.md §12)

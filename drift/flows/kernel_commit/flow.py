@@ -194,7 +194,7 @@ class KernelCommitFlow(MambaPoolFlow):
         rows = np.nonzero(track >= 0)[0]  # lanes
         rows_t = torch.from_numpy(rows).to(pool.device)
         tslots, windows = self.track_windows(rows_t)
-        got = pool.states[:, tslots]
+        got = pool.states.index_select(1, tslots)
         batch_rows = torch.from_numpy(self.lane_rows_host[rows]).to(pool.device)
         same_step = (self._last.index_select(0, batch_rows) == torch.from_numpy(track[rows]).to(pool.device))
         same_step &= torch.tensor(self.harness.fold_every_commit, device=pool.device)
@@ -207,7 +207,7 @@ class KernelCommitFlow(MambaPoolFlow):
                                            self._last.index_select(0, batch_rows) + 1,
                                            torch.from_numpy(track[rows]).to(pool.device),
                                            self._before.index_select(1, rows_t), self.cfg.num_v_heads)
-        return rows, got.clone(), windows, bits_bad, reference
+        return rows, got, windows, bits_bad, reference
 
     def reference_mismatches(self, states: torch.Tensor, reference: tuple) -> torch.Tensor:
         """Per snapshot, its elements outside its exact reference (:func:`~drift.flows.kernel_commit.reference.
