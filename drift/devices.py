@@ -68,4 +68,7 @@ def synchronize(device: torch.device) -> None:
 def on_host(*tensors: torch.Tensor) -> bool:
     """Whether every tensor is a plain CPU ``torch.Tensor`` (no subclass: not the host-sync scan's virtual
     device): reading its values is no host-device sync, so a path may branch on them."""
-    return all(type(t) is torch.Tensor and t.device.type == "cpu" for t in tensors)
+    for t in tensors:  # a loop, not all(<generator>): called about a dozen times a step
+        if type(t) is not torch.Tensor or t.device.type != "cpu":
+            return False
+    return True
