@@ -311,18 +311,24 @@ def drift_fail_fast(request: pytest.FixtureRequest) -> bool:
     return fail_fast(request.config)
 
 
+def shows_progress(config: pytest.Config) -> bool:
+    """Whether a precision run prints its progress: a terminal (pytest-xdist's workers have none), and not
+    ``-qq``."""
+    return config.pluginmanager.get_plugin("terminalreporter") is not None and config.getoption("verbose") >= -1
+
+
 def progress_lines(config: pytest.Config, label: str):
-    """``progress(done, total)`` for a simulation: one line per chunk of steps, naming ``label``, through
-    pytest's terminal reporter, past the output capture as pytest's live logging writes (shown with ``-q``
-    too; none under pytest-xdist's workers, which have no terminal, nor with ``-qq``: None), flushed (a
-    run made ahead writes from its own process, drift/gate_ahead.py), so a long gate is never silent."""
+    """``progress(done, total[, elapsed])`` for a simulation: one line per chunk of steps, naming ``label``,
+    through pytest's terminal reporter, past the output capture as pytest's live logging writes, so a long
+    gate is never silent (shown with ``-q`` too); None where :func:`shows_progress` says none is shown.
+    ``elapsed``: the seconds a run made ahead had run (drift/gate_ahead.py)."""
     import contextlib
     import time
 
+    if not shows_progress(config):
+        return None
     plugins = config.pluginmanager
     term, capman = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
-    if term is None or config.getoption("verbose") < -1:
-        return None
     uncaptured = capman.global_and_fixture_disabled if capman is not None else contextlib.nullcontext
     t0 = time.perf_counter()
 
@@ -354,7 +360,8 @@ def _runs_ahead(session: pytest.Session, items: list) -> None:
     config = session.config
     runs = []
     for item in items:
-        if getattr(item, "originalname", None) != PRECISION_TEST or item.module.__name__ != "drift.test_gate":
+        if getattr(item, "originalname", None) != PRECISION_TEST or \
+                getattr(getattr(item, "module", None), "__name__", None) != "drift.test_gate":
             continue
         params = item.callspec.params
         try:
@@ -374,7 +381,7 @@ def _runs_ahead(session: pytest.Session, items: list) -> None:
     for stream in (sys.stdout, sys.stderr):  # the child would write what they hold again
         stream.flush()
     try:
-        config.stash[AHEAD] = RunsAhead(runs, progress=progress_lines(config, "") is not None)
+        config.stash[AHEAD] = RunsAhead(runs, progress=shows_progress(config))
     except OSError as exc:  # no fork or pipe to be had (EAGAIN, ENOMEM, EMFILE): each test makes its run
         config.stash[AHEAD_NOTE] = f"each made in its test: {exc}"
         return
