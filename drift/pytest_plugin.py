@@ -204,7 +204,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             _preflight(session.config, dict.fromkeys(
                 getattr(i, "callspec", None) and i.callspec.params.get("drift_update") for i in items))
         except BaseException:
-            pytest_sessionfinish(session)
+            _end_runs_ahead(session.config)
             raise
 
 
@@ -405,11 +405,15 @@ def drift_ahead(request: pytest.FixtureRequest, drift_progress):
     return lambda: None if ahead is None else ahead.outcome(request.node.nodeid, drift_progress)
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    """Runs made ahead and not read (``-x`` stopped the gate, or their tests were not reached): ended."""
-    ahead = session.config.stash.get(AHEAD, None)
+def _end_runs_ahead(config: pytest.Config) -> None:
+    """Runs made ahead and not read (``-x`` stopped the gate, a usage error, tests not reached): ended."""
+    ahead = config.stash.get(AHEAD, None)
     if ahead is not None:
         ahead.close()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    _end_runs_ahead(session.config)
 
 
 @pytest.fixture

@@ -196,16 +196,14 @@ class KernelCommitFlow(MambaPoolFlow):
         tslots, windows = self.track_windows(rows_t)
         got = pool.states.index_select(1, tslots)
         batch_rows = torch.from_numpy(self.lane_rows_host[rows]).to(pool.device)
-        same_step = (self._last.index_select(0, batch_rows) == torch.from_numpy(track[rows]).to(pool.device))
-        same_step &= torch.tensor(self.harness.fold_every_commit, device=pool.device)
+        last, step = self._last.index_select(0, batch_rows), torch.from_numpy(track[rows]).to(pool.device)
+        same_step = (last == step) & torch.tensor(self.harness.fold_every_commit, device=pool.device)
         ckpt = pool.states[:, pool.active_slots[rows_t]]
         bits_bad = ((as_bits(got) != as_bits(ckpt)).sum((0, 2, 3, 4)) * same_step).to(torch.int64)
         reference = None
         if not self.rule.records_elsewhere:  # a verify keeping its own records leaves drift's ring nothing to fold
             ring_rows = pool.lane_ring_rows.index_select(0, rows_t)
-            reference = snapshot_reference(pool, ring_rows, self._wp_before.index_select(0, ring_rows),
-                                           self._last.index_select(0, batch_rows) + 1,
-                                           torch.from_numpy(track[rows]).to(pool.device),
+            reference = snapshot_reference(pool, ring_rows, self._wp_before.index_select(0, ring_rows), last + 1, step,
                                            self._before.index_select(1, rows_t), self.cfg.num_v_heads)
         return rows, got, windows, bits_bad, reference
 
