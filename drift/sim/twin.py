@@ -22,7 +22,12 @@ from ..config import Config
 from .stream import StreamParams, TrueTokens
 
 F64 = torch.float64
-PREFILL_CHUNK = 8  # prompt tokens per prefill recurrence call
+# Prompt tokens per prefill recurrence call. Each call's setup (conv, gating, op inputs: about 20 small
+# tensor ops) is paid per chunk: 64 tokens a call take a 194-token ci-small prompt in 4 calls, not 25
+# (6-11 ms against 16-20 ms a prefill, 2026-12-07); the states and windows are bit-identical to 8's
+# (every token's conv, gating and normalisation is elementwise or per token; the recurrence runs token
+# by token either way; report.json of every flow unchanged, docs/speed.md).
+PREFILL_CHUNK = 64
 CAPTURE_BYTES = 64 << 20  # capture buffers of one batch's recurrence in one call (beyond: step by step)
 
 
