@@ -77,6 +77,13 @@ def conv_mix(window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> tor
     before them, ``window [L, N, Kc-1, C]``; weight ``[L, C, Kc]`` (tap m multiplies token
     ``t - (Kc-1) + m``). SiLU(depthwise causal conv) in float64, taps summed in order m = 0 .. Kc-1,
     SiLU as ``z / (1 + exp(-z))``, then :func:`quantize_mix`."""
+    if USE_NATIVE and native.conv_takes(window, x, weight):  # the taps and the rounding in C, the same bits
+        acc, neg = native.conv_taps(window, x, weight)
+        exp_neg = neg.exp_()
+        out = native.conv_silu_bf16(acc, exp_neg)
+        if out is not None:
+            return out
+        return quantize_mix(acc.div_(exp_neg.add_(1.0)))  # a NaN: torch rounds it
     D, Kc = x.shape[2], weight.shape[-1]
     seq = torch.empty((*x.shape[:2], Kc - 1 + D, x.shape[3]), dtype=F64, device=x.device)  # [L, N, Kc-1+D, C]
     seq[:, :, :Kc - 1] = window
@@ -91,8 +98,7 @@ def conv_mix(window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> tor
             acc.addcmul_(seq[:, :, m:m + D], taps[m])
         else:
             acc.add_(seq[:, :, m:m + D] * taps[m])
-    denom = torch.neg(acc).exp_().add_(1.0)  # 1 + exp(-acc)
-    return quantize_mix(acc.div_(denom))
+    return quantize_mix(acc.div_(torch.neg(acc).exp_().add_(1.0)))  # SiLU: acc / (1 + exp(-acc))
 
 
 def gdn_gating(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,8 @@ On the CPU the torch-op verify makes five passes over every float32 state per ve
 ``_native/gdn_verify.c`` makes one per state row, with each head's state kept in a float32
 scratch buffer across the D tokens, and is what lets ``drift run`` afford more decode steps.
 The same library holds the float64 twin's decode (one step, or a batch of steps in one call), the
-comparison's state metrics and the slot guard's byte comparison (:func:`changed_slots`).
+comparison's state metrics, the slot guard's byte comparison (:func:`changed_slots`) and the conv's
+taps and output rounding (:func:`conv_taps`, :func:`conv_silu_bf16`: bit for bit torch's).
 The verify kernel computes the same thing: float32 arithmetic (summation order may differ, so results agree
 to float32 rounding, not bit for bit), round-to-nearest-even stores that give the same bits
 as a torch cast of the same float32 value.
@@ -39,7 +40,7 @@ from typing import Optional
 import torch
 
 SOURCE = Path(__file__).resolve().parent / "_native" / "gdn_verify.c"
-ABI = 5  # drift_native_abi() of the source this module drives
+ABI = 6  # drift_native_abi() of the source this module drives
 # -ffp-contract=off: each multiply and add rounds on its own, as the source writes them, whatever the
 # compiler's default. GCC contracts nothing in ISO C mode (-std=c99), but clang fuses a*b + c into one FMA
 # by default ("on"): built with -ffp-contract=fast, a 512-step default run's report.json differed in 1,075
@@ -47,6 +48,7 @@ ABI = 5  # drift_native_abi() of the source this module drives
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=c99", "-lm"]
 OPENMP = "-fopenmp"  # tried first; without it the kernel runs on one thread
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+_LOAD_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float64: 2}  # the conv's inputs, read as float64
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
@@ -181,6 +183,10 @@ def _load() -> Optional[ctypes.CDLL]:
         lib.drift_changed_slots.restype = None
         lib.drift_state_metrics.argtypes = [i64, i64, i64, c_int, ptr, c_int, c_int, ptr, ptr, ptr, ptr]
         lib.drift_state_metrics.restype = None
+        lib.drift_conv_taps.argtypes = [i64] * 5 + ([ptr, c_int] + [i64] * 4) * 2 + [ptr, c_int] + [i64] * 3 + [ptr] * 3
+        lib.drift_conv_taps.restype = None
+        lib.drift_conv_silu_bf16.argtypes = [i64] + [ptr] * 3
+        lib.drift_conv_silu_bf16.restype = c_int
         if not lib.drift_native_openmp():
             threads = "one thread (built without OpenMP)"
         elif len(_openmp_runtimes() - before) == 0:
@@ -385,3 +391,48 @@ def state_metrics(run: torch.Tensor, truth: torch.Tensor, mantissa_bits: int) ->
     lib.drift_state_metrics(items, K, V, nthreads, run.data_ptr(), _DTYPE_CODE[run.dtype], mantissa_bits,
                             truth.data_ptr(), m.data_ptr(), col.data_ptr(), acc.data_ptr())
     return m, col
+
+
+def conv_takes(window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`conv_mix` runs in C for these inputs: plain CPU tensors (any strides) of float32,
+    bfloat16 or float64, and the library built."""
+    return (all(type(t) is torch.Tensor and t.device.type == "cpu" and t.dtype in _LOAD_CODE
+                for t in (window, x, weight)) and available())
+
+
+def conv_taps(window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The taps of :func:`drift.sim.kernels.conv_mix` in C, the same bits (check :func:`conv_takes`
+    first): ``acc`` and ``-acc``, dense float64 ``[L, N, D, C]``, of window ``[L, N, Kc-1, C]``, x
+    ``[L, N, D, C]`` and weight ``[L, C, Kc]``, each read through its strides in its own dtype."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the native kernels are {status()}")
+    L, N, D, C = x.shape
+    Kc = weight.shape[-1]
+    if tuple(window.shape) != (L, N, Kc - 1, C) or tuple(weight.shape) != (L, C, Kc):
+        raise ValueError(f"native conv_taps: window {tuple(window.shape)}, x {tuple(x.shape)} and weight "
+                         f"{tuple(weight.shape)} do not fit")
+    acc = torch.empty(L, N, D, C, dtype=torch.float64)
+    neg = torch.empty(L, N, D, C, dtype=torch.float64)
+    scratch = torch.empty((Kc - 1 + D + Kc) * C, dtype=torch.float64)
+    lib.drift_conv_taps(L, N, D, Kc, C, window.data_ptr(), _LOAD_CODE[window.dtype], *window.stride(),
+                        x.data_ptr(), _LOAD_CODE[x.dtype], *x.stride(), weight.data_ptr(), _LOAD_CODE[weight.dtype],
+                        *weight.stride(), acc.data_ptr(), neg.data_ptr(), scratch.data_ptr())
+    return acc, neg
+
+
+def conv_silu_bf16(acc: torch.Tensor, exp_neg: torch.Tensor) -> Optional[torch.Tensor]:
+    """``bf16(float32(acc / (1 + exp_neg)))`` in C (dense float64 inputs of one shape): the rounding
+    :func:`drift.sim.kernels.conv_mix` makes, the same bits; None where a result is NaN (torch's cast
+    gives a NaN the bits of where it falls in its vector loop, so the caller rounds such a call)."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the native kernels are {status()}")
+    _dense(acc, torch.float64, "acc")
+    _dense(exp_neg, torch.float64, "exp_neg")
+    if acc.shape != exp_neg.shape:
+        raise ValueError(f"native conv_silu_bf16: shapes {tuple(acc.shape)} and {tuple(exp_neg.shape)} differ")
+    out = torch.empty(acc.shape, dtype=torch.bfloat16)
+    if lib.drift_conv_silu_bf16(acc.numel(), acc.data_ptr(), exp_neg.data_ptr(), out.data_ptr()):
+        return None
+    return out

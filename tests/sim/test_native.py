@@ -554,3 +554,66 @@ def test_changed_slots_flags_exactly_the_slots_whose_bytes_differ(monkeypatch):
         native.changed_slots(before, before[:, :-1].contiguous())
     with pytest.raises(ValueError, match="dense CPU"):
         native.changed_slots(before.transpose(0, 1), before.transpose(0, 1))
+
+
+CONV_DTYPES = [BF16, F32, torch.float64]
+
+
+def _conv_case(seed: int, L=2, N=5, D=4, C=48, Kc=4, dtypes=(BF16, BF16, BF16), scale=1.0):
+    """window [L, N, Kc-1, C] (a strided view of a wider buffer, as conv_verify passes it), x [L, N, D, C]
+    (channel-major storage for odd seeds) and weight [L, C, Kc] in the given dtypes."""
+    gen = torch.Generator().manual_seed(seed)
+    wd, xd, wtd = dtypes
+    window = (torch.randn(L, N, Kc + 2, C, generator=gen) * scale).to(wd)[:, :, 3:]
+    x = (torch.randn(L, N, D, C, generator=gen) * scale).to(xd)
+    if seed % 2:
+        x = x.transpose(-1, -2).contiguous().transpose(-1, -2)
+    weight = torch.randn(L, C, Kc, generator=gen).to(wtd)
+    return window, x, weight
+
+
+def _torch_conv_mix(monkeypatch, *args) -> torch.Tensor:
+    monkeypatch.setattr(kernels, "USE_NATIVE", False)
+    try:
+        return kernels.conv_mix(*args)
+    finally:
+        monkeypatch.setattr(kernels, "USE_NATIVE", True)
+
+
+@pytest.mark.parametrize("dtypes", [(BF16, BF16, BF16), (torch.float64, torch.float64, BF16), (F32, BF16, F32),
+                                    (BF16, torch.float64, torch.float64)], ids=["bf16", "f64-inputs", "mixed", "f64-x"])
+@pytest.mark.parametrize("scale", [1.0, 40.0, 1e-30], ids=["unit", "saturating", "subnormal-range"])
+def test_the_native_conv_is_the_torch_conv_bit_for_bit(monkeypatch, dtypes, scale):
+    """kernels.conv_mix on plain CPU tensors runs its taps and its SiLU's rounding in C
+    (native.conv_taps, native.conv_silu_bf16; torch's exp between them): the same bf16 bits as the
+    torch path for every input dtype the conv takes, strided windows, channel-major x, values whose
+    SiLU saturates (exp(-acc) overflows to inf: -0.0) and values that round to float32 subnormals or
+    zero. Taps are summed in order in both; the equality is exact, no tolerance. A spy asserts the C
+    path ran; a conv with its taps the wrong way round differs (the comparison can fail; a SiLU in
+    float32 instead of float64 or taps summed in reverse order do not change a bf16 bit here)."""
+    calls = []
+    real = native.conv_taps
+    monkeypatch.setattr(native, "conv_taps", lambda *a: calls.append(1) or real(*a))
+    for seed in range(4):
+        args = _conv_case(seed, D=[1, 2, 4, 64][seed], dtypes=dtypes, scale=scale)
+        got = kernels.conv_mix(*args)
+        want = _torch_conv_mix(monkeypatch, *args)
+        assert got.dtype == BF16 and same_bits(got, want), (seed, dtypes, scale)
+    assert len(calls) == 4, "conv_mix did not take the C kernel on plain CPU tensors"
+    window, x, weight = _conv_case(0)
+    taps_flipped = _torch_conv_mix(monkeypatch, window, x, weight.flip(-1))  # tap m on token t - m
+    assert not same_bits(taps_flipped, kernels.conv_mix(window, x, weight))
+
+
+def test_a_nan_conv_output_is_rounded_by_torch(monkeypatch):
+    """A NaN among the conv's results: the C rounding reports it (native.conv_silu_bf16 returns None) and
+    conv_mix rounds that call with torch, whose cast gives a NaN the bits of where it falls in its
+    vector loop (0xFFFF in the body, 0x7FC0 in the tail): the same bits as the torch path, inf inputs
+    too."""
+    window, x, weight = _conv_case(2, C=37, dtypes=(BF16, BF16, BF16))
+    x[0, 0, 0, 0], x[1, 2, 1, 36] = float("nan"), float("inf")
+    window[0, 1, 0, 5] = float("-inf")
+    acc, neg = native.conv_taps(window, x, weight)
+    assert native.conv_silu_bf16(acc, neg.exp_()) is None
+    got, want = kernels.conv_mix(window, x, weight), _torch_conv_mix(monkeypatch, window, x, weight)
+    assert got.float().isnan().any() and same_bits(got, want)

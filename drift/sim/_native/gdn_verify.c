@@ -63,7 +63,7 @@ static void stream_out(char *dst, const void *src, size_t nbytes) {
     memcpy(dst, src, nbytes);
 }
 
-int drift_native_abi(void) { return 5; }
+int drift_native_abi(void) { return 6; }
 
 static void load_block(float *h, const void *base, int dt, int64_t off, int64_t n) {
     if (dt == 1) {
@@ -648,6 +648,76 @@ void drift_changed_slots(int64_t L, int64_t S, int64_t nbytes, const unsigned ch
             }
         }
     }
+}
+
+/* n elements of a strided run (element stride st) of element type dt (0 float32, 1 bfloat16, 2 float64)
+ * into dst as doubles, exactly. */
+static void load_run(double *restrict dst, const char *base, int dt, int64_t off, int64_t st, int64_t n) {
+    if (dt == 0) {
+        const float *p = (const float *)base + off;
+        for (int64_t i = 0; i < n; ++i) dst[i] = (double)p[i * st];
+    } else if (dt == 1) {
+        const uint16_t *p = (const uint16_t *)base + off;
+        for (int64_t i = 0; i < n; ++i) dst[i] = (double)bf16_load(p[i * st]);
+    } else {
+        const double *p = (const double *)base + off;
+        for (int64_t i = 0; i < n; ++i) dst[i] = p[i * st];
+    }
+}
+
+/* The verify conv's taps (drift.sim.kernels.conv_mix): for each layer l, row n, token t and channel c,
+ * acc = s[t] w[0] + s[t+1] w[1] + ... + s[t+Kc-1] w[Kc-1], summed left to right in float64, each
+ * product and each sum rounded on its own (-ffp-contract=off: the torch path's mul and add_, or its
+ * addcmul_ whose products of narrow inputs are exact), where s is the row's Kc-1 window tokens then its
+ * D tokens; vectorised over channels, which leaves each element's order as written. neg = -acc (exact),
+ * for the caller's exp. window [L, N, Kc-1, C], x [L, N, D, C] and w [L, C, Kc] are read through their
+ * element strides (ws, xs, wts) in their own dtypes; acc and neg are dense float64 [L, N, D, C].
+ * scratch: (Kc-1+D+Kc) * C doubles (a row's tokens, a layer's taps, both channel-minor). */
+void drift_conv_taps(int64_t L, int64_t N, int64_t D, int64_t Kc, int64_t C,
+                     const char *win, int wdt, int64_t ws0, int64_t ws1, int64_t ws2, int64_t ws3,
+                     const char *x, int xdt, int64_t xs0, int64_t xs1, int64_t xs2, int64_t xs3,
+                     const char *w, int wtdt, int64_t wt0, int64_t wt1, int64_t wt2,
+                     double *acc, double *neg, double *scratch) {
+    const int64_t Km1 = Kc - 1;
+    double *seq = scratch, *tap = scratch + (Km1 + D) * C;  /* seq[j * C + c], tap[m * C + c] */
+    for (int64_t l = 0; l < L; ++l) {
+        for (int64_t m = 0; m < Kc; ++m) load_run(tap + m * C, w, wtdt, l * wt0 + m * wt2, wt1, C);
+        for (int64_t n = 0; n < N; ++n) {
+            for (int64_t j = 0; j < Km1; ++j) load_run(seq + j * C, win, wdt, l * ws0 + n * ws1 + j * ws2, ws3, C);
+            for (int64_t t = 0; t < D; ++t) load_run(seq + (Km1 + t) * C, x, xdt, l * xs0 + n * xs1 + t * xs2, xs3, C);
+            for (int64_t t = 0; t < D; ++t) {
+                double *restrict a = acc + ((l * N + n) * D + t) * C;
+                double *restrict g = neg + ((l * N + n) * D + t) * C;
+                const double *s0 = seq + t * C;
+                for (int64_t c = 0; c < C; ++c) a[c] = s0[c] * tap[c];
+                for (int64_t m = 1; m < Kc; ++m) {
+                    const double *sm = seq + (t + m) * C, *tm = tap + m * C;
+                    for (int64_t c = 0; c < C; ++c) {
+                        const double p = sm[c] * tm[c];
+                        a[c] = a[c] + p;
+                    }
+                }
+                for (int64_t c = 0; c < C; ++c) g[c] = -a[c];
+            }
+        }
+    }
+}
+
+/* The conv's SiLU and output rounding (drift.sim.kernels.conv_mix / quantize_mix) over n elements:
+ * out = bf16(float32(acc / (1 + e))), e = exp(-acc) from the caller (torch's exp: its bits are the
+ * figures'), each step rounded to nearest even as torch's ops round. Returns 1 where a result is NaN
+ * (out then incomplete): torch's cast gives a NaN's bits by where the element falls in its vector loop,
+ * so the caller rounds such a call with torch. */
+int drift_conv_silu_bf16(int64_t n, const double *restrict acc, const double *restrict e, uint16_t *restrict out) {
+    int nan = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        const float f = (float)(acc[i] / (1.0 + e[i]));
+        uint32_t u;
+        memcpy(&u, &f, sizeof u);
+        nan |= (u & 0x7FFFFFFFu) > 0x7F800000u;
+        out[i] = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    }
+    return nan;
 }
 
 int drift_native_openmp(void) {
