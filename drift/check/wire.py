@@ -4,15 +4,17 @@ types, packed and unpacked without pickle.
 What crosses is what a step leaves to compare besides its tensors in shared memory (the starts of
 requests, the measures' snapshots), a chunk's per-step arrays, a lane's truth, and a checkpoint's part
 of the comparison: ``None``, ``bool``, ``int`` (int64), ``float``, ``str``, tuples, lists, dicts (str or
-int keys), numpy arrays of numbers or bools, CPU tensors (any dtype, bfloat16 included), and
-:class:`drift.sim.serving.Start`. Anything else raises :class:`TypeError` naming its type, at packing,
+int keys), numpy arrays of numbers or bools, CPU tensors (any dtype, bfloat16 included),
+:class:`drift.sim.serving.Start`, and :class:`Placed` (a tensor the sender wrote into memory both processes
+share: only its place crosses, and the receiver's ``placed`` function reads it back). Anything else raises :class:`TypeError` naming its type, at packing,
 in the process that made it.
 """
 
 from __future__ import annotations
 
 import struct
-from dataclasses import fields
+from dataclasses import dataclass, fields
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -25,6 +27,22 @@ _FLOAT = struct.Struct("<d")
 _TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
     torch.int8, torch.uint8, torch.bool)}
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A tensor the sender wrote into shared memory: ``offset`` bytes into it, its dtype and shape."""
+
+    offset: int
+    dtype: torch.dtype
+    shape: tuple
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
 
 
 def pack(obj) -> bytes:
@@ -40,9 +58,9 @@ def pack_parts(obj) -> list:
     return out
 
 
-def unpack(data: bytes):
-    """What :func:`pack` packed."""
-    obj, end = _unpack(memoryview(data), 0)
+def unpack(data: bytes, placed: Optional[Callable[[Placed], torch.Tensor]] = None):
+    """What :func:`pack` packed; each :class:`Placed` becomes ``placed(it)`` (a ValueError without one)."""
+    obj, end = _unpack(memoryview(data), 0, placed)
     if end != len(data):
         raise ValueError(f"{len(data) - end} bytes left after the value")
     return obj
@@ -92,6 +110,13 @@ def _pack(obj, out: list) -> None:
         _pack(tuple(obj.shape), out)
         flat = obj.detach().contiguous().reshape(-1)
         _blob(out, memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else b"")
+    elif isinstance(obj, Placed):
+        name = str(obj.dtype).removeprefix("torch.")
+        if name not in _TORCH_DTYPES:
+            raise TypeError(f"cannot send a placed {obj.dtype} tensor to the comparison's process")
+        out.append(b"P" + _INT.pack(obj.offset))
+        _blob(out, name.encode())
+        _pack(tuple(obj.shape), out)
     elif isinstance(obj, Start):
         out.append(b"S")
         _pack({f.name: getattr(obj, f.name) for f in fields(obj)}, out)
@@ -106,7 +131,7 @@ def _take(data: memoryview, at: int) -> tuple[memoryview, int]:
     return data[at:at + n], at + n
 
 
-def _unpack(data: memoryview, at: int):
+def _unpack(data: memoryview, at: int, placed=None):
     tag = bytes(data[at:at + 1])
     at += 1
     if tag == b"N":
@@ -125,7 +150,7 @@ def _unpack(data: memoryview, at: int):
         at += _LEN.size
         items = []
         for _ in range(n):
-            item, at = _unpack(data, at)
+            item, at = _unpack(data, at, placed)
             items.append(item)
         return (tuple(items) if tag == b"t" else items), at
     if tag == b"d":
@@ -133,8 +158,8 @@ def _unpack(data: memoryview, at: int):
         at += _LEN.size
         out = {}
         for _ in range(n):
-            key, at = _unpack(data, at)
-            out[key], at = _unpack(data, at)
+            key, at = _unpack(data, at, placed)
+            out[key], at = _unpack(data, at, placed)
         return out, at
     if tag == b"a":
         dtype, at = _take(data, at)
@@ -149,6 +174,13 @@ def _unpack(data: memoryview, at: int):
         if not len(raw):
             return torch.empty(shape, dtype=dtype), at
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape), at
+    if tag == b"P":
+        (offset,) = _INT.unpack_from(data, at)
+        name, at = _take(data, at + _INT.size)
+        shape, at = _unpack(data, at)
+        if placed is None:
+            raise ValueError(f"a placed tensor at byte {offset} of shared memory, and no shared memory to read it from")
+        return placed(Placed(offset, _TORCH_DTYPES[bytes(name).decode()], shape)), at
     if tag == b"S":
         values, at = _unpack(data, at)
         return Start(**values), at

@@ -24,7 +24,7 @@ import torch
 
 from helpers import python_json
 from drift.check.forked import fork_refusal, os_threads
-from drift.check.wire import pack, unpack
+from drift.check.wire import Placed, pack, unpack
 from drift.sim.serving import Start
 
 
@@ -54,6 +54,19 @@ def test_the_wire_restores_every_type_it_takes_bit_for_bit():
 def test_the_wire_refuses_what_it_does_not_take_naming_it(bad):
     with pytest.raises(TypeError, match="cannot send a"):
         pack({"ok": 1, "bad": bad})
+
+
+def test_a_placed_tensor_crosses_as_its_place_and_is_read_back_by_the_receiver():
+    """Only a Placed's place crosses (its offset, dtype and shape: tens of bytes); the receiver's ``placed`` reads it back, and
+    bytes holding one are refused where there is no shared memory to read it from."""
+    shared = torch.arange(32768, dtype=torch.bfloat16)
+    where = Placed(offset=128, dtype=torch.bfloat16, shape=(4, 8))
+    data = pack({"snapshot": where, "rows": (1, 2)})
+    assert len(data) < 200 and where.nbytes == 64
+    back = unpack(data, placed=lambda p: shared.view(torch.uint8)[p.offset:p.offset + p.nbytes].view(p.dtype).view(p.shape).clone())
+    assert torch.equal(back["snapshot"], shared[64:96].view(4, 8)) and back["rows"] == (1, 2)
+    with pytest.raises(ValueError, match="no shared memory"):
+        unpack(data)
 
 
 def test_the_wire_refuses_bytes_it_did_not_make():
@@ -91,7 +104,9 @@ seen = []
 def on_step(views, host, meta):
     if meta == "boom":
         raise ValueError(f"boom at step {host[0]}")
-    time.sleep(0.002 if meta == "slow" else 0)
+    time.sleep(0.002 if meta == "slow" or isinstance(meta, dict) else 0)
+    if isinstance(meta, dict):
+        meta = [float(t.double().mean()) if t is not None else None for t in meta.values()]
     seen.append([int(host[0]), float(views["x"].double().sum()), meta])
 worker = ForkedWorker({"x": torch.zeros(3, dtype=torch.bfloat16)}, 1, on_step, lambda: None,
                       {"seen": lambda _: seen, "pid": lambda _: os.getpid()})
@@ -107,6 +122,18 @@ try:
         for i in range(10):
             worker.submit({"x": torch.zeros(3, dtype=torch.bfloat16)}, np.array([i]), "boom" if i == 5 else None)
         worker.ask("seen")
+    elif case == "placed":  # larger tensors of a step's data go to the slot's shared spill bytes
+        sent = []
+        real_write = forked.write_message
+        forked.write_message = lambda fd, m: sent.append(len(forked.pack_parts(m)) and sum(
+            p.nbytes if isinstance(p, memoryview) else len(p) for p in forked.pack_parts(m))) or real_write(fd, m)
+        for i in range(200):
+            meta = {"big": torch.full((32768,), float(i), dtype=torch.bfloat16),  # 64 KiB: placed
+                    "small": torch.full((4,), float(i)),  # through the pipe
+                    "huge": torch.full((forked.SPILL_BYTES // 8 + 1,), float(i), dtype=torch.float64) if i % 50 == 0 else None}
+            worker.submit({"x": torch.full((3,), float(i), dtype=torch.bfloat16)}, np.array([i]), meta)
+        out["seen"] = worker.ask("seen")
+        out["sent_bytes"] = sum(sent)
     elif case == "killed":
         os.kill(pid, signal.SIGKILL)
         worker.ask("seen")
@@ -123,6 +150,18 @@ def test_every_step_reaches_the_process_whole_and_in_order_even_when_it_is_slowe
     assert out["seen"] == [[i, 3.0 * i, "slow"] for i in range(200)]
     assert out["slots"] < 200 and out["waited_s"] > 0  # the ring filled: the simulation waited for room
     assert not out["child_left"]
+
+
+def test_a_steps_larger_tensors_reach_the_process_through_shared_memory_whole_and_in_order():
+    """A step's larger tensors (its tracked snapshots, its starts' truths) are written into its slot's spill
+    bytes and only their place is sent; a smaller one, and one larger than the spill, go through the pipe.
+    Every value arrives as sent while the ring is full (a slot's spill is not written again before the
+    child took it); the pipe carries less than one step's large tensor per step."""
+    out = python_json(_WORKER, CASE="placed")
+    want = [[i, 3.0 * i, [float(i), float(i), float(i) if i % 50 == 0 else None]] for i in range(200)]
+    assert out["seen"] == want
+    huge = 4 * (1 << 20) + 8  # the four steps whose third tensor exceeds the spill: through the pipe
+    assert out["sent_bytes"] < huge + 200 * 4096, out["sent_bytes"]
 
 
 def test_a_ring_that_does_not_wait_for_the_process_is_seen():  # the negative control of the one above
