@@ -959,3 +959,27 @@ def test_move_intermediate_cache_rejects_bad_shapes():
                                         torch.tensor([0]))
     with pytest.raises(ValueError, match="expects"):
         kernels.move_intermediate_cache(ssm[0], inter, torch.tensor([1]), torch.tensor([0]), torch.tensor([0]))
+
+
+def test_gating_computes_its_parameters_once_and_again_after_they_change():
+    """gdn_gating keeps dt_bias and -exp(A_log) in float64 per pair of parameter tensors: its output is the
+    definition's, bit for bit, on the first call, on a repeated call, and after A_log changes in place
+    (its version bumps: the stale -exp(A_log) would give the old gates) or a new tensor takes its place."""
+    gen = torch.Generator().manual_seed(5)
+    a = torch.randn(2, 3, 4, 6, generator=gen).to(torch.bfloat16)
+    A_log = torch.randn(2, 6, generator=gen)
+    dt_bias = torch.randn(2, 6, generator=gen)
+
+    def definition():
+        z = a.double() + dt_bias.double()[:, None, None, :]
+        sp = torch.where(z > kernels.SOFTPLUS_THRESHOLD, z,
+                         torch.log1p(torch.exp(torch.clamp(z, max=kernels.SOFTPLUS_THRESHOLD))))
+        return (-torch.exp(A_log.double())[:, None, None, :] * sp).float()
+
+    first = kernels.gdn_gating(a, A_log, dt_bias)
+    assert torch.equal(first, definition()) and torch.equal(kernels.gdn_gating(a, A_log, dt_bias), first)
+    A_log.add_(0.5)
+    changed = kernels.gdn_gating(a, A_log, dt_bias)
+    assert not torch.equal(changed, first) and torch.equal(changed, definition())
+    A_log = A_log.clone().sub_(0.25)
+    assert torch.equal(kernels.gdn_gating(a, A_log, dt_bias), definition())
