@@ -15,7 +15,8 @@ runs decode steps through them. Each step:
    bit-identical to before the update, and every slot no row owns (the dummy and spare slots)
    to before the verify kernel;
 6. observers see the step (:class:`StepView`); they accumulate on the device and are
-   flushed once per chunk of steps, so memory does not grow with the horizon.
+   flushed once per chunk of steps, so memory does not grow with the horizon (the next chunk's
+   inputs are made while they flush: :meth:`Simulation._prefetch_chunk`).
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ class Observer(Protocol):
     def flush(self) -> None: ...
     def on_end(self) -> None: ...
     # optional: abandon() -> None, called instead of on_end when the run raises (ends what runs beside it)
+    # optional: begin_flush() -> None, called at each chunk's end before flush: start the chunk's work
+    # elsewhere (the comparison's process); run makes the next chunk's inputs before calling flush
 
 
 def _slot_words(bits: torch.Tensor) -> torch.Tensor:
@@ -361,6 +364,8 @@ class Simulation:
             self._load_start(stored, window)
         self.step = 0
         self._chunk = None
+        self._next_chunk = None  # the stream's next chunk, made ahead while the observers flush (run)
+        self._truths_ahead: dict = {}  # (request, prompt length) -> its prefill's truth, made with its chunk
         self._touched_chunk = None
         self._in_chunk = 0
         self._guard_read = 0
@@ -430,11 +435,19 @@ class Simulation:
                 raise_if_interrupted()  # between chunks: a swallowed interrupt still ends the run
                 done += self.advance(min(self.chunk_size(done), total - done))
                 for obs in self.observers:
+                    begin = getattr(obs, "begin_flush", None)
+                    if begin is not None:
+                        begin()
+                checkpoint_due = (checkpoint is not None and next_ckpt is not None and done >= next_ckpt
+                                  and done < total)
+                if done < total and not checkpoint_due:  # a checkpoint holds the stream where the steps stand
+                    self._prefetch_chunk(min(self.chunk_size(done), total - done))
+                for obs in self.observers:
                     obs.flush()
                 self._lap("observers: flush")
                 if progress is not None:
                     progress(done, total)
-                if checkpoint is not None and next_ckpt is not None and done >= next_ckpt and done < total:
+                if checkpoint_due:
                     self._flush_guard()
                     checkpoint(done, {"done": done, "sim": self.state_dict(),
                                       "observers": [obs.state_dict() if hasattr(obs, "state_dict") else None
@@ -488,6 +501,8 @@ class Simulation:
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """Pool tensors, stream position and step counters (between chunks only)."""
+        if self._next_chunk is not None:
+            raise RuntimeError("drift: a checkpoint after the next chunk was made ahead (a bug in drift)")
         pool = self.pool
         return saveable({"temporal": pool.temporal, "conv": pool.conv, "inter": pool.intermediate_ssm,
                          "flow": self.flow.state_dict(),
@@ -529,7 +544,8 @@ class Simulation:
             self.guard.first = state["guard_first"]
         if self.serving:
             self._load_serving_state(restore(state["serving"]))
-        self._chunk, self._in_chunk, self._guard_read = None, 0, 0
+        self._chunk, self._next_chunk, self._in_chunk, self._guard_read = None, None, 0, 0
+        self._truths_ahead = {}
 
     def advance(self, count: int) -> int:
         """Run ``count`` more steps (observers see each; they are not flushed here).
@@ -542,7 +558,14 @@ class Simulation:
             if self._chunk is None or self._in_chunk == self._chunk.count:
                 self._flush_guard()
                 self._guard_read = 0
-                self._chunk = self.stream.chunk(min(self.stream.chunk_steps, count - done))
+                want = min(self.stream.chunk_steps, count - done)
+                if self._next_chunk is not None:  # made ahead (_prefetch_chunk): the stream's next chunk
+                    self._chunk, self._next_chunk = self._next_chunk, None
+                    if self._chunk.count != want:
+                        raise RuntimeError(f"drift: the chunk made ahead holds {self._chunk.count} steps, the "
+                                           f"simulation asked for {want} (a bug in drift)")
+                else:
+                    self._chunk = self.stream.chunk(want)
                 # Under churn the slots a step may touch are known only once its events ran (_step).
                 self._touched_chunk = (self._touched(self._chunk) if self.guard is not None and not self.serving
                                        else None)
@@ -552,6 +575,20 @@ class Simulation:
             self._in_chunk += 1
             done += 1
         return done
+
+    def _prefetch_chunk(self, count: int) -> None:
+        """Make the next chunk of ``count`` steps' inputs now, where the current one is used up: run calls
+        it between asking its observers for the chunk just run and taking their answers (the comparison's
+        process finishes its last steps meanwhile). The stream's own work, the same chunk :meth:`advance`
+        would make next; a run that stops here never uses it."""
+        if self._chunk is not None and self._in_chunk == self._chunk.count and self._next_chunk is None:
+            self._next_chunk = self.stream.chunk(min(self.stream.chunk_steps, count))
+            plan = self._next_chunk.schedule
+            for s in range(self._next_chunk.count if plan is not None else 0):  # its prefills' truths too
+                for start in plan.starts(s):
+                    if start.code == START_PREFILL:
+                        self._truths_ahead[(start.request, start.p1)] = self._prefill_truth(start)
+            self._lap("input stream")
 
     def _serve(self, chunk, s: int) -> dict:
         """The events before step ``s`` of ``chunk``, in the engine's order: the requests that ended
@@ -583,10 +620,14 @@ class Simulation:
         """The true state ``[L, HV, V, K]`` and window ``[L, Kc-1, C]`` (float64, CPU) after a prompt."""
         key = (start.request, start.p1)
         if key not in self._truths:  # kept for the step's starts (the start, its extend, its check)
-            state, window = extend(self.cfg, self.stream.tokens, self.stream.params, [start.request], [0], [start.p1],
-                                   torch.device("cpu"))
-            self._truths[key] = (state[:, 0], window[:, 0])
+            ahead = self._truths_ahead.pop(key, None)  # made with its chunk (_prefetch_chunk)
+            self._truths[key] = ahead if ahead is not None else self._prefill_truth(start)
         return self._truths[key]
+
+    def _prefill_truth(self, start) -> tuple[torch.Tensor, torch.Tensor]:
+        state, window = extend(self.cfg, self.stream.tokens, self.stream.params, [start.request], [0], [start.p1],
+                               torch.device("cpu"))
+        return state[:, 0], window[:, 0]
 
     def _true_start(self, start) -> tuple[torch.Tensor, torch.Tensor]:
         """The truth (float64, CPU) a prefill or a resume stores: the prefill's (computed once), a resume's

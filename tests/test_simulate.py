@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import (bad_spec, committed_by_position, pool_digests, rel_fro, run_sim, same_bits,
+from helpers import (bad_spec, committed_by_position, digest, pool_digests, rel_fro, run_sim, same_bits,
                       small_cfg)
 from drift.check.checks import SEMANTIC_TOL
 from drift.sim import kernels
@@ -251,3 +251,41 @@ def test_slot_guard_names_the_update_when_only_it_wrote():
 def test_unknown_mode_is_rejected():
     with pytest.raises(ValueError, match="mode='batch'.*allowed: mtp, sequential"):
         Simulation(resolve(small_cfg(1), mode="batch"))
+
+
+class FlushClock(Recorder):
+    """A Recorder that also has begin_flush, noting where the stream stands at it and at flush."""
+
+    def begin_flush(self):
+        self.events.append(("begin", self.sim.stream.step))
+
+    def flush(self):
+        self.events.append(("flush", self.sim.stream.step))
+
+
+def test_the_next_chunk_is_made_while_the_observers_flush_and_changes_nothing(monkeypatch):
+    """Between an observer's begin_flush and its flush, run makes the next chunk's inputs and its prefills'
+    truths (Simulation._prefetch_chunk; the comparison's process finishes its chunk meanwhile): at the
+    first boundary the stream already stands a chunk further, at the last nothing is made past the end,
+    and every truth made ahead is used. The run's states are bit for bit those of a run that makes each
+    chunk when it starts; a chunk made ahead for another count than the next advance asks is refused."""
+    cfg = small_cfg(600, lifecycle="serving")
+    spec = resolve(cfg, "sglang-32130")
+    rec = FlushClock()
+    sim = Simulation(spec, observers=[rec])
+    sim.run()
+    marks = [e for e in rec.events if isinstance(e, tuple)]
+    chunk = sim.stream.chunk_steps
+    assert marks[:2] == [("begin", chunk), ("flush", 2 * chunk)] and marks[-1] == ("flush", cfg.steps)
+    assert sim._truths_ahead == {} and sim.serving
+    ahead = digest(sim.pool.temporal, sim.pool.conv, sim.pool.intermediate_ssm)
+    monkeypatch.setattr(Simulation, "_prefetch_chunk", lambda self, count: None)
+    plain = Simulation(spec, observers=[FlushClock()])
+    plain.run()
+    assert digest(plain.pool.temporal, plain.pool.conv, plain.pool.intermediate_ssm) == ahead
+    monkeypatch.undo()
+    wrong = Simulation(spec)
+    wrong.advance(chunk)
+    wrong._prefetch_chunk(chunk - 1)
+    with pytest.raises(RuntimeError, match="made ahead holds"):
+        wrong.advance(chunk)

@@ -173,6 +173,7 @@ class Comparison:
         self._snap = None  # per-step snapshots of the current batch (allocated at the first step)
         self._pending = []
         self._worker: Optional[OrderedWorker | ForkedWorker] = None  # made at the first step
+        self._chunk_asked = False  # begin_flush asked the process; flush takes the answer
         self._where = self._choose_where(sim.device, dev)
         self._pipelined = self._where != "simulation"
         self.golden_positions = 0  # committed positions validated against golden
@@ -460,10 +461,19 @@ class Comparison:
         self._pending.clear()
 
     # ------------------------------------------------------------------ flush
+    def begin_flush(self) -> None:
+        """Ask the comparison's process for the chunk's arrays now; :meth:`flush` takes them, so the
+        simulation may work while the process finishes the chunk (Simulation.run makes the next chunk's
+        inputs). Elsewhere nothing to do."""
+        if isinstance(self._worker, ForkedWorker) and not self._chunk_asked:
+            self._worker.ask_begin("chunk")
+            self._chunk_asked = True
+
     def flush(self) -> None:
         """The chunk's arrays, from wherever the comparison runs, to every consumer."""
         if isinstance(self._worker, ForkedWorker):
-            payload = self._worker.ask("chunk")
+            asked, self._chunk_asked = self._chunk_asked, False
+            payload = self._worker.ask_end() if asked else self._worker.ask("chunk")
             if payload is None:
                 return
             step0, n, arrays, counters = payload

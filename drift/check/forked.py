@@ -269,8 +269,17 @@ class ForkedWorker:
 
     def ask(self, kind: str, arg: Any = None) -> Any:
         """The child's answer to ``kind`` (``answers[kind](arg)`` there), after every step submitted."""
+        self.ask_begin(kind, arg)
+        return self.ask_end()
+
+    def ask_begin(self, kind: str, arg: Any = None) -> None:
+        """Send :meth:`ask`'s question, after every step submitted, and return; :meth:`ask_end` reads the
+        answer (one question outstanding, no step submitted in between): the caller works meanwhile."""
         self._push()
         self._send(("ask", kind, arg))
+
+    def ask_end(self) -> Any:
+        """The answer to the question :meth:`ask_begin` sent."""
         return self._wait(None)
 
     def close(self) -> None:
