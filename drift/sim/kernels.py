@@ -115,7 +115,7 @@ _GATING: dict = {}  # (id, version, device) of A_log and dt_bias -> (them, what 
 
 def _gating_params(A_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``dt_bias`` and ``-exp(A_log)`` in float64, ``[L, 1, 1, HV]``: computed once per pair of parameter
-    tensors (the stream's constants; an in-place change bumps a version and recomputes them), not at
+    tensors (the stream's constants; a change made in place bumps a version and recomputes them), not at
     every call (four tensor ops a step). The same values gdn_gating computed inline."""
     key = (id(A_log), A_log._version, id(dt_bias), dt_bias._version, A_log.device)
     hit = _GATING.get(key)
