@@ -165,7 +165,7 @@ class _Ring:
                     free[0] += -(-n // _ALIGN) * _ALIGN
                     return Placed(at, o.dtype, tuple(o.shape))
                 return o
-            if isinstance(o, tuple) and type(o) is tuple:
+            if type(o) is tuple:
                 return tuple(walk(v) for v in o)
             if type(o) is list:
                 return [walk(v) for v in o]
