@@ -42,11 +42,28 @@ def scan_refusal(run: Resolved) -> Optional[str]:
     return fork_refusal()
 
 
+# Scans this process has forked. A process that scans again (``drift mutants``: 43 runs, ``drift tradeoff``,
+# the nightly's shards) imports ``torch.distributed.tensor`` itself before its second fork, once (0.4 s),
+# so every later child inherits it: each child imported it again, about 1 s of a core a run, 41% of the
+# CPU of ten 128-step mutant runs (py-spy, 2026-12-07, docs/speed.md). A single run (``drift run``) keeps
+# the import in its one child, off the simulation's thread.
+_scans_forked = 0
+
+
+def _children_inherit_torchs_import() -> None:
+    """From this process's second forked scan on, ``torch.distributed.tensor`` imported here first."""
+    global _scans_forked
+    if _scans_forked:
+        import torch.distributed.tensor  # noqa: F401  (the children's import, made once)
+    _scans_forked += 1
+
+
 def scan_beside(run: Resolved, sample: int, stop_on_sync: bool) -> Optional["ScanProcess"]:
     """The scan of ``run`` in a :class:`ScanProcess`, or None where the run must scan in its own process:
     a :func:`scan_refusal`, or a fork or pipe the system refuses (EAGAIN, ENOMEM, EMFILE)."""
     if scan_refusal(run) is not None:
         return None
+    _children_inherit_torchs_import()
     try:
         return ScanProcess(run, sample, stop_on_sync)
     except OSError:

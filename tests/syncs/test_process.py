@@ -55,6 +55,33 @@ def test_the_scan_in_a_process_finds_what_the_scan_here_finds():
     assert not passing["imported"]  # the run's process imported nothing of the scan's
 
 
+_AGAIN = """
+import json, sys
+from drift import preset
+from drift.runspec import resolve
+from drift.syncs.process import scan_beside
+from drift.syncs.scan import RUN_SAMPLE
+
+run = resolve(preset("ci-small", steps=64), "sglang-0.5.23")
+imported, results = [], []
+for _ in range(3):
+    scan = scan_beside(run, RUN_SAMPLE, stop_on_sync=False)
+    imported.append("torch.distributed.tensor" in sys.modules)
+    results.append(scan.result().to_dict())
+    scan.close()
+print(json.dumps({"imported": imported, "same": all(r == results[0] for r in results), "passed": results[0]["passed"]}))
+"""
+
+
+def test_a_process_that_scans_again_imports_what_its_children_import_once_itself():
+    """The first scan leaves torch's import to its child (a single run's thread is spared it); from the second
+    on this process imported it first, so the children inherit it. Fails where every child imports it again
+    (nothing imported here) or where the first run pays it here."""
+    out = python_json(_AGAIN, OPENBLAS_NUM_THREADS="1")
+    assert out["imported"] == [False, True, True]
+    assert out["same"] and out["passed"]
+
+
 _RUN = """
 import json, sys
 from drift import preset
