@@ -46,6 +46,7 @@ from ..errors import ConfigError, DataError, DriftError
 from ..fileio import atomic_write_json, atomic_write_text, read_json, staged
 from ..flows.base import DesignConfig
 from ..flows.registry import FLOW_KINDS, FLOWS, default_update, flows_of
+from ..openmp import run_threads
 from ..runner import CheckedRun, versions
 from ..check.metrics import BINS_PER_OCTAVE
 from ..check.registry import find_result, result_key
@@ -297,8 +298,11 @@ def run_entry(entry: Entry, device: str, ckpt_dir: Optional[Path] = None,
         checkpoint.save(newest, {"entry": entry.key, "identity": ident, "elapsed": prior + time.perf_counter() - t0,
                                  **snapshot})
 
-    info = run.run(progress=progress, resume_state=state, checkpoint=save if ckpt_dir is not None else None,
-                   checkpoint_every=every)
+    # A small run on one intra-op thread, as run_checked's, so its comparison may run in a process of its own
+    # (drift/openmp.py: run_threads; drift.check.pipeline.worth_a_worker).
+    with run_threads(cfg):
+        info = run.run(progress=progress, resume_state=state, checkpoint=save if ckpt_dir is not None else None,
+                       checkpoint_every=every)
     seconds = prior + time.perf_counter() - t0
     results = run.results(info)
     syncs = getattr(find_result(results, "host_syncs"), "worst", None)

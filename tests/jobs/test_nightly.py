@@ -348,3 +348,31 @@ def test_the_design_table_shards_merge_into_the_tables_nightly_column(tmp_path):
     assert "not run |" not in text and "8 steps" in text and "this test's machine" in text
     assert main(["nightly", "--design-table", "--update", "sglang-0.5.23", "--preset", "ci-small", "--steps", "8",
                  "--report", str(tmp_path / "refused")]) == 2
+
+
+def test_a_small_entry_runs_on_one_intra_op_thread_as_drift_run_does(monkeypatch):
+    """run_entry takes run_checked's thread rule (drift/openmp.py: run_threads): a small entry on one torch
+    thread, so its comparison may run in a process of its own (on two threads a 4,096-step ci-small nightly
+    took 128 s, 22 s of it system time, against 85 s; every report file equal). The count as it was
+    afterwards. Fails where the entry runs on torch's count."""
+    import torch
+
+    from drift.runner import CheckedRun
+
+    seen, real = [], CheckedRun.run
+
+    def spy(self, *args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(CheckedRun, "run", spy)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # a user's count would stand (tests/conftest.py sets one)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        result, _ = nightly.run_entry(nightly.Entry("ci-small", 0, "sglang-0.5.23", "rne", 64), "cpu")
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1] and after == 2
+    assert result["verdict"] == "pass" and result["steps"] == 64
