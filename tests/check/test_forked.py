@@ -27,6 +27,11 @@ from drift.check.forked import fork_refusal, os_threads
 from drift.check.wire import Placed, pack, unpack
 from drift.sim.serving import Start
 
+# A fresh interpreter forks only with one OpenBLAS thread, as the drift command sets it (drift/openmp.py:
+# blas_defaults): numpy's pool would refuse the fork wherever the suite's own environment does not limit it
+# (run without pytest-xdist, whose workers pass on OMP_NUM_THREADS=1, tests/conftest.py).
+ONE_BLAS_THREAD = {"OPENBLAS_NUM_THREADS": "1"}
+
 
 # ------------------------------------------------------------------------------------------ the wire
 def test_the_wire_restores_every_type_it_takes_bit_for_bit():
@@ -87,8 +92,8 @@ def test_no_fork_while_another_thread_runs():
     finally:
         stop.set()
         thread.join()
-    assert python_json("import json; from drift.check.forked import fork_refusal; print(json.dumps(fork_refusal()))") \
-        is None  # a fresh interpreter, one thread: it may fork
+    assert python_json("import json; from drift.check.forked import fork_refusal; print(json.dumps(fork_refusal()))",
+                       **ONE_BLAS_THREAD) is None  # a fresh interpreter, one thread: it may fork
 
 
 _WORKER = """
@@ -207,7 +212,8 @@ print(json.dumps({"pace": pace, "passed": rep.passed, "figures": d}))
 
 
 def _run(lifecycle: str, where: str, lose: int = 0) -> dict:
-    return python_json(_RUN.replace("sys.argv[1], int(sys.argv[2])", f"{lifecycle!r}, {lose}"), DRIFT_COMPARISON=where)
+    return python_json(_RUN.replace("sys.argv[1], int(sys.argv[2])", f"{lifecycle!r}, {lose}"), DRIFT_COMPARISON=where,
+                       **ONE_BLAS_THREAD)
 
 
 @pytest.mark.parametrize("lifecycle", ["fixed", "serving"])
@@ -241,7 +247,7 @@ print(json.dumps({"same": key(rep) == key(whole_rep), "where": [first.comparison
 
 def test_a_checkpoint_taken_in_the_process_resumes_to_the_same_figures(tmp_path):
     code = _RESUME.replace("Path(sys.argv[1])", f"Path({str(tmp_path / 'ckpt.pt')!r})")
-    out = python_json(code, DRIFT_COMPARISON="process")
+    out = python_json(code, DRIFT_COMPARISON="process", **ONE_BLAS_THREAD)
     assert out == {"same": True, "where": ["process", "process"], "passed": True}
 
 

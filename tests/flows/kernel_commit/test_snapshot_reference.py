@@ -119,7 +119,9 @@ def test_the_reference_counted_in_the_comparisons_process_is_the_one_counted_in_
     in the simulation's thread reports, the update as shipped (snapshots within their reference) and a
     track slot one record short (outside it: the tracked-snapshot check fails in both)."""
     code = _PLACED.replace("UPDATE", repr(update))
-    serial, forked = python_json(code, DRIFT_COMPARISON="serial"), python_json(code, DRIFT_COMPARISON="process")
+    # one OpenBLAS thread, as the drift command sets it: numpy's pool would keep the interpreter from forking
+    serial = python_json(code, DRIFT_COMPARISON="serial", OPENBLAS_NUM_THREADS="1")
+    forked = python_json(code, DRIFT_COMPARISON="process", OPENBLAS_NUM_THREADS="1")
     assert (serial["where"], forked["where"]) == ("simulation", "process")
     assert forked["figures"] == serial["figures"]
     (tracked,) = serial["tracked"]
