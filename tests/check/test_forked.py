@@ -247,7 +247,9 @@ print(json.dumps({"same": key(rep) == key(whole_rep), "where": [first.comparison
 
 def test_a_checkpoint_taken_in_the_process_resumes_to_the_same_figures(tmp_path):
     code = _RESUME.replace("Path(sys.argv[1])", f"Path({str(tmp_path / 'ckpt.pt')!r})")
-    out = python_json(code, DRIFT_COMPARISON="process", **ONE_BLAS_THREAD)
+    # and one OpenMP thread, as under pytest-xdist: three runs of CheckedRun (no run_threads) on torch's own count
+    # would start OpenMP's pool in the first, and its threads keep the later ones from forking
+    out = python_json(code, DRIFT_COMPARISON="process", OMP_NUM_THREADS="1", **ONE_BLAS_THREAD)
     assert out == {"same": True, "where": ["process", "process"], "passed": True}
 
 
