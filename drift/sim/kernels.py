@@ -324,6 +324,9 @@ def store_state(dst: torch.Tensor, h: torch.Tensor, rounding: str = "rne", key: 
     if rounding == "truncate":
         dst.copy_(bits.bitwise_and(_MASK_HI16).view(torch.float32))
     elif rounding == "stochastic":
+        if native_takes(bits):  # the hash and the rounding in C, the same bits; the cast torch's
+            dst.copy_(native.stochastic_bf16_bits(bits, key, offset).view(torch.float32))
+            return
         idx = torch.arange(offset, offset + bits.numel(), device=bits.device, dtype=torch.int64).view(bits.shape)
         noise = (_hash32(idx, key) & 0xFFFF).to(torch.int32)
         # Adding to the magnitude bits then truncating rounds |h| up with probability

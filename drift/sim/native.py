@@ -40,7 +40,7 @@ from typing import Optional
 import torch
 
 SOURCE = Path(__file__).resolve().parent / "_native" / "gdn_verify.c"
-ABI = 6  # drift_native_abi() of the source this module drives
+ABI = 7  # drift_native_abi() of the source this module drives
 # -ffp-contract=off: each multiply and add rounds on its own, as the source writes them, whatever the
 # compiler's default. GCC contracts nothing in ISO C mode (-std=c99), but clang fuses a*b + c into one FMA
 # by default ("on"): built with -ffp-contract=fast, a 512-step default run's report.json differed in 1,075
@@ -187,6 +187,8 @@ def _load() -> Optional[ctypes.CDLL]:
         lib.drift_conv_taps.restype = None
         lib.drift_conv_silu_bf16.argtypes = [i64] + [ptr] * 3
         lib.drift_conv_silu_bf16.restype = c_int
+        lib.drift_stochastic_bf16_bits.argtypes = [i64] * 3 + [ptr] * 2
+        lib.drift_stochastic_bf16_bits.restype = None
         if not lib.drift_native_openmp():
             threads = "one thread (built without OpenMP)"
         elif len(_openmp_runtimes() - before) == 0:
@@ -435,4 +437,18 @@ def conv_silu_bf16(acc: torch.Tensor, exp_neg: torch.Tensor) -> Optional[torch.T
     out = torch.empty(acc.shape, dtype=torch.bfloat16)
     if lib.drift_conv_silu_bf16(acc.numel(), acc.data_ptr(), exp_neg.data_ptr(), out.data_ptr()):
         return None
+    return out
+
+
+def stochastic_bf16_bits(bits: torch.Tensor, key: int, offset: int) -> torch.Tensor:
+    """:func:`drift.sim.kernels.store_state`'s stochastic rounding in C, the same bits: of the float32 values
+    whose bits are ``bits`` (a dense int32 tensor), element i's noise hashed from (``offset`` + i, ``key``),
+    the int32 bits of the float32 that holds each one's bf16 (low 16 bits zero); the caller casts them to
+    bf16 with torch, as the torch path does (exact, and a NaN gets the bits torch's cast gives it)."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the native kernels are {status()}")
+    _dense(bits, torch.int32, "bits")
+    out = torch.empty(bits.shape, dtype=torch.int32)
+    lib.drift_stochastic_bf16_bits(bits.numel(), offset, key & 0xFFFFFFFF, bits.data_ptr(), out.data_ptr())
     return out

@@ -617,3 +617,50 @@ def test_a_nan_conv_output_is_rounded_by_torch(monkeypatch):
     assert native.conv_silu_bf16(acc, neg.exp_()) is None
     got, want = kernels.conv_mix(window, x, weight), _torch_conv_mix(monkeypatch, window, x, weight)
     assert got.float().isnan().any() and same_bits(got, want)
+
+
+def _torch_store(monkeypatch, dst: torch.Tensor, h: torch.Tensor, key: int, offset: int) -> None:
+    monkeypatch.setattr(kernels, "USE_NATIVE", False)
+    try:
+        kernels.store_state(dst, h, "stochastic", key, offset)
+    finally:
+        monkeypatch.setattr(kernels, "USE_NATIVE", True)
+
+
+# keys past 2^32 and negative ones (the hash takes key mod 2^32), offsets past 2^32 (it takes the index mod 2^32)
+@pytest.mark.parametrize("key, offset", [(0, 0), (7, 123), (2 ** 40 + 5, 2 ** 33 - 3), (-17, 9)],
+                         ids=["zero", "small", "past-2^32", "negative-key"])
+def test_the_native_stochastic_store_is_the_torch_store_bit_for_bit(monkeypatch, key, offset):
+    """kernels.store_state's stochastic rounding on plain CPU tensors hashes and rounds in C
+    (native.stochastic_bf16_bits; the cast to bf16 torch's): the same bf16 bits as its torch ops into a dense and a strided
+    destination, over normal values of every scale, both zeros, subnormals, the largest finite floats
+    (their rounding up carries into inf) and infinities. The equality is exact, no tolerance. A spy
+    asserts the C path ran; a store keyed one off differs (the comparison can fail)."""
+    calls = []
+    real = native.stochastic_bf16_bits
+    monkeypatch.setattr(native, "stochastic_bf16_bits", lambda *a: calls.append(1) or real(*a))
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(2, 5, 4, 64, 64, generator=gen) * torch.logspace(-40, 38, 64).view(1, 1, 1, 1, 64)
+    flat = h.view(-1)
+    flat[:8] = torch.tensor([0.0, -0.0, 1e-42, -1e-45, 3.4028235e38, -3.4028235e38, float("inf"), float("-inf")])
+    for dst in (torch.empty(2, 5, 4, 64, 64, dtype=BF16), torch.empty(2, 5, 4, 64, 128, dtype=BF16)[..., ::2]):
+        want = torch.empty_like(dst)
+        kernels.store_state(dst, h, "stochastic", key, offset)
+        _torch_store(monkeypatch, want, h, key, offset)
+        assert same_bits(dst, want), (key, offset, dst.is_contiguous())
+    assert len(calls) == 2, "store_state did not take the C kernel on plain CPU tensors"
+    off_by_one = torch.empty_like(want)
+    _torch_store(monkeypatch, off_by_one, h, key + 1, offset)
+    assert not same_bits(off_by_one, want)
+
+
+def test_nans_among_stochastic_stores_get_the_bits_torchs_cast_gives_them(monkeypatch):
+    """NaNs among the values (the padded rows' states are NaN): C rounds every element, torch's cast turns
+    the result into bf16 as on the torch path, where a NaN gets the bits of where it falls in its vector
+    loop (0xFFFF in the body, 0x7FC0 in the tail): the same bits, NaNs at both ends of the tensor."""
+    h = torch.randn(4, 64, 64, generator=torch.Generator().manual_seed(4))
+    h[0, 0, 0], h[3, 63, 63], h[2, 5, 7] = float("nan"), float("nan"), -float("nan")
+    got, want = torch.empty(4, 64, 64, dtype=BF16), torch.empty(4, 64, 64, dtype=BF16)
+    kernels.store_state(got, h, "stochastic", 11, 0)
+    _torch_store(monkeypatch, want, h, 11, 0)
+    assert got.float().isnan().sum() == 3 and same_bits(got, want)

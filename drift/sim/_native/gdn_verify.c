@@ -63,7 +63,7 @@ static void stream_out(char *dst, const void *src, size_t nbytes) {
     memcpy(dst, src, nbytes);
 }
 
-int drift_native_abi(void) { return 6; }
+int drift_native_abi(void) { return 7; }
 
 static void load_block(float *h, const void *base, int dt, int64_t off, int64_t n) {
     if (dt == 1) {
@@ -718,6 +718,23 @@ int drift_conv_silu_bf16(int64_t n, const double *restrict acc, const double *re
         out[i] = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
     }
     return nan;
+}
+
+/* drift.sim.kernels.store_state's stochastic rounding of n float32 values (their bits h, dense): out[i] the
+ * bits of the float32 that holds element i's bf16, its low 16 bits zero (the caller's cast to bf16 is
+ * torch's, exact but for a NaN, whose bits torch's cast chooses). Element i's noise is the low 16 bits of
+ * kernels._hash32(offset + i, key) (k32 = key mod 2^32; every product and sum of that int64 arithmetic is
+ * taken mod 2^32, which is what its masks keep), added to the magnitude bits, then truncated. */
+void drift_stochastic_bf16_bits(int64_t n, int64_t offset, int64_t k32, const uint32_t *restrict h,
+                                uint32_t *restrict out) {
+    const uint32_t mix = (uint32_t)((uint64_t)(uint32_t)k32 * 0x632BE5ABull);
+    for (int64_t i = 0; i < n; ++i) {
+        uint32_t x = (uint32_t)(offset + i) + mix;
+        x = ((x >> 16) ^ x) * 0x45D9F3Bu;
+        x = ((x >> 16) ^ x) * 0x45D9F3Bu;
+        x = (x >> 16) ^ x;
+        out[i] = (h[i] + (x & 0xFFFFu)) & 0xFFFF0000u;
+    }
 }
 
 int drift_native_openmp(void) {
