@@ -199,13 +199,20 @@ def progress_printer(label: str, stream: Optional[TextIO] = None, unit: str = "s
     stream = stream or sys.stderr
     from tqdm import tqdm
 
+    class Bar(tqdm):
+        """tqdm without its monitor thread: a process with a second thread may not fork (drift.check.forked.
+        fork_refusal), and a bar over a command's runs (``drift mutants``' 43) kept every run after the first
+        from scanning and comparing in processes of their own. The monitor only redraws a bar whose loop
+        stalls; ours redraws at each callback."""
+        monitor_interval = 0
+
     tty = stream.isatty()
     every = every_s if every_s is not None else (10.0 if unit == "step" else 0.0)
     bars: list = []
 
     def update(done: int, total: int, what: str = "") -> None:
         if not bars:
-            bars.append(tqdm(total=total, desc=label, unit=unit, file=stream if tty else _Lines(stream),
+            bars.append(Bar(total=total, desc=label, unit=unit, file=stream if tty else _Lines(stream),
                              dynamic_ncols=tty, ascii=not tty, mininterval=0.1 if tty else every))
         bar = bars[0]
         if what:

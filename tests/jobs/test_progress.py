@@ -51,6 +51,26 @@ def test_progress_printer_writes_rate_and_eta_lines_off_a_terminal():
     assert "job" in text and "3/3" in text and "item 3" in text and "run" in text
 
 
+def test_an_open_progress_bar_starts_no_thread():
+    """A bar open over a command's runs leaves the process one thread, so each run may still fork its scan and
+    its comparison (drift.check.forked.fork_refusal counts threads): tqdm's monitor thread is off. The
+    control: a plain tqdm bar starts it (the comparison can fail)."""
+    import threading
+
+    from tqdm import tqdm
+
+    before = set(threading.enumerate())
+    update = progress_printer("job", stream=io.StringIO(), unit="run")
+    update(1, 3, "item 1")
+    assert set(threading.enumerate()) == before
+    update(3, 3)
+    plain = tqdm(total=3, file=io.StringIO())
+    try:
+        assert [t.name for t in set(threading.enumerate()) - before] == ["tqdm_monitor"]
+    finally:
+        plain.close()
+
+
 def test_bench_update_reports_each_row_and_quiet_silences_it(capsys):
     assert main(["bench-update", "--batches", "1,2", "--steps", "2", "--update", "sglang-0.5.23", "--json"]) == 0
     err = capsys.readouterr().err
