@@ -227,6 +227,6 @@ def nightly_rate(record: dict) -> str:
             f"{duration(wall)}, at least {rate:.0f} steps/s with its setup, so 100,000 steps take at most about "
             f"{hours:.1f} hours for that entry; the four store variants, 1,000 steps each, took {duration(wall_all)} "
             f"({a['date']}, load {load(a)}: the `stochastic` entry runs the torch-op verify, which the native C kernel "
-            f"does not cover, and costs several `rne` entries), so about {hours_all:.0f} hours at 100,000 steps on "
+            f"does not cover, its stores' rounding in C, and costs more than an `rne` entry), so about {hours_all:.0f} hours at 100,000 steps on "
             "one such machine (the kernel-commit design entries of the default matrix cost more: docs/teeth.md); "
             "`--shard K/N` splits them.")
