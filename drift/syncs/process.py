@@ -17,6 +17,7 @@ next chunk once a sync was found (``stop_on_sync``), which keeps ``drift run``'s
 
 from __future__ import annotations
 
+import importlib
 import select
 from dataclasses import fields
 from typing import Optional
@@ -54,7 +55,7 @@ def _children_inherit_torchs_import() -> None:
     """From this process's second forked scan on, ``torch.distributed.tensor`` imported here first."""
     global _scans_forked
     if _scans_forked:
-        import torch.distributed.tensor  # noqa: F401  (the children's import, made once)
+        importlib.import_module("torch.distributed.tensor")  # the children's import, made once
     _scans_forked += 1
 
 
