@@ -30,6 +30,7 @@ from ..config import Config
 from ..devices import resolve_device
 from ..flows.registry import state_flow
 from ..plug.loader import Update
+from ..openmp import run_threads
 from ..runspec import Resolved
 from .detector import SyncDetector, to_virtual
 from .scan import step_indices, update_calls, virtual_harness
@@ -100,8 +101,11 @@ def measure(runs: Sequence[Resolved], batch_sizes: Sequence[int] = BATCH_SIZES,
             last, trk = step_indices(c, steps)
             n_track = int((trk >= 0).any(1).sum()) if c.track_interval > 0 else 0
             det = SyncDetector(device_debug=False)
-            for call in update_calls(c, virtual_harness(c, shape_only), last, trk, to_virtual):
-                det.run(upd, *call)
+            # one intra-op thread for a small run, as run_checked's: on two, the first op starts OpenMP's pool,
+            # whose thread then keeps every later run of this process from forking (drift tradeoff's)
+            with run_threads(c):
+                for call in update_calls(c, virtual_harness(c, shape_only), last, trk, to_virtual):
+                    det.run(upd, *call)
             rep = det.report
             latency, where = _latency_us(c, upd, last, trk) if c.device != "cpu" else (None, None)
             out.append(CostRow(upd.name, c.num_requests, c.num_rows, steps, n_track, rep.ops / steps,
