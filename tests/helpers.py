@@ -284,3 +284,24 @@ def python_json(code: str, drop: tuple = (), **env) -> dict:
                           env={**{k: v for k, v in os.environ.items() if k not in drop}, **env})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def threads_inside(monkeypatch, owner, method: str, call: Callable[[], object]) -> tuple[list[int], int, object]:
+    """Torch's intra-op thread count each time ``owner.method`` runs during ``call()``, started from two threads
+    with no ``OMP_NUM_THREADS`` (a user's count stands in drift.openmp.run_threads; tests/conftest.py sets one);
+    returns (those counts, the count after ``call``, what it returned). The count is restored afterwards."""
+    seen, real = [], getattr(owner, method)
+
+    def spy(self, *args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(owner, method, spy)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        result = call()
+        return seen, torch.get_num_threads(), result
+    finally:
+        torch.set_num_threads(before)

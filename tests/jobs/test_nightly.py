@@ -355,24 +355,11 @@ def test_a_small_entry_runs_on_one_intra_op_thread_as_drift_run_does(monkeypatch
     thread, so its comparison may run in a process of its own (on two threads a 4,096-step ci-small nightly
     took 128 s, 22 s of it system time, against 85 s; every report file equal). The count as it was
     afterwards. Fails where the entry runs on torch's count."""
-    import torch
-
     from drift.runner import CheckedRun
+    from helpers import threads_inside
 
-    seen, real = [], CheckedRun.run
-
-    def spy(self, *args, **kwargs):
-        seen.append(torch.get_num_threads())
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(CheckedRun, "run", spy)
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # a user's count would stand (tests/conftest.py sets one)
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        result, _ = nightly.run_entry(nightly.Entry("ci-small", 0, "sglang-0.5.23", "rne", 64), "cpu")
-        after = torch.get_num_threads()
-    finally:
-        torch.set_num_threads(before)
+    seen, after, (result, _) = threads_inside(
+        monkeypatch, CheckedRun, "run",
+        lambda: nightly.run_entry(nightly.Entry("ci-small", 0, "sglang-0.5.23", "rne", 64), "cpu"))
     assert seen == [1] and after == 2
     assert result["verdict"] == "pass" and result["steps"] == 64

@@ -124,23 +124,10 @@ def test_measuring_a_small_run_takes_one_intra_op_thread(monkeypatch):
     on two, its first op started OpenMP's pool, whose thread kept every later run of the process (drift
     tradeoff's) from forking its scan (drift tradeoff 16.7 s against 19.3 s, its JSON byte-equal). The count as
     it was afterwards. Fails where measure runs the update on torch's count (a spy sees 2)."""
-    import torch
-
     from drift.syncs.detector import SyncDetector
+    from helpers import threads_inside
 
-    seen, real = [], SyncDetector.run
-
-    def spy(self, *args, **kwargs):
-        seen.append(torch.get_num_threads())
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(SyncDetector, "run", spy)
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # a user's count would stand (tests/conftest.py sets one)
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        rows = measure([resolve(preset("ci-small", steps=64), "sglang-0.5.23")], [4], steps=8)
-        after = torch.get_num_threads()
-    finally:
-        torch.set_num_threads(before)
+    seen, after, rows = threads_inside(
+        monkeypatch, SyncDetector, "run",
+        lambda: measure([resolve(preset("ci-small", steps=64), "sglang-0.5.23")], [4], steps=8))
     assert seen and set(seen) == {1} and after == 2 and rows[0].bytes_per_step > 0
