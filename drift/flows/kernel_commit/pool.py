@@ -8,6 +8,7 @@ and dtypes; no ``intermediate_ssm``: "the verify kernel never writes per-draft s
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Optional
 
 import torch
 
@@ -135,12 +136,14 @@ class ReplayHarness(Harness):
 
 
 # ------------------------------------------------------------------------------- ring reads
-def in_ring_order(t: torch.Tensor, slots: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+def in_ring_order(t: torch.Tensor, slots: torch.Tensor, base: torch.Tensor, span: Optional[int] = None) -> torch.Tensor:
     """A ring tensor ``[L, ring slots, h, RL, ...]`` read for rows in ``slots`` (int64 ``[B]``) in
     logical order: record c of row b is at position ``(base[b] + c) & (RL - 1)`` (the cursors'
-    circular addressing). Returns ``[L, B, h, RL, ...]`` in ``t``'s dtype (a gather, not a view)."""
+    circular addressing). Returns ``[L, B, h, S, ...]`` in ``t``'s dtype (a gather, not a view): each
+    row's first ``S = span`` records (default: the whole ring, ``RL``)."""
     RL = t.shape[3]
-    phys = (base.to(torch.int64)[:, None] + torch.arange(RL, device=base.device)) & (RL - 1)  # [B, RL]
+    S = RL if span is None else span
+    phys = (base.to(torch.int64)[:, None] + torch.arange(S, device=base.device)) & (RL - 1)  # [B, S]
     rows = t.index_select(1, slots)
     idx = phys[None, :, None, :].expand(rows.shape[0], -1, rows.shape[2], -1)
     if rows.dim() == 5:

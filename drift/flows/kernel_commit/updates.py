@@ -88,17 +88,17 @@ def advance_cursors(c: Commit) -> None:
 
 
 # ------------------------------------------------------------------------------ 2. fold
-def _records(c: Commit):
+def _records(c: Commit, span: Optional[int] = None):
     """Each row's ring in logical order from ``cache_base`` (:func:`drift.flows.kernel_commit.pool.in_ring_order`, the
-    kernel's circular addressing): d (high + low where the ring has a low part, fp32) ``[L, N, HV, RL,
-    V]``, the key's high part and its low part (None without one; fp32, repeated over value heads)
-    ``[L, N, HV, RL, K]``, g ``[L, N, HV, RL]``."""
+    kernel's circular addressing), its first ``S = span`` records (default: the ring, ``RL``): d (high +
+    low where the ring has a low part, fp32) ``[L, N, HV, S, V]``, the key's high part and its low part
+    (None without one; fp32, repeated over value heads) ``[L, N, HV, S, K]``, g ``[L, N, HV, S]``."""
     ss, mp = c.h.spec_state, c.h.mamba_pool
     slot = c.h.req_pool_indices
     base = mp.replayssm_cache_base.index_select(0, slot)
 
     def take(t):
-        return None if t is None else in_ring_order(t, slot, base).to(F32)
+        return None if t is None else in_ring_order(t, slot, base, span).to(F32)
 
     HV = ss.replayssm_g.shape[2]
     kh, kl = (None if t is None else over_value_heads(take(t), HV) for t in (ss.replayssm_k, ss.replayssm_rawk))
@@ -166,7 +166,11 @@ def fold_checkpoints(c: Commit, fold: Optional[Callable] = None, rounding: Optio
     temporal = raw_state(ss.temporal)  # the kernel addresses the checkpoint by pointer: [HV, V, K] memory order
     old_raw = temporal.index_select(1, safe)
     old = old_raw.to(F32)
-    d, kh, kl, g = _records(c)
+    track_hist = None
+    if c.track is not None:
+        has = valid & (c.track > NULL) & (c.steps >= 0)
+        track_hist = torch.clamp(n_hist - c.accept + c.steps + 1, min=0)
+    d, kh, kl, g = _records(c, _records_folded(c.ring_len, n_hist, track_hist))
     by_row = _folds_by_row(temporal.dtype, rounding, active, c.track)
 
     def stored(picked: torch.Tensor, hist: torch.Tensor, slots: torch.Tensor, held: Callable[[], torch.Tensor]):
@@ -187,15 +191,27 @@ def fold_checkpoints(c: Commit, fold: Optional[Callable] = None, rounding: Optio
         return pick(slots, 0), store_fold(new, temporal.dtype, rounding, c.h.fold_key)
 
     if c.track is not None:
-        has = valid & (c.track > NULL) & (c.steps >= 0)
         tslot = torch.where(has, c.track, torch.zeros_like(c.track))
-        write = stored(has, torch.clamp(n_hist - c.accept + c.steps + 1, min=0), tslot,
-                       lambda: temporal.index_select(1, tslot))
+        write = stored(has, track_hist, tslot, lambda: temporal.index_select(1, tslot))
         if write is not None:
             temporal.index_copy_(1, *write)
     write = stored(active, n_hist, safe, lambda: old_raw)  # the checkpoints as the commit found them
     if write is not None:
         temporal.index_copy_(1, *write)
+
+
+def _records_folded(ring_len: int, *lengths: Optional[torch.Tensor]) -> Optional[int]:
+    """How many records of each row's ring the folds read: on host tensors (reading them is no sync) the
+    longest history folded (``lengths``, int64 ``[N]`` each; at least 1), else None, the whole ring (as the
+    kernel's grid covers it; on an accelerator and under the host-sync scan's virtual device). Records past
+    a row's history weigh exactly 0 (:func:`drift.flows.kernel_commit.pool.decay_weights`), so the folds
+    have the same bits either way: the contraction's fp32 sums add the same products in the same order,
+    less exact zeros (tests/flows/kernel_commit/test_updates.py). SGLang's default ring (16 records) folds
+    at most D of them at every commit: a quarter of the ring on ci-small."""
+    lengths = tuple(t for t in lengths if t is not None)
+    if not on_host(*lengths):
+        return None
+    return min(ring_len, max([1, *(int(t.max()) for t in lengths if t.numel())]))
 
 
 def _folds_by_row(dtype: torch.dtype, rounding: str, *rows: Optional[torch.Tensor]) -> bool:

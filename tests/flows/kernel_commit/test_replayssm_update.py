@@ -140,3 +140,70 @@ def test_the_rows_are_folded_alone_only_where_finding_them_is_no_sync_and_the_st
     assert not rs._folds_by_row(torch.bfloat16, "stochastic", host, None)
     assert not rs._folds_by_row(torch.bfloat16, "rne", meta, None)
     assert not rs._folds_by_row(torch.bfloat16, "rne", host, meta)
+
+
+def _full_ring(options=(), store_rounding="rne"):
+    """A ci-small ReplaySSM pool whose ring holds random records at random cursors: rows with 0 to 13
+    records of history (longer than a verify's: the ring-full cadence's), every row flagged to fold."""
+    cfg = preset("ci-small", flow=FLOW, flow_options=options, store_rounding=store_rounding)
+    flow = state_flow(cfg, CPU)
+    gen, pool = torch.Generator().manual_seed(11), flow.pool
+    for ring in pool.ring_tensors().values():
+        if ring.is_floating_point():
+            ring.copy_(torch.randn(ring.shape, generator=gen).to(ring.dtype))
+    pool.ring_g.copy_(-0.1 * torch.rand(pool.ring_g.shape, generator=gen))
+    pool.states[:, pool.active_slots] = torch.randn(pool.states[:, pool.active_slots].shape,
+                                                    generator=gen).to(pool.temporal.dtype)
+    R = cfg.num_requests
+    pool.cache_base[:R] = torch.tensor([3, 15, 0, 9], dtype=torch.int32)
+    pool.write_pos[:R] = torch.tensor([13, 0, 4, 7], dtype=torch.int32)
+    pool.is_flush[:R] = 1
+    return cfg, flow
+
+
+def _fold_with(monkeypatch, span, options=(), store_rounding="rne"):
+    """The pool's states after one fold whose ring read is ``span(ring_len, *lengths)`` records."""
+    cfg, flow = _full_ring(options, store_rounding)
+    monkeypatch.setattr(rs, "_records_folded", span)
+    N = cfg.num_rows
+    last, steps = torch.full((N,), -1), torch.full((N,), -1)
+    last[:cfg.num_requests] = torch.tensor([3, 0, 2, 1])
+    steps[:cfg.num_requests] = torch.tensor([1, -1, 0, 1])
+    rs.fold_checkpoints(rs.Commit(flow.harness, last + 1, last, flow.pool.row_track_slots, steps))
+    return flow.pool.states.clone()
+
+
+def WHOLE_RING(ring_len, *lengths):
+    """The kernel's grid: every record of the ring."""
+    return None
+
+
+@pytest.mark.parametrize("options,store_rounding", [
+    ((), "rne"),  # SGLang 0.5.23's design
+    ((), "stochastic"),  # the whole batch folded (no row alone), each element's draw by its place
+    ((("fold-contraction", "tf32"),), "rne"),  # one rounded-operand product
+    ((("ring-records", "fp32"),), "rne"),  # no low parts
+], ids=["sglang", "stochastic", "tf32", "fp32-records"])
+def test_folding_only_the_records_of_the_longest_history_gives_the_bits_of_the_whole_rings_fold(
+        monkeypatch, options, store_rounding):
+    """On host tensors the folds read each row's first ``max(history)`` records, not the whole ring
+    (updates.py: _records_folded): the records past a row's history weigh exactly 0, so every slot must hold
+    the bits of the whole ring's fold, for each contraction and store."""
+    short = _fold_with(monkeypatch, rs._records_folded, options, store_rounding)
+    whole = _fold_with(monkeypatch, WHOLE_RING, options, store_rounding)
+    assert same_bits(short, whole)
+
+
+def test_a_fold_one_record_short_of_the_longest_history_is_caught_by_that_comparison(monkeypatch):
+    """The negative control: the folds reading one record fewer than the longest history move the bits."""
+    one_short = _fold_with(monkeypatch, lambda ring_len, *lengths: max(int(t.max()) for t in lengths) - 1)
+    assert not same_bits(one_short, _fold_with(monkeypatch, WHOLE_RING))
+
+
+def test_the_folds_read_the_longest_history_on_host_tensors_and_the_whole_ring_elsewhere():
+    host, meta = torch.tensor([0, 5, 3]), torch.tensor([0, 5, 3], device="meta")
+    assert rs._records_folded(16, host, torch.tensor([7, 0, 0])) == 7
+    assert rs._records_folded(16, host, None) == 5
+    assert rs._records_folded(16, torch.zeros(3, dtype=torch.int64)) == 1  # no history: one zero-weight record
+    assert rs._records_folded(16, torch.tensor([40])) == 16  # never past the ring
+    assert rs._records_folded(16, meta) is None and rs._records_folded(16, host, meta) is None
