@@ -76,18 +76,31 @@ def os_threads(status: str = "/proc/self/status") -> int:
 
 def fork_refusal() -> Optional[str]:
     """Why the comparison cannot be forked off here, or None when it can: only a process with one thread
-    forks (another's lock would stay held in the child; Python 3.12 warns for the same reason). numpy's
-    OpenBLAS starts a pool of threads when it loads unless ``OPENBLAS_NUM_THREADS=1`` (the ``drift``
-    command sets it, drift/openmp.py)."""
+    forks (another's lock would stay held in the child; Python 3.12 warns for the same reason). The message
+    names the pools that likely run (:func:`_pools`): torch's OpenMP pool after an op on more than one thread,
+    numpy's OpenBLAS pool unless ``OPENBLAS_NUM_THREADS=1`` (the ``drift`` command sets it, drift/openmp.py)."""
     if not sys.platform.startswith("linux") or not hasattr(os, "fork"):
         return f"no fork on {sys.platform}"
     if threading.active_count() > 1:
         return f"{threading.active_count() - 1} other Python thread(s) run in this process"
     threads = os_threads()
     if threads != 1:
-        return (f"{threads - 1} other thread(s) run in this process (a library's pool: numpy's OpenBLAS "
-                "starts one unless OPENBLAS_NUM_THREADS=1)" if threads else "its threads cannot be counted")
+        return (f"{threads - 1} other thread(s) run in this process ({_pools()})" if threads
+                else "its threads cannot be counted")
     return None
+
+
+def _pools() -> str:
+    """Which library's pool of threads likely runs here, and how it is kept from starting."""
+    said = []
+    torch_threads = torch.get_num_threads()
+    if torch_threads > 1:
+        said.append(f"torch's OpenMP pool, which an op on {torch_threads} threads starts: torch.set_num_threads(1) "
+                    "before the first op, as drift's runs do (drift.openmp.run_threads)")
+    if "numpy" in sys.modules and os.environ.get("OPENBLAS_NUM_THREADS") != "1":
+        said.append("numpy's OpenBLAS pool, which starts when numpy loads: OPENBLAS_NUM_THREADS=1 before it, "
+                    "as the drift command sets it (drift/openmp.py)")
+    return "; or ".join(said) if said else "a library's pool of threads"
 
 
 def write_message(fd: int, obj: Any) -> None:

@@ -262,9 +262,27 @@ def test_a_library_thread_keeps_the_process_from_forking(monkeypatch, tmp_path):
     assert forked.os_threads(str(status)) == 3 and forked.os_threads(str(tmp_path / "absent")) == 0
     monkeypatch.setattr(forked, "os_threads", lambda: 3)
     monkeypatch.setattr(forked.threading, "active_count", lambda: 1)
-    assert "2 other thread(s)" in forked.fork_refusal() and "OPENBLAS_NUM_THREADS=1" in forked.fork_refusal()
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "4")
+    monkeypatch.setattr(forked.torch, "get_num_threads", lambda: 1)
+    said = forked.fork_refusal()
+    assert "2 other thread(s)" in said and "OPENBLAS_NUM_THREADS=1" in said and "OpenMP" not in said
     monkeypatch.setattr(forked, "os_threads", lambda: 1)
     assert forked.fork_refusal() is None
+
+
+def test_the_refusal_names_the_pool_that_likely_runs(monkeypatch):
+    """torch's OpenMP pool (an op on more threads than one starts it) is named with its fix; numpy's OpenBLAS
+    only where OPENBLAS_NUM_THREADS is not 1; neither likely: a library's pool."""
+    from drift.check import forked
+
+    monkeypatch.setattr(forked, "os_threads", lambda: 2)
+    monkeypatch.setattr(forked.threading, "active_count", lambda: 1)
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
+    monkeypatch.setattr(forked.torch, "get_num_threads", lambda: 2)
+    said = forked.fork_refusal()
+    assert "OpenMP pool" in said and "torch.set_num_threads(1)" in said and "OpenBLAS" not in said
+    monkeypatch.setattr(forked.torch, "get_num_threads", lambda: 1)
+    assert forked.fork_refusal() == "1 other thread(s) run in this process (a library's pool of threads)"
 
 
 _GATE_THREADS = """
