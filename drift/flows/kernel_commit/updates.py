@@ -115,9 +115,37 @@ def compensated_fold(old, d, kh, kl, g, length, parts: torch.dtype = BF16):
     total, decay = decay_weights(g, length)
     upd = d * decay[..., None]  # [L, N, HV, RL, V]
     hi = upd.to(parts).to(F32)
-    us = (hi,) if parts == F32 else (hi, (upd - hi).to(parts).to(F32))
-    delta = sum(contract(u, k) for k in ((kh,) if kl is None else (kh, kl)) for u in us)
-    return old * torch.exp(total)[..., None] + delta
+    in_place = _in_place(old)
+    us = (hi,) if parts == F32 else (hi, (upd.sub_(hi) if in_place else upd - hi).to(parts).to(F32))
+    delta = _sum_of_products([(u, k) for k in ((kh,) if kl is None else (kh, kl)) for u in us], in_place)
+    return _decayed_plus(old, total, delta, in_place)
+
+
+def _in_place(t: torch.Tensor) -> bool:
+    """Whether a fold makes its sums in place: on host tensors, where each fresh state-sized temporary costs
+    (at 45 layers and K = V = 128 one is above glibc's mmap threshold: a page fault on every page written).
+    The same operations on the same operands in the same order, so the same bits; on an accelerator and
+    under the sync scan's virtual device the fold runs as written, whose new outputs the trade-off table's
+    bytes model counts (drift/syncs/costmodel.py: BYTES_MODEL)."""
+    return on_host(t)
+
+
+def _sum_of_products(products: list, in_place: bool) -> torch.Tensor:
+    """``sum(contract(u, k) for u, k in products)``: Python's sum, left to right from 0; in place, the sums
+    in one fp32 state-sized buffer and every later product in another."""
+    if not in_place:
+        return sum(contract(u, k) for u, k in products)
+    delta = contract(*products[0]).add_(0)  # sum()'s start: 0 + the first term (-0.0 becomes +0.0)
+    term = torch.empty_like(delta) if len(products) > 1 else None
+    for u, k in products[1:]:
+        delta.add_(contract(u, k, out=term))
+    return delta
+
+
+def _decayed_plus(old: torch.Tensor, total: torch.Tensor, delta: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """``old * e^{G} + delta`` (``total``: G ``[L, N, HV, 1]``), the sum in place where ``in_place``."""
+    decayed = old * torch.exp(total)[..., None]
+    return decayed.add_(delta) if in_place else decayed + delta
 
 
 def rounded_fold(operand: Callable, old, d, kh, kl, g, length):
@@ -127,7 +155,7 @@ def rounded_fold(operand: Callable, old, d, kh, kl, g, length):
     total, decay = decay_weights(g, length)
     key = kh if kl is None else kh + kl
     delta = contract(operand(d * decay[..., None]), operand(key))
-    return old * torch.exp(total)[..., None] + delta
+    return _decayed_plus(old, total, delta, _in_place(old))
 
 
 def design_fold(design) -> Callable:
@@ -165,13 +193,13 @@ def fold_checkpoints(c: Commit, fold: Optional[Callable] = None, rounding: Optio
     active = valid & (mp.replayssm_is_flush.index_select(0, slot) != 0)
     temporal = raw_state(ss.temporal)  # the kernel addresses the checkpoint by pointer: [HV, V, K] memory order
     old_raw = temporal.index_select(1, safe)
-    old = old_raw.to(F32)
     track_hist = None
     if c.track is not None:
         has = valid & (c.track > NULL) & (c.steps >= 0)
         track_hist = torch.clamp(n_hist - c.accept + c.steps + 1, min=0)
     d, kh, kl, g = _records(c, _records_folded(c.ring_len, n_hist, track_hist))
     by_row = _folds_by_row(temporal.dtype, rounding, active, c.track)
+    old = None if by_row else old_raw.to(F32)  # fp32 [L, N, HV, V, K]; folding by row converts the picked rows alone
 
     def stored(picked: torch.Tensor, hist: torch.Tensor, slots: torch.Tensor, held: Callable[[], torch.Tensor]):
         """``(slots, states)`` to write: the fold of the first ``hist [N]`` records, stored, where ``picked [N]``,
@@ -187,7 +215,7 @@ def fold_checkpoints(c: Commit, fold: Optional[Callable] = None, rounding: Optio
         def pick(t, dim):
             return None if t is None else t.index_select(dim, rows)
 
-        new = fold(pick(old, 1), pick(d, 1), pick(kh, 1), pick(kl, 1), pick(g, 1), pick(hist, 0))
+        new = fold(pick(old_raw, 1).to(F32), pick(d, 1), pick(kh, 1), pick(kl, 1), pick(g, 1), pick(hist, 0))
         return pick(slots, 0), store_fold(new, temporal.dtype, rounding, c.h.fold_key)
 
     if c.track is not None:

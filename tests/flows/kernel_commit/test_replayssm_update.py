@@ -161,10 +161,13 @@ def _full_ring(options=(), store_rounding="rne"):
     return cfg, flow
 
 
-def _fold_with(monkeypatch, span, options=(), store_rounding="rne"):
-    """The pool's states after one fold whose ring read is ``span(ring_len, *lengths)`` records."""
+def _fold_with(monkeypatch, span, options=(), store_rounding="rne", in_place=None):
+    """The pool's states after one fold whose ring read is ``span(ring_len, *lengths)`` records (and whose sums
+    are made in place or not where ``in_place`` says; default: as on host tensors)."""
     cfg, flow = _full_ring(options, store_rounding)
     monkeypatch.setattr(rs, "_records_folded", span)
+    if in_place is not None:
+        monkeypatch.setattr(rs, "_in_place", lambda t: in_place)
     N = cfg.num_rows
     last, steps = torch.full((N,), -1), torch.full((N,), -1)
     last[:cfg.num_requests] = torch.tensor([3, 0, 2, 1])
@@ -178,12 +181,16 @@ def WHOLE_RING(ring_len, *lengths):
     return None
 
 
-@pytest.mark.parametrize("options,store_rounding", [
+DESIGNS = [
     ((), "rne"),  # SGLang 0.5.23's design
     ((), "stochastic"),  # the whole batch folded (no row alone), each element's draw by its place
     ((("fold-contraction", "tf32"),), "rne"),  # one rounded-operand product
     ((("ring-records", "fp32"),), "rne"),  # no low parts
-], ids=["sglang", "stochastic", "tf32", "fp32-records"])
+]
+DESIGN_IDS = ["sglang", "stochastic", "tf32", "fp32-records"]
+
+
+@pytest.mark.parametrize("options,store_rounding", DESIGNS, ids=DESIGN_IDS)
 def test_folding_only_the_records_of_the_longest_history_gives_the_bits_of_the_whole_rings_fold(
         monkeypatch, options, store_rounding):
     """On host tensors the folds read each row's first ``max(history)`` records, not the whole ring
@@ -192,6 +199,28 @@ def test_folding_only_the_records_of_the_longest_history_gives_the_bits_of_the_w
     short = _fold_with(monkeypatch, rs._records_folded, options, store_rounding)
     whole = _fold_with(monkeypatch, WHOLE_RING, options, store_rounding)
     assert same_bits(short, whole)
+
+
+@pytest.mark.parametrize("options,store_rounding", DESIGNS, ids=DESIGN_IDS)
+def test_a_fold_whose_sums_are_made_in_place_gives_the_bits_of_the_fold_as_written(
+        monkeypatch, options, store_rounding):
+    """On host tensors the fold sums in place (updates.py: _in_place); elsewhere, and in the trade-off table's
+    bytes model, it runs as written: every slot must hold the same bits either way, the whole ring read."""
+    done = [_fold_with(monkeypatch, WHOLE_RING, options, store_rounding, in_place) for in_place in (True, False)]
+    assert same_bits(*done)
+
+
+def test_a_fold_that_sums_its_products_in_another_order_is_caught_by_that_comparison(monkeypatch):
+    """The negative control: the same products summed last to first move the bits, so the comparison above
+    sees a sum made in another order, not just a missing term."""
+    as_written = _fold_with(monkeypatch, WHOLE_RING, in_place=False)
+    monkeypatch.setattr(rs, "_sum_of_products", lambda products, in_place: sum(
+        rs.contract(u, k) for u, k in reversed(products)))
+    assert not same_bits(as_written, _fold_with(monkeypatch, WHOLE_RING, in_place=True))
+
+
+def test_the_fold_sums_in_place_on_host_tensors_only():
+    assert rs._in_place(torch.zeros(2)) and not rs._in_place(torch.zeros(2, device="meta"))
 
 
 def test_a_fold_one_record_short_of_the_longest_history_is_caught_by_that_comparison(monkeypatch):
