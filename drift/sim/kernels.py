@@ -614,7 +614,7 @@ def _torch_verify(args: VerifyArgs, plan: Plan, compute_dtype: torch.dtype) -> t
                 None if run is None else run.tolist(), None if dest is None else dest.tolist(),
                 None if plan.stores is None else plan.stores.tolist())
     given = plan.states
-    if given is not None and run is not None:
+    if given is not None and run is not None and host is None:  # on the host: a row not run is zeroed in h
         given = torch.where(run.to(given.device)[None, :, None, None, None], given, torch.zeros_like(given))
     if not plain and given is None:
         slots = args.cache_indices.to(device=rec.device, dtype=torch.int64)
@@ -628,6 +628,9 @@ def _torch_verify(args: VerifyArgs, plan: Plan, compute_dtype: torch.dtype) -> t
         hv = h.view(l1 - l0, B, HV, V, K)
         if given is not None:
             hv.copy_(given[l0:l1])
+            for b in () if host is None or host[1] is None else range(B):
+                if not host[1][b]:  # the where above, made on the chunk: a row not run starts from +0.0
+                    hv[:, b].zero_()
         elif host is not None:
             (starts, fr, slot_list), runs = host[0], host[1]
             for b in range(B):

@@ -7,6 +7,8 @@ is the recurrent op's state after token t, so the tests hold the ring against th
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ from drift.runner import run_checked
 from drift.sim import kernels
 from drift.flows.registry import state_flow
 from drift.flows.kernel_commit.flow import KernelCommitFlow
+from drift.flows.kernel_commit.rule import RingRule
 from drift.flows.kernel_commit.pool import (NULL_SLOT, effective_states, fold_records, gather_records,
                               ring_length)
 from drift.runspec import resolve
@@ -184,3 +187,37 @@ def test_an_fp32_checkpoint_keeps_history_and_folds_when_the_ring_fills(cfg):
     bf = Cursors()
     Simulation(resolve(cfg.replace(flow=FLOW, steps=8)), observers=[bf], check_untouched=False).run()
     assert all((w == 0).all() for w, _ in bf.seen)
+
+
+def _verify_with_rows_not_run(cfg, monkeypatch, plain: bool, nudge: bool = False):
+    """One ring verify with the padded row and a flushing row not run, on the host path (rows not run
+    zeroed in the running state) or the device path (a ``where`` over the start states): outputs and ring."""
+    ring, _ = _flows(cfg)
+    ring.pool.is_flush[1] = 1  # left to the flush launch: not run
+    ring.pool.write_pos[:cfg.num_requests] = torch.tensor([2, 0, 3, 1], dtype=torch.int32)  # start states are folds
+    monkeypatch.setattr(kernels, "_plain", (lambda args, _real=kernels._plain: _real(args)) if plain
+                        else (lambda args: False))
+    if nudge:
+        real_plan = RingRule.plan
+
+        def nudged_plan(self, args):  # row 0's start states one fp32 ulp up
+            plan = real_plan(self, args)
+            states = plan.states.clone()
+            states[:, 0] = torch.nextafter(states[:, 0], torch.full_like(states[:, 0], float("inf")))
+            return replace(plan, states=states)
+
+        monkeypatch.setattr(RingRule, "plan", nudged_plan)
+    out = kernels.recurrent_gated_delta_rule_torch(ring.verify_args(*_step_inputs(cfg), "rne", 0))
+    return out, *(t.clone() for t in ring.pool.ring_tensors().values())
+
+
+def test_rows_not_run_start_from_zero_on_the_host_as_on_a_device(cfg, monkeypatch):
+    """The host path zeroes a row not run in its running state instead of a ``where`` over every start state
+    (kernels._torch_verify): the same bits in every output and every ring record, NaN outputs included."""
+    host = _verify_with_rows_not_run(cfg, monkeypatch, plain=True)
+    device = _verify_with_rows_not_run(cfg, monkeypatch, plain=False)
+    assert torch.isnan(host[0][:, 1].float()).all()  # the flushing row: NaN outputs, as the rule leaves them
+    assert all(same_bits(a, b) for a, b in zip(host, device))
+    # Negative control: a run row's start states one ulp off move its outputs and records.
+    nudged = _verify_with_rows_not_run(cfg, monkeypatch, plain=True, nudge=True)
+    assert not all(same_bits(a, b) for a, b in zip(nudged, device))
