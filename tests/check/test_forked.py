@@ -260,29 +260,30 @@ def test_a_library_thread_keeps_the_process_from_forking(monkeypatch, tmp_path):
     status = tmp_path / "status"
     status.write_text("Name:\tpython\nThreads:\t3\nVmRSS:\t1 kB\n")
     assert forked.os_threads(str(status)) == 3 and forked.os_threads(str(tmp_path / "absent")) == 0
-    monkeypatch.setattr(forked, "os_threads", lambda: 3)
-    monkeypatch.setattr(forked.threading, "active_count", lambda: 1)
-    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "4")
-    monkeypatch.setattr(forked.torch, "get_num_threads", lambda: 1)
-    said = forked.fork_refusal()
+    said = _refusal(monkeypatch, threads=3, openblas="4", torch_threads=1)
     assert "2 other thread(s)" in said and "OPENBLAS_NUM_THREADS=1" in said and "OpenMP" not in said
-    monkeypatch.setattr(forked, "os_threads", lambda: 1)
-    assert forked.fork_refusal() is None
+    assert _refusal(monkeypatch, threads=1, openblas="4", torch_threads=1) is None
+
+
+def _refusal(monkeypatch, threads: int, openblas: str, torch_threads: int):
+    """fork_refusal() in a process of one Python thread and ``threads`` OS threads, under
+    OPENBLAS_NUM_THREADS=``openblas`` and torch's ``torch_threads``."""
+    from drift.check import forked
+
+    monkeypatch.setattr(forked, "os_threads", lambda: threads)
+    monkeypatch.setattr(forked.threading, "active_count", lambda: 1)
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", openblas)
+    monkeypatch.setattr(forked.torch, "get_num_threads", lambda: torch_threads)
+    return forked.fork_refusal()
 
 
 def test_the_refusal_names_the_pool_that_likely_runs(monkeypatch):
     """torch's OpenMP pool (an op on more threads than one starts it) is named with its fix; numpy's OpenBLAS
     only where OPENBLAS_NUM_THREADS is not 1; neither likely: a library's pool."""
-    from drift.check import forked
-
-    monkeypatch.setattr(forked, "os_threads", lambda: 2)
-    monkeypatch.setattr(forked.threading, "active_count", lambda: 1)
-    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
-    monkeypatch.setattr(forked.torch, "get_num_threads", lambda: 2)
-    said = forked.fork_refusal()
+    said = _refusal(monkeypatch, threads=2, openblas="1", torch_threads=2)
     assert "OpenMP pool" in said and "torch.set_num_threads(1)" in said and "OpenBLAS" not in said
-    monkeypatch.setattr(forked.torch, "get_num_threads", lambda: 1)
-    assert forked.fork_refusal() == "1 other thread(s) run in this process (a library's pool of threads)"
+    assert _refusal(monkeypatch, threads=2, openblas="1", torch_threads=1) == \
+        "1 other thread(s) run in this process (a library's pool of threads)"
 
 
 _GATE_THREADS = """
