@@ -113,7 +113,7 @@ def compensated_fold(old, d, kh, kl, g, length, parts: torch.dtype = BF16):
     the products with the key's parts (its low part: None when the ring keeps none) accumulated in fp32
     (``tl.dot``: 16-bit operands, fp32 accumulation). An fp32 ``parts`` leaves no low part."""
     total, decay = decay_weights(g, length)
-    upd = d * decay[..., None]  # [L, N, HV, RL, V]
+    upd = d * decay[..., None]  # [L, N, HV, S, V]: the S records read (updates._records)
     hi = upd.to(parts).to(F32)
     in_place = _in_place(old)
     us = (hi,) if parts == F32 else (hi, (upd.sub_(hi) if in_place else upd - hi).to(parts).to(F32))
