@@ -197,7 +197,8 @@ def fold_checkpoints(c: Commit, fold: Optional[Callable] = None, rounding: Optio
     if c.track is not None:
         has = valid & (c.track > NULL) & (c.steps >= 0)
         track_hist = torch.clamp(n_hist - c.accept + c.steps + 1, min=0)
-    d, kh, kl, g = _records(c, _records_folded(c.ring_len, n_hist, track_hist))
+    rings = (ss.replayssm_d, ss.replayssm_rawv, ss.replayssm_k, ss.replayssm_rawk)
+    d, kh, kl, g = _records(c, _records_folded(c.ring_len, rings, n_hist, track_hist))
     by_row = _folds_by_row(temporal.dtype, rounding, active, c.track)
     old = None if by_row else old_raw.to(F32)  # fp32 [L, N, HV, V, K]; folding by row converts the picked rows alone
 
@@ -228,18 +229,24 @@ def fold_checkpoints(c: Commit, fold: Optional[Callable] = None, rounding: Optio
         temporal.index_copy_(1, *write)
 
 
-def _records_folded(ring_len: int, *lengths: Optional[torch.Tensor]) -> Optional[int]:
+def _records_folded(ring_len: int, rings: tuple, *lengths: Optional[torch.Tensor]) -> Optional[int]:
     """How many records of each row's ring the folds read: on host tensors (reading them is no sync) the
-    longest history folded (``lengths``, int64 ``[N]`` each; at least 1), else None, the whole ring (as the
-    kernel's grid covers it; on an accelerator and under the host-sync scan's virtual device). Records past
-    a row's history weigh exactly 0 (:func:`drift.flows.kernel_commit.pool.decay_weights`), so the folds
-    have the same bits either way: the contraction's fp32 sums add the same products in the same order,
-    less exact zeros (tests/flows/kernel_commit/test_updates.py). SGLang's default ring (16 records) folds
-    at most D of them at every commit: a quarter of the ring on ci-small."""
+    longest history folded (``lengths``, int64 ``[N]`` each; at least 1, never past the ring), else None, the
+    whole ring (as the kernel's grid covers it; on an accelerator and under the host-sync scan's virtual
+    device). The kernel loads the whole ring and weighs records past a row's history 0: a finite record
+    so weighed adds exact zeros, so over fewer records the contraction's fp32 sums add the same products in
+    the same order and the folds have the same bits; a non-finite one makes the fold NaN (0 * inf), so
+    where any record of ``rings`` (the ring's delta and key parts, the records that meet the zero weights;
+    None where absent) is not finite the whole ring is read, as the kernel reads it (the tests:
+    tests/flows/kernel_commit/test_replayssm_update.py). SGLang's default ring (16 records) folds at most D
+    of them at every commit: a quarter of the ring on ci-small."""
     lengths = tuple(t for t in lengths if t is not None)
     if not on_host(*lengths):
         return None
-    return min(ring_len, max([1, *(int(t.max()) for t in lengths if t.numel())]))
+    span = min(ring_len, max([1, *(int(t.max()) for t in lengths if t.numel())]))
+    if span < ring_len and not all(bool(torch.isfinite(t).all()) for t in rings if t is not None):
+        return None
+    return span
 
 
 def _folds_by_row(dtype: torch.dtype, rounding: str, *rows: Optional[torch.Tensor]) -> bool:

@@ -176,7 +176,7 @@ def _fold_with(monkeypatch, span, options=(), store_rounding="rne", in_place=Non
     return flow.pool.states.clone()
 
 
-def WHOLE_RING(ring_len, *lengths):
+def WHOLE_RING(ring_len, rings, *lengths):
     """The kernel's grid: every record of the ring."""
     return None
 
@@ -225,14 +225,43 @@ def test_the_fold_sums_in_place_on_host_tensors_only():
 
 def test_a_fold_one_record_short_of_the_longest_history_is_caught_by_that_comparison(monkeypatch):
     """The negative control: the folds reading one record fewer than the longest history move the bits."""
-    one_short = _fold_with(monkeypatch, lambda ring_len, *lengths: max(int(t.max()) for t in lengths) - 1)
+    one_short = _fold_with(monkeypatch, lambda ring_len, rings, *lengths: max(int(t.max()) for t in lengths) - 1)
     assert not same_bits(one_short, _fold_with(monkeypatch, WHOLE_RING))
 
 
 def test_the_folds_read_the_longest_history_on_host_tensors_and_the_whole_ring_elsewhere():
     host, meta = torch.tensor([0, 5, 3]), torch.tensor([0, 5, 3], device="meta")
-    assert rs._records_folded(16, host, torch.tensor([7, 0, 0])) == 7
-    assert rs._records_folded(16, host, None) == 5
-    assert rs._records_folded(16, torch.zeros(3, dtype=torch.int64)) == 1  # no history: one zero-weight record
-    assert rs._records_folded(16, torch.tensor([40])) == 16  # never past the ring
-    assert rs._records_folded(16, meta) is None and rs._records_folded(16, host, meta) is None
+    finite = (torch.zeros(2, 16, 4), None)
+    assert rs._records_folded(16, finite, host, torch.tensor([7, 0, 0])) == 7
+    assert rs._records_folded(16, finite, host, None) == 5
+    assert rs._records_folded(16, finite, torch.zeros(3, dtype=torch.int64)) == 1  # one zero-weight record
+    assert rs._records_folded(16, finite, torch.tensor([40])) == 16  # never past the ring
+    assert rs._records_folded(16, finite, meta) is None and rs._records_folded(16, finite, host, meta) is None
+    for bad in (float("nan"), float("inf")):  # 0 * a non-finite record is NaN in the kernel: the whole ring
+        ring = torch.zeros(2, 16, 4)
+        ring[1, 9, 2] = bad
+        assert rs._records_folded(16, (None, ring), host) is None
+
+
+def test_a_non_finite_record_past_every_history_poisons_the_fold_as_the_kernels_does(monkeypatch):
+    """SGLang's kernel multiplies every record of the ring by its weight, 0 past a row's history: a NaN record
+    there (a stale one, from a state that went non-finite) makes the fold NaN. The fold on host tensors reads
+    the whole ring then, and every slot holds the whole ring's bits; reading the longest history alone would
+    not (the negative control)."""
+    def planted(span):
+        cfg, flow = _full_ring()
+        pool = flow.pool
+        row = 2  # 4 records of history from cache_base 0: position 14 is past every row's history (13 at most)
+        pool.ring_d[:, row, :, 14] = float("nan")
+        monkeypatch.setattr(rs, "_records_folded", span)
+        N = cfg.num_rows
+        last, steps = torch.full((N,), -1), torch.full((N,), -1)
+        last[:cfg.num_requests] = torch.tensor([3, 0, 2, 1])
+        rs.fold_checkpoints(rs.Commit(flow.harness, last + 1, last, None, None))
+        return pool.states.clone()
+
+    whole, on_host = planted(WHOLE_RING), planted(rs._records_folded)
+    assert torch.isnan(whole.float()).any()
+    assert same_bits(on_host, whole)
+    longest = planted(lambda ring_len, rings, *lengths: max(int(t.max()) for t in lengths if t is not None))
+    assert not same_bits(longest, whole)
