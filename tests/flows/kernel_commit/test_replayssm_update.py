@@ -255,7 +255,7 @@ def test_a_non_finite_record_past_every_history_poisons_the_fold_as_the_kernels_
         pool.ring_d[:, row, :, 14] = float("nan")
         monkeypatch.setattr(rs, "_records_folded", span)
         N = cfg.num_rows
-        last, steps = torch.full((N,), -1), torch.full((N,), -1)
+        last = torch.full((N,), -1)
         last[:cfg.num_requests] = torch.tensor([3, 0, 2, 1])
         rs.fold_checkpoints(rs.Commit(flow.harness, last + 1, last, None, None))
         return pool.states.clone()
