@@ -237,10 +237,12 @@ def test_the_folds_read_the_longest_history_on_host_tensors_and_the_whole_ring_e
     assert rs._records_folded(16, finite, torch.zeros(3, dtype=torch.int64)) == 1  # one zero-weight record
     assert rs._records_folded(16, finite, torch.tensor([40])) == 16  # never past the ring
     assert rs._records_folded(16, finite, meta) is None and rs._records_folded(16, finite, host, meta) is None
-    for bad in (float("nan"), float("inf")):  # 0 * a non-finite record is NaN in the kernel: the whole ring
-        ring = torch.zeros(2, 16, 4)
-        ring[1, 9, 2] = bad
-        assert rs._records_folded(16, (None, ring), host) is None
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):  # the ring-records choices' dtypes
+        for bad in (float("nan"), float("inf"), float("-inf")):  # 0 * a non-finite record: NaN in the kernel
+            for place in (0, 77, 2 * 16 * 4 - 1):
+                ring = torch.zeros(2 * 16 * 4, dtype=dtype)
+                ring[place] = bad
+                assert rs._records_folded(16, (None, ring.view(2, 16, 4)), host) is None, (dtype, bad, place)
 
 
 def test_a_non_finite_record_past_every_history_poisons_the_fold_as_the_kernels_does(monkeypatch):
